@@ -1,0 +1,17 @@
+"""tridist: program a box or a cluster of GPUs as one machine, with Triton kernels that talk to
+each other's memory. See README.md and DESIGN.md; `tridist.language` holds the device API."""
+from .runtime.backend import BACKEND
+from .runtime.errors import (NotInitializedError, PeerFailedError, SymmetricAllocationError, TridistError,
+                             WaitTimeoutError)
+from .runtime.jit import jit
+from .runtime.tensors import (SIGNAL_DTYPE, barrier_all, is_symmetric, peer_tensor, signals, symm_empty, symm_free,
+                              symm_zeros)
+from .runtime.world import World, finalize, init, world
+from .ops.sync import barrier_all_on_stream, sleep_async  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["BACKEND", "World", "init", "finalize", "world", "jit", "symm_empty", "symm_zeros", "symm_free",
+           "signals", "peer_tensor", "is_symmetric", "SIGNAL_DTYPE", "barrier_all", "barrier_all_on_stream",
+           "sleep_async", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
+           "SymmetricAllocationError"]

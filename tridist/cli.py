@@ -1,0 +1,40 @@
+"""The `tridist` command: `run`, `info` and `bench`."""
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="tridist", description="Distributed Triton kernels on GPUs or the CPU emulator")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="start N ranks of a Python script")
+    run.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
+    run.add_argument("--nnodes", type=int, default=None, help="split the ranks into this many virtual nodes")
+    run.add_argument("--backend", choices=["nvshmem", "emulator"], default=None,
+                     help="default: nvshmem where CUDA GPUs are present, emulator elsewhere")
+    run.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
+
+    commands.add_parser("info", help="backend, devices, peer access, NVSHMEM device library, versions")
+
+    bench = commands.add_parser("bench", help="benchmarks (see `tridist bench -h`)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        if not args.script:
+            parser.error("tridist run needs a script: tridist run -n 2 script.py [args]")
+        from .runtime.launcher import run as launch
+
+        return launch(args.nproc, args.script, nnodes=args.nnodes, backend=args.backend)
+    if args.command == "info":
+        from .runtime.info import report
+
+        print(report())
+        return 0
+    from .bench.cli import main as bench_main
+
+    return bench_main(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

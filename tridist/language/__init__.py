@@ -1,0 +1,24 @@
+"""`tridist.language` (imported as `dl`): the device functions a distributed kernel calls.
+
+Every function has two lowerings with one meaning: `_gpu.py` (inline PTX and NVSHMEM's device
+library) and `_emulated.py` (Python under Triton's interpreter). The backend chosen at import
+(`tridist.runtime.backend`) decides which one these names are bound to.
+
+Scopes are "gpu" (this GPU) or "sys" (every GPU and the host); semantics are "relaxed",
+"acquire", "release" and "acq_rel". A device function is called by every thread of a Triton
+program; where NVSHMEM has per-thread, per-warp and per-block forms, the plain form is issued by one
+thread of the program, the `_warp` form by its first warp, and the `_block` form by all its threads.
+"""
+from ..runtime.backend import is_emulator
+
+if is_emulator():
+    from ._emulated import (atomic_add, atomic_cas, atomic_xchg, consume_token, fence, ld, notify, num_ranks,
+                            rank, st, symm_at, wait)
+else:
+    from ._gpu import (atomic_add, atomic_cas, atomic_xchg, consume_token, fence, ld, notify, num_ranks,
+                       rank, st, symm_at, wait)
+
+from . import ll, shmem  # noqa: E402
+
+__all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "ld", "st", "atomic_add",
+           "atomic_cas", "atomic_xchg", "fence", "shmem", "ll"]

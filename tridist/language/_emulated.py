@@ -1,0 +1,299 @@
+"""Emulator lowering of the device API: plain Python run by Triton's interpreter.
+
+Under the interpreter a kernel is Python code whose values are `tl.tensor`s holding numpy arrays,
+and a pointer is a real address in this process. Peers' heaps are mapped into this process, so
+`symm_at` is `address - my_base + peer_base`, puts and gets are `memmove`, and signals are atomic
+read-modify-writes under the lock every rank shares. Waits spin in Python, bounded, and watch the
+peers (see `runtime/emulator.py`). The GPU lowering in `_gpu.py` has the same names and meanings.
+"""
+import ctypes
+
+import numpy as np
+import triton.language as tl
+from triton.runtime.interpreter import TensorHandle, _get_np_dtype
+from triton.runtime.interpreter import _interpreter as _memory
+
+from ..runtime import emulator
+from ..runtime.world import heap, transport, world
+from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SIGNAL_ADD, SIGNAL_SET
+
+_COMPARE = {CMP_EQ.value: (np.equal, "=="), CMP_NE.value: (np.not_equal, "!="), CMP_GT.value: (np.greater, ">"),
+            CMP_GE.value: (np.greater_equal, ">="), CMP_LT.value: (np.less, "<"), CMP_LE.value: (np.less_equal, "<=")}
+_SIGNAL_OPS = {"set": SIGNAL_SET.value, "add": SIGNAL_ADD.value, SIGNAL_SET.value: SIGNAL_SET.value,
+               SIGNAL_ADD.value: SIGNAL_ADD.value}
+
+
+# ---- values --------------------------------------------------------------------------------------
+def _value(x):
+    """A Python scalar from a constexpr, a Python number or a one-element tensor."""
+    if isinstance(x, tl.constexpr):
+        x = x.value
+    if isinstance(x, tl.tensor):
+        return x.handle.data.reshape(-1)[0].item()
+    return x
+
+
+def _addresses(ptr) -> np.ndarray:
+    return ptr.handle.data.astype(np.uint64)
+
+
+def _scalar(value, dtype) -> tl.tensor:
+    return tl.tensor(TensorHandle(np.array([value], dtype=_get_np_dtype(dtype)), dtype), dtype)
+
+
+def _like(ptr, addresses: np.ndarray) -> tl.tensor:
+    return tl.tensor(TensorHandle(addresses.astype(np.uint64), ptr.handle.dtype), ptr.type)
+
+
+def _read(addresses: np.ndarray, dtype) -> np.ndarray:
+    """The values of type `dtype` (a Triton dtype) at `addresses`."""
+    np_dtype = _get_np_dtype(dtype)
+    return _memory.load(addresses, np.ones(addresses.shape, dtype=bool), np.zeros(addresses.shape, dtype=np_dtype),
+                        np_dtype)
+
+
+def _element(ptr):
+    return ptr.type.scalar.element_ty
+
+
+def _where(address: int) -> str:
+    """Names a heap address the way a person debugging a hang wants it."""
+    h = heap()
+    offset = address - h.base_ptr
+    if not 0 <= offset < h.nbytes:
+        return f"address {address:#x} (not in the symmetric heap)"
+    return f"heap offset {offset:#x}"
+
+
+def _translate(addresses: np.ndarray, peer: int, what: str, allow_remote_node: bool) -> np.ndarray:
+    w = world()
+    if not 0 <= peer < w.world_size:
+        raise IndexError(f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} to rank {peer}, "
+                         f"outside the world of {w.world_size}")
+    if not allow_remote_node and not w.same_node(peer):
+        raise ValueError(f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} to rank {peer} on node "
+                         f"{w.node_of(peer)}: peers on other nodes are not load/store reachable; move data to "
+                         "them with dl.shmem.putmem/getmem")
+    h = heap()
+    offsets = addresses.astype(np.int64) - h.base_ptr
+    if offsets.size and (offsets.min() < 0 or offsets.max() >= h.nbytes):
+        raise ValueError(f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} of an address outside the "
+                         "symmetric heap; use a tensor from tridist.symm_empty")
+    return (offsets + transport().peer_base(peer)).astype(np.uint64)
+
+
+# ---- identity and addressing ---------------------------------------------------------------------
+def rank():
+    return _scalar(world().rank, tl.int32)
+
+
+def num_ranks():
+    return _scalar(world().world_size, tl.int32)
+
+
+def symm_at(ptr, peer):
+    return _like(ptr, _translate(_addresses(ptr), int(_value(peer)), "symm_at", allow_remote_node=False))
+
+
+# ---- memory order --------------------------------------------------------------------------------
+def ld(ptr, scope="gpu", semantic="acquire"):
+    return tl.load(ptr, volatile=True)
+
+
+def st(ptr, value, scope="gpu", semantic="release"):
+    tl.store(ptr, value)
+
+
+def atomic_add(ptr, value, scope="gpu", semantic="acq_rel"):
+    return tl.atomic_add(ptr, value)
+
+
+def atomic_cas(ptr, compare, value, scope="gpu", semantic="acq_rel"):
+    return tl.atomic_cas(ptr, compare, value)
+
+
+def atomic_xchg(ptr, value, scope="gpu", semantic="acq_rel"):
+    return tl.atomic_xchg(ptr, value)
+
+
+def fence(scope="sys"):
+    pass
+
+
+# ---- signals -------------------------------------------------------------------------------------
+def _wait_until(addresses: np.ndarray, dtype, compare: int, expected, what: str) -> np.ndarray:
+    """Spin until every word at `addresses` compares true against `expected`; returns the words."""
+    test, text = _COMPARE[compare]
+    box = [_read(addresses, dtype)]
+    if test(box[0], expected).all():
+        return box[0]
+    w = world()
+
+    def done():
+        box[0] = _read(addresses, dtype)
+        return bool(test(box[0], expected).all())
+
+    def describe():
+        return (f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} on the signal at "
+                f"{_where(int(addresses.reshape(-1)[0]))} ({box[0].size} word(s)) never satisfied "
+                f"{text} {expected}; observed {box[0].reshape(-1).tolist()}")
+
+    emulator.spin_until(done, describe, world=transport())
+    return box[0]
+
+
+def wait(ptr, num, scope="gpu", semantic="acquire", waitValue=1):
+    num, expected, dtype = int(_value(num)), _value(waitValue), _element(ptr)
+    first = _addresses(ptr).reshape(-1)[0]
+    flags = first + np.arange(num, dtype=np.uint64) * np.uint64(dtype.primitive_bitwidth // 8)
+    observed = _wait_until(flags, dtype, CMP_EQ.value, expected, f"dl.wait for {num} flag(s)")
+    return _scalar(observed[-1], dtype)
+
+
+def consume_token(x, token):
+    return x
+
+
+def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu"):
+    peer = int(_value(peer))
+    op = _SIGNAL_OPS[_value(sig_op)]
+    signal = _value(signal)
+    remote = _like(ptr, _translate(_addresses(ptr), peer, "dl.notify", allow_remote_node=True))
+    return tl.atomic_add(remote, signal) if op == SIGNAL_ADD else tl.atomic_xchg(remote, signal)
+
+
+# ---- OpenSHMEM-style API ---------------------------------------------------------------------------
+def my_pe():
+    return rank()
+
+
+def n_pes():
+    return num_ranks()
+
+
+def ptr(dest, pe):
+    pe = int(_value(pe))
+    if not world().same_node(pe):
+        return _like(dest, np.zeros_like(_addresses(dest)))
+    return symm_at(dest, pe)
+
+
+def _copy(dst: int, src: int, nbytes: int) -> None:
+    if nbytes:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def _remote(dest, pe, what) -> int:
+    return int(_translate(_addresses(dest).reshape(-1)[:1], int(_value(pe)), what, allow_remote_node=True)[0])
+
+
+def _local(x) -> int:
+    return int(_addresses(x).reshape(-1)[0])
+
+
+def putmem(dest, source, nbytes, pe):
+    _copy(_remote(dest, pe, "putmem"), _local(source), int(_value(nbytes)))
+
+
+def getmem(dest, source, nbytes, pe):
+    _copy(_local(dest), _remote(source, pe, "getmem"), int(_value(nbytes)))
+
+
+def signal_op(sig_addr, signal, sig_op, pe):
+    notify(sig_addr, pe, signal, sig_op)
+
+
+def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    putmem(dest, source, nbytes, pe)
+    signal_op(sig_addr, signal, sig_op, pe)
+
+
+def signal_wait_until(sig_addr, cmp, cmp_value):
+    observed = _wait_until(_addresses(sig_addr).reshape(-1)[:1], _element(sig_addr), int(_value(cmp)),
+                           _value(cmp_value), "shmem.signal_wait_until")
+    return _scalar(observed[0], _element(sig_addr))
+
+
+def quiet():
+    pass
+
+
+def barrier_all():
+    """Epoch barrier: write my epoch into my slot on every peer, then wait until every slot reaches it.
+
+    Slot `r` on any rank is written only by rank `r`, with epochs that only grow, so plain stores
+    suffice and a peer already in the next barrier cannot confuse this one (the test is `>=`).
+    """
+    w = world()
+    slots = transport().device_barrier
+    epoch = transport().next_device_barrier_epoch()
+    offset = slots.data_ptr() - heap().base_ptr + 8 * w.rank
+    for peer in range(w.world_size):
+        ctypes.c_int64.from_address(transport().peer_base(peer) + offset).value = epoch
+    mine = slots.data_ptr() + 8 * np.arange(w.world_size, dtype=np.uint64)
+    _wait_until(mine, tl.int64, CMP_GE.value, epoch, f"shmem.barrier_all #{epoch}")
+
+
+sync_all = barrier_all
+
+
+def p(dest, value, pe):
+    remote = _like(dest, _translate(_addresses(dest), int(_value(pe)), "shmem.p", allow_remote_node=True))
+    tl.store(remote, value)
+
+
+def g(source, pe):
+    remote = _like(source, _translate(_addresses(source), int(_value(pe)), "shmem.g", allow_remote_node=True))
+    return tl.load(remote, volatile=True)
+
+
+def atomic_fetch_add(dest, value, pe):
+    return notify(dest, pe, value, "add")
+
+
+def atomic_inc(dest, pe):
+    notify(dest, pe, 1, "add")
+
+
+def atomic_set(dest, value, pe):
+    notify(dest, pe, value, "set")
+
+
+def atomic_compare_swap(dest, cond, value, pe):
+    remote = _like(dest, _translate(_addresses(dest), int(_value(pe)), "shmem.atomic_compare_swap",
+                                    allow_remote_node=True))
+    return tl.atomic_cas(remote, cond, value)
+
+
+# The emulator copies synchronously, so every issuing form and every ordering call is the same.
+putmem_nbi = putmem_warp = putmem_nbi_warp = putmem_block = putmem_nbi_block = putmem
+getmem_nbi = getmem_warp = getmem_nbi_warp = getmem_block = getmem_nbi_block = getmem
+putmem_signal_nbi = putmem_signal_block = putmem_signal_nbi_block = putmem_signal
+shmem_fence = quiet
+
+
+# ---- low-latency packets -------------------------------------------------------------------------
+def wait_packets(ptrs, mask, flag):
+    """Spin until every packet word at `ptrs` (where `mask`) carries `flag` in its high half;
+    returns the words (zeros where masked off)."""
+    flag = int(_value(flag))
+    addresses = _addresses(ptrs)
+    active = np.broadcast_to(mask.handle.data.astype(bool), addresses.shape)
+    words = np.zeros(addresses.shape, dtype=np.int64)
+    if active.any():
+        w = world()
+        box = [None]
+
+        def done():
+            box[0] = _read(addresses[active], tl.int64)
+            return bool(((box[0] >> 32).astype(np.int32) == flag).all())
+
+        def describe():
+            stale = int(((box[0] >> 32).astype(np.int32) != flag).sum())
+            return (f"rank {w.rank}, kernel {emulator.current_kernel()}: LL packets at "
+                    f"{_where(int(addresses[active][0]))} never carried flag {flag}; {stale} of {box[0].size} stale")
+
+        emulator.spin_until(done, describe, world=transport())
+        words[active] = box[0]
+    return tl.tensor(TensorHandle(words, tl.int64), ptrs.type.with_element_ty(tl.int64)
+                     if ptrs.type.is_block() else tl.int64)

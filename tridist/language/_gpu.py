@@ -1,0 +1,475 @@
+"""GPU lowering of the device API: inline PTX for memory order, NVSHMEM's device library for the rest.
+
+NVSHMEM functions are declared with `extern_elementwise` and resolved when Triton links
+`libnvshmem_device.bc` (passed by `tridist.jit`). A Triton program runs every scalar statement on
+all of its threads, so calls NVSHMEM means for one thread (or one warp) sit under a thread-id test.
+
+With TRIDIST_DEBUG=1 every wait is bounded by TRIDIST_WAIT_TIMEOUT: on expiry it prints the rank,
+the signal address, the expected and the observed value, and traps, so the launch fails instead of
+spinning forever (the host then names the kernel). Both settings are read when a kernel compiles.
+"""
+import triton
+import triton.language as tl
+from triton.language import core
+
+from ..runtime import config
+from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SIGNAL_ADD, SIGNAL_SET
+
+DEBUG = tl.constexpr(config.debug())
+TIMEOUT_NS = tl.constexpr(int(config.wait_timeout_s() * 1e9))
+
+
+# ---- NVSHMEM declarations --------------------------------------------------------------------------
+def _extern(symbol, args, arg_types, result, _semantic):
+    return core.extern_elementwise("", "", list(args),
+                                   {tuple(core.dtype(t) for t in arg_types): (symbol, core.dtype(result))},
+                                   is_pure=False, _semantic=_semantic)
+
+
+@core.extern
+def _my_pe(_semantic=None):
+    return _extern("nvshmem_my_pe", [], (), "int32", _semantic)
+
+
+@core.extern
+def _n_pes(_semantic=None):
+    return _extern("nvshmem_n_pes", [], (), "int32", _semantic)
+
+
+@core.extern
+def _ptr(address, pe, _semantic=None):
+    return _extern("nvshmem_ptr", [address, pe], ("int64", "int32"), "int64", _semantic)
+
+
+@core.extern
+def _copy(symbol: tl.constexpr, dest, source, nbytes, pe, _semantic=None):
+    return _extern(core._unwrap_if_constexpr(symbol), [dest, source, nbytes, pe],
+                   ("int64", "int64", "int64", "int32"), "int32", _semantic)
+
+
+@core.extern
+def _copy_signal(symbol: tl.constexpr, dest, source, nbytes, sig_addr, signal, sig_op, pe, _semantic=None):
+    return _extern(core._unwrap_if_constexpr(symbol), [dest, source, nbytes, sig_addr, signal, sig_op, pe],
+                   ("int64", "int64", "int64", "int64", "uint64", "int32", "int32"), "int32", _semantic)
+
+
+@core.extern
+def _signal_op(sig_addr, signal, sig_op, pe, _semantic=None):
+    return _extern("nvshmemx_signal_op", [sig_addr, signal, sig_op, pe], ("int64", "uint64", "int32", "int32"),
+                   "int32", _semantic)
+
+
+@core.extern
+def _signal_wait_until(sig_addr, cmp, value, _semantic=None):
+    return _extern("nvshmem_signal_wait_until", [sig_addr, cmp, value], ("int64", "int32", "uint64"), "uint64",
+                   _semantic)
+
+
+@core.extern
+def _no_arguments(symbol: tl.constexpr, _semantic=None):
+    return _extern(core._unwrap_if_constexpr(symbol), [], (), "int32", _semantic)
+
+
+_TYPE_NAMES = {"int32": "int", "int64": "int64", "uint64": "uint64", "fp32": "float", "fp64": "double",
+               "uint32": "uint32"}
+
+
+def _typed(name, pointer):
+    element = pointer.dtype.element_ty if pointer.dtype.is_ptr() else pointer.type.scalar.element_ty
+    if element.name not in _TYPE_NAMES:
+        raise TypeError(f"{name} supports {', '.join(_TYPE_NAMES)} elements, not {element.name}")
+    return f"nvshmem_{_TYPE_NAMES[element.name]}_{name}", element
+
+
+@core.extern
+def _typed_put(dest, value, pe, _semantic=None):
+    symbol, element = _typed("p", dest)
+    return _extern(symbol, [dest.to(core.int64, _semantic=_semantic), value, pe],
+                   ("int64", element.name, "int32"), "int32", _semantic)
+
+
+@core.extern
+def _typed_get(source, pe, _semantic=None):
+    symbol, element = _typed("g", source)
+    return _extern(symbol, [source.to(core.int64, _semantic=_semantic), pe], ("int64", "int32"), element.name,
+                   _semantic)
+
+
+@core.extern
+def _typed_atomic(op: tl.constexpr, dest, values, pe, _semantic=None):
+    symbol, element = _typed("atomic_" + core._unwrap_if_constexpr(op), dest)
+    values = list(values)
+    return _extern(symbol, [dest.to(core.int64, _semantic=_semantic), *values, pe],
+                   ("int64", *[element.name] * len(values), "int32"), element.name, _semantic)
+
+
+# ---- threads -------------------------------------------------------------------------------------
+@triton.jit
+def _thread_index():
+    return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _global_time_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+# ---- identity and addressing ---------------------------------------------------------------------
+@triton.jit
+def rank():
+    return _my_pe()
+
+
+@triton.jit
+def num_ranks():
+    return _n_pes()
+
+
+@triton.jit
+def symm_at(ptr, peer):
+    return _ptr(ptr.to(tl.int64), peer).to(ptr.dtype, bitcast=True)
+
+
+# ---- memory order --------------------------------------------------------------------------------
+@triton.jit
+def ld(ptr, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acquire"):
+    if ptr.dtype.element_ty.primitive_bitwidth == 64:
+        return tl.inline_asm_elementwise("ld.global." + semantic + "." + scope + ".b64 $0, [$1];", "=l,l", [ptr],
+                                         dtype=ptr.dtype.element_ty, is_pure=False, pack=1)
+    else:
+        return tl.inline_asm_elementwise("ld.global." + semantic + "." + scope + ".b32 $0, [$1];", "=r,l", [ptr],
+                                         dtype=ptr.dtype.element_ty, is_pure=False, pack=1)
+
+
+@triton.jit
+def st(ptr, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "release"):
+    if ptr.dtype.element_ty.primitive_bitwidth == 64:
+        tl.inline_asm_elementwise("st.global." + semantic + "." + scope + ".b64 [$1], $2; mov.u32 $0, 0;",
+                                  "=r,l,l", [ptr, value.to(ptr.dtype.element_ty)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        tl.inline_asm_elementwise("st.global." + semantic + "." + scope + ".b32 [$1], $2; mov.u32 $0, 0;",
+                                  "=r,l,r", [ptr, value.to(ptr.dtype.element_ty)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
+def atomic_add(ptr, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acq_rel"):
+    return tl.atomic_add(ptr, value, sem=semantic, scope=scope)
+
+
+@triton.jit
+def atomic_cas(ptr, compare, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acq_rel"):
+    return tl.atomic_cas(ptr, compare, value, sem=semantic, scope=scope)
+
+
+@triton.jit
+def atomic_xchg(ptr, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acq_rel"):
+    return tl.atomic_xchg(ptr, value, sem=semantic, scope=scope)
+
+
+@triton.jit
+def fence(scope: tl.constexpr = "sys"):
+    tl.inline_asm_elementwise("fence.acq_rel." + scope + "; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+# ---- signals -------------------------------------------------------------------------------------
+@triton.jit
+def _compare(observed, cmp: tl.constexpr, value):
+    if cmp == CMP_EQ:
+        return observed == value
+    elif cmp == CMP_NE:
+        return observed != value
+    elif cmp == CMP_GT:
+        return observed > value
+    elif cmp == CMP_GE:
+        return observed >= value
+    elif cmp == CMP_LT:
+        return observed < value
+    else:
+        return observed <= value
+
+
+@triton.jit
+def _spin(ptr, cmp: tl.constexpr, value, scope: tl.constexpr, semantic: tl.constexpr):
+    """Spin on one word until it compares true; bounded and reporting under TRIDIST_DEBUG."""
+    observed = ld(ptr, scope, semantic)
+    if DEBUG:
+        start = _global_time_ns()
+        while not _compare(observed, cmp, value):
+            if _global_time_ns() - start > TIMEOUT_NS:
+                tl.device_print("tridist wait timed out: rank, signal address, expected, observed", _my_pe(),
+                                ptr.to(tl.int64), value, observed)
+                tl.device_assert(False, "tridist: a bounded wait expired (TRIDIST_DEBUG)")
+                start = _global_time_ns()
+            observed = ld(ptr, scope, semantic)
+    else:
+        while not _compare(observed, cmp, value):
+            observed = ld(ptr, scope, semantic)
+    return observed
+
+
+@triton.jit
+def wait(ptr, num, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acquire", waitValue=1):
+    token = ld(ptr, scope, semantic)
+    for i in range(num):
+        token = _spin(ptr + i, CMP_EQ, waitValue, scope, semantic)
+    return token
+
+
+@triton.jit
+def consume_token(x, token):
+    # The asm reads the token, so nothing computed from its result (the addresses of later loads)
+    # can be scheduled before the wait that produced the token.
+    if x.dtype.is_ptr():
+        return tl.inline_asm_elementwise("mov.b64 $0, $1; // $2", "=l,l,l", [x.to(tl.int64), token.to(tl.int64)],
+                                         dtype=tl.int64, is_pure=True, pack=1).to(x.dtype, bitcast=True)
+    else:
+        return tl.inline_asm_elementwise("mov.b64 $0, $1; // $2", "=l,l,l", [x.to(tl.int64), token.to(tl.int64)],
+                                         dtype=tl.int64, is_pure=True, pack=1).to(x.dtype)
+
+
+@triton.jit
+def notify(ptr, peer, signal=1, sig_op: tl.constexpr = "set", comm_scope: tl.constexpr = "gpu"):
+    # Every thread's earlier writes must be visible before the signal: the barrier makes them
+    # visible to the signalling thread, and its release (or NVSHMEM's fence) carries them along.
+    tl.debug_barrier()
+    if comm_scope == "inter_node":
+        if _thread_index() == 0:
+            if sig_op == "add":
+                _signal_op(ptr.to(tl.int64), signal.to(tl.uint64), SIGNAL_ADD, peer)
+            else:
+                _signal_op(ptr.to(tl.int64), signal.to(tl.uint64), SIGNAL_SET, peer)
+    else:
+        remote = symm_at(ptr, peer)
+        if sig_op == "add":
+            tl.atomic_add(remote, signal, sem="release", scope="sys")
+        else:
+            tl.atomic_xchg(remote, signal, sem="release", scope="sys")
+
+
+# ---- OpenSHMEM-style API ---------------------------------------------------------------------------
+@triton.jit
+def my_pe():
+    return _my_pe()
+
+
+@triton.jit
+def n_pes():
+    return _n_pes()
+
+
+@triton.jit
+def ptr(dest, pe):
+    return _ptr(dest.to(tl.int64), pe).to(dest.dtype, bitcast=True)
+
+
+@triton.jit
+def _issue_copy(symbol: tl.constexpr, threads: tl.constexpr, dest, source, nbytes, pe):
+    if threads == 1:
+        if _thread_index() == 0:
+            _copy(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), pe)
+    elif threads == 32:
+        if _thread_index() < 32:
+            _copy(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), pe)
+    else:
+        _copy(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), pe)
+
+
+@triton.jit
+def putmem(dest, source, nbytes, pe):
+    _issue_copy("nvshmem_putmem", 1, dest, source, nbytes, pe)
+
+
+@triton.jit
+def putmem_nbi(dest, source, nbytes, pe):
+    _issue_copy("nvshmem_putmem_nbi", 1, dest, source, nbytes, pe)
+
+
+@triton.jit
+def putmem_warp(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_putmem_warp", 32, dest, source, nbytes, pe)
+
+
+@triton.jit
+def putmem_nbi_warp(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_putmem_nbi_warp", 32, dest, source, nbytes, pe)
+
+
+@triton.jit
+def putmem_block(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_putmem_block", 0, dest, source, nbytes, pe)
+
+
+@triton.jit
+def putmem_nbi_block(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_putmem_nbi_block", 0, dest, source, nbytes, pe)
+
+
+@triton.jit
+def getmem(dest, source, nbytes, pe):
+    _issue_copy("nvshmem_getmem", 1, dest, source, nbytes, pe)
+
+
+@triton.jit
+def getmem_nbi(dest, source, nbytes, pe):
+    _issue_copy("nvshmem_getmem_nbi", 1, dest, source, nbytes, pe)
+
+
+@triton.jit
+def getmem_warp(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_getmem_warp", 32, dest, source, nbytes, pe)
+
+
+@triton.jit
+def getmem_nbi_warp(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_getmem_nbi_warp", 32, dest, source, nbytes, pe)
+
+
+@triton.jit
+def getmem_block(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_getmem_block", 0, dest, source, nbytes, pe)
+
+
+@triton.jit
+def getmem_nbi_block(dest, source, nbytes, pe):
+    _issue_copy("nvshmemx_getmem_nbi_block", 0, dest, source, nbytes, pe)
+
+
+@triton.jit
+def _issue_copy_signal(symbol: tl.constexpr, threads: tl.constexpr, dest, source, nbytes, sig_addr, signal, sig_op,
+                       pe):
+    if threads == 1:
+        if _thread_index() == 0:
+            _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), sig_addr.to(tl.int64),
+                         signal.to(tl.uint64), sig_op, pe)
+    else:
+        _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), sig_addr.to(tl.int64),
+                     signal.to(tl.uint64), sig_op, pe)
+
+
+@triton.jit
+def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    _issue_copy_signal("nvshmem_putmem_signal", 1, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+
+
+@triton.jit
+def putmem_signal_nbi(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    _issue_copy_signal("nvshmem_putmem_signal_nbi", 1, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+
+
+@triton.jit
+def putmem_signal_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    _issue_copy_signal("nvshmemx_putmem_signal_block", 0, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+
+
+@triton.jit
+def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+    _issue_copy_signal("nvshmemx_putmem_signal_nbi_block", 0, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+
+
+@triton.jit
+def signal_op(sig_addr, signal, sig_op, pe):
+    if _thread_index() == 0:
+        _signal_op(sig_addr.to(tl.int64), signal.to(tl.uint64), sig_op, pe)
+
+
+@triton.jit
+def signal_wait_until(sig_addr, cmp: tl.constexpr, cmp_value):
+    if DEBUG:
+        return _spin(sig_addr, cmp, cmp_value, "sys", "acquire")
+    else:
+        return _signal_wait_until(sig_addr.to(tl.int64), cmp, cmp_value.to(tl.uint64))
+
+
+@triton.jit
+def quiet():
+    _no_arguments("nvshmem_quiet")
+
+
+@triton.jit
+def shmem_fence():
+    _no_arguments("nvshmem_fence")
+
+
+@triton.jit
+def barrier_all():
+    _no_arguments("nvshmemx_barrier_all_block")
+
+
+@triton.jit
+def sync_all():
+    _no_arguments("nvshmemx_sync_all_block")
+
+
+@triton.jit
+def p(dest, value, pe):
+    if _thread_index() == 0:
+        _typed_put(dest, value, pe)
+
+
+@triton.jit
+def g(source, pe):
+    return _typed_get(source, pe)
+
+
+@triton.jit
+def _from_first_thread(value):
+    # Thread 0 holds the answer; a max over a block that every thread owns part of (and that is
+    # large enough for no element to be replicated) hands it to all threads.
+    lanes = tl.full([1024], 0, tl.int32) + _thread_index()
+    return tl.max(tl.where(lanes == 0, value, tl.full([1024], 0, value.dtype) + value.dtype.get_int_min_value()
+                           if value.dtype.is_int() else -float("inf")), axis=0)
+
+
+@triton.jit
+def atomic_fetch_add(dest, value, pe):
+    old = tl.zeros((), dest.dtype.element_ty)
+    if _thread_index() == 0:
+        old = _typed_atomic("fetch_add", dest, (value.to(dest.dtype.element_ty),), pe)
+    return _from_first_thread(old)
+
+
+@triton.jit
+def atomic_compare_swap(dest, cond, value, pe):
+    old = tl.zeros((), dest.dtype.element_ty)
+    if _thread_index() == 0:
+        old = _typed_atomic("compare_swap", dest, (cond.to(dest.dtype.element_ty), value.to(dest.dtype.element_ty)), pe)
+    return _from_first_thread(old)
+
+
+@triton.jit
+def atomic_inc(dest, pe):
+    if _thread_index() == 0:
+        _typed_atomic("inc", dest, (), pe)
+
+
+@triton.jit
+def atomic_set(dest, value, pe):
+    if _thread_index() == 0:
+        _typed_atomic("set", dest, (value.to(dest.dtype.element_ty),), pe)
+
+
+# ---- low-latency packets -------------------------------------------------------------------------
+@triton.jit
+def _stale(packets, mask, flag):
+    return tl.sum(((packets >> 32).to(tl.int32) != flag) & mask)
+
+
+@triton.jit
+def wait_packets(ptrs, mask, flag):
+    packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    if DEBUG:
+        start = _global_time_ns()
+        while _stale(packets, mask, flag) > 0:
+            if _global_time_ns() - start > TIMEOUT_NS:
+                tl.device_print("tridist LL wait timed out: rank, expected flag, stale packets", _my_pe(), flag,
+                                _stale(packets, mask, flag))
+                tl.device_assert(False, "tridist: a bounded wait expired (TRIDIST_DEBUG)")
+                start = _global_time_ns()
+            packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    else:
+        while _stale(packets, mask, flag) > 0:
+            packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    return packets

@@ -1,0 +1,44 @@
+"""Low-latency (LL) packets (`dl.ll`): each 32-bit data word travels with a 32-bit flag.
+
+A packet is one 64-bit word, flag in the high half and data in the low half, written by a single
+8-byte store, which lands whole. The reader polls the words themselves until every flag equals the
+value it expects, so no separate signal, fence or second round trip is needed: the cost is half of
+the bandwidth. Contiguous packets are stored 16 bytes at a time (two packets per vector store, the
+16-byte LL line of NCCL); each 8-byte half still validates itself.
+
+Flags must change between uses of a buffer (pass an epoch that grows each call), so that packets
+left from the previous call never look fresh. Data of other types is bitcast to int32 words first.
+"""
+import triton
+import triton.language as tl
+
+from ..runtime.backend import is_emulator
+
+if is_emulator():
+    from . import _emulated as _lowering
+else:
+    from . import _gpu as _lowering
+
+
+@triton.jit
+def pack(data, flag):
+    """int32 `data` and an int32 `flag` -> int64 packets."""
+    return (flag.to(tl.int64) << 32) | (data.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def unpack(packets):
+    """int64 packets -> their int32 data."""
+    return (packets & 0xFFFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def send(dest, data, flag, mask):
+    """Store `data` (int32) with `flag` as packets at `dest` (int64 pointers, local or a peer's)."""
+    tl.store(dest, pack(data, flag), mask=mask)
+
+
+@triton.jit
+def recv(source, flag, mask):
+    """Wait until the packets at `source` (where `mask`) carry `flag`; return their int32 data."""
+    return unpack(_lowering.wait_packets(source, mask, flag))

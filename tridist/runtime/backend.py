@@ -1,0 +1,35 @@
+"""Chooses the backend of this process once, before any kernel is defined.
+
+Kernels are defined when their modules are imported, and Triton decides at definition time whether
+a kernel is compiled for the GPU or run by its interpreter, so the choice cannot wait for `init()`.
+"""
+import os
+
+NVSHMEM = "nvshmem"
+EMULATOR = "emulator"
+BACKENDS = (NVSHMEM, EMULATOR)
+
+
+def _choose() -> str:
+    name = os.environ.get("TRIDIST_BACKEND", "").strip().lower()
+    if not name:
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            name = EMULATOR
+        else:
+            import torch
+
+            name = NVSHMEM if torch.cuda.is_available() else EMULATOR
+    if name not in BACKENDS:
+        raise ValueError(f"TRIDIST_BACKEND={name!r}: use one of {', '.join(BACKENDS)}")
+    if name == EMULATOR:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise ValueError("TRIDIST_BACKEND=nvshmem but TRITON_INTERPRET=1: unset TRITON_INTERPRET to run on GPUs")
+    return name
+
+
+BACKEND = _choose()
+
+
+def is_emulator() -> bool:
+    return BACKEND == EMULATOR

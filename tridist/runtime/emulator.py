@@ -1,0 +1,218 @@
+"""The CPU emulator's shared-memory world: one process per rank, heaps in shared memory.
+
+Every rank creates two files in the world's folder (TRIDIST_EMU_DIR, made by `tridist run`):
+`heap.<rank>`, its symmetric heap, and `ctl.<rank>`, a small control block of 64-bit words that
+the host side of the runtime uses (state, pid, barrier count, a gather slot). Every rank maps every
+other rank's heap, so a peer's buffer is plain memory at `peer_base + offset`.
+
+Waits here are always bounded, and while they spin they watch the peers: a peer that failed or
+whose process is gone ends the wait at once with `PeerFailedError` instead of a timeout.
+"""
+import ctypes
+import fcntl
+import mmap
+import os
+import threading
+import time
+
+import torch
+
+from . import config
+from .errors import PeerFailedError, WaitTimeoutError
+
+# Control block layout (64-bit words).
+_STATE, _PID, _BARRIER, _GATHER_SEQ, _GATHER_LEN, _GATHER = 0, 1, 2, 3, 4, 8
+_GATHER_MAX = 56
+_CTL_WORDS = _GATHER + _GATHER_MAX
+_READY, _FINISHED, _FAILED = 1, 2, 3
+_STARTUP_TIMEOUT_S = 300.0
+
+
+class LaunchAborted(Exception):
+    """Another program of the same launch failed; this one stops quietly."""
+
+
+# Set while a launch runs, so that waits can name the kernel and stop when a sibling program failed.
+_launch = threading.local()
+
+
+def current_kernel() -> str:
+    return getattr(_launch, "kernel", None) or "<host>"
+
+
+class _LaunchState:
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+        self.failed = threading.Event()
+
+
+def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def spin_until(done, describe, world: "EmulatorWorld | None" = None, timeout_s: float | None = None) -> None:
+    """Spin until `done()`; past the timeout raise `WaitTimeoutError(describe())`.
+
+    Backs off from busy polling to 1 ms sleeps, so that a 2-core machine running four ranks and
+    their programs' threads still makes progress.
+    """
+    if done():
+        return
+    timeout_s = config.wait_timeout_s() if timeout_s is None else timeout_s
+    start = time.monotonic()
+    next_check = start
+    pause = 0.0
+    state = getattr(_launch, "state", None)
+    while not done():
+        now = time.monotonic()
+        if now >= next_check:
+            if state is not None and state.failed.is_set():
+                raise LaunchAborted()
+            if world is not None:
+                world.check_peers()
+            if now - start > timeout_s:
+                raise WaitTimeoutError(f"{describe()} (waited {now - start:.1f} s; TRIDIST_WAIT_TIMEOUT raises the limit)")
+            next_check = now + 0.05
+        time.sleep(pause)
+        pause = min(pause * 2 or 1e-5, 1e-3)
+
+
+class EmulatorWorld:
+    """This rank's view of an emulated world: all heaps mapped, host barrier and gather."""
+
+    def __init__(self, folder: str, rank: int, world_size: int, heap_bytes: int):
+        self.folder, self.rank, self.world_size, self.heap_bytes = folder, rank, world_size, heap_bytes
+        self._barriers = 0
+        self._gathers = 0
+        self._lock_file = open(os.path.join(folder, "atomics.lock"), "a+")
+        self._thread_lock = threading.RLock()
+        self.heap = _map(self._path("heap", rank), heap_bytes, create=True)
+        ctl = _map(self._path("ctl", rank), _CTL_WORDS * 8, create=True)
+        self._ctl = [None] * world_size
+        self._ctl[rank] = ctl.view(torch.int64)
+        self._ctl[rank][_PID] = os.getpid()
+        self._ctl[rank][_STATE] = _READY
+        self.heaps = [None] * world_size
+        self.heaps[rank] = self.heap
+        self._connect()
+
+    def _path(self, kind: str, rank: int) -> str:
+        return os.path.join(self.folder, f"{kind}.{rank}")
+
+    def _connect(self) -> None:
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            path = self._path("ctl", peer)
+            while not (os.path.exists(path) and os.path.getsize(path) == _CTL_WORDS * 8):
+                if time.monotonic() > deadline:
+                    raise PeerFailedError(
+                        f"rank {self.rank}: rank {peer} did not start within {_STARTUP_TIMEOUT_S:.0f} s "
+                        f"(no {path}); start every rank with `tridist run -n {self.world_size}`"
+                    )
+                time.sleep(0.01)
+            self._ctl[peer] = _map(path, _CTL_WORDS * 8, create=False).view(torch.int64)
+            spin_until(lambda: int(self._ctl[peer][_STATE]) != 0,
+                       lambda: f"rank {self.rank}: rank {peer} never became ready", timeout_s=_STARTUP_TIMEOUT_S)
+            heap_path = self._path("heap", peer)
+            size = os.path.getsize(heap_path)
+            if size != self.heap_bytes:
+                raise PeerFailedError(
+                    f"rank {self.rank}: rank {peer}'s heap is {size} bytes, mine is {self.heap_bytes}; "
+                    "set the same TRIDIST_HEAP_SIZE on every rank"
+                )
+            self.heaps[peer] = _map(heap_path, self.heap_bytes, create=False)
+
+    def peer_base(self, peer: int) -> int:
+        return self.heaps[peer].data_ptr()
+
+    def check_peers(self) -> None:
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            state = int(self._ctl[peer][_STATE])
+            if state == _FAILED:
+                raise PeerFailedError(f"rank {self.rank}: rank {peer} failed while rank {self.rank} waited on it")
+            if state == _READY and not _alive(int(self._ctl[peer][_PID])):
+                raise PeerFailedError(f"rank {self.rank}: rank {peer} (pid {int(self._ctl[peer][_PID])}) died")
+
+    def barrier(self) -> None:
+        self._barriers += 1
+        target = self._barriers
+        self._ctl[self.rank][_BARRIER] = target
+        spin_until(
+            lambda: all(int(c[_BARRIER]) >= target for c in self._ctl),
+            lambda: f"rank {self.rank}: host barrier #{target} timed out; barrier counts per rank: "
+            f"{[int(c[_BARRIER]) for c in self._ctl]}",
+            world=self,
+        )
+
+    def allgather_ints(self, values: tuple) -> list:
+        """Every rank's tuple of small ints, in rank order."""
+        if len(values) > _GATHER_MAX:
+            raise ValueError(f"allgather_ints takes at most {_GATHER_MAX} values")
+        self._gathers += 1
+        mine = self._ctl[self.rank]
+        mine[_GATHER:_GATHER + len(values)] = torch.tensor(values, dtype=torch.int64)
+        mine[_GATHER_LEN] = len(values)
+        mine[_GATHER_SEQ] = self._gathers
+        seq = self._gathers
+        spin_until(lambda: all(int(c[_GATHER_SEQ]) >= seq for c in self._ctl),
+                   lambda: f"rank {self.rank}: host gather #{seq} timed out", world=self)
+        out = [tuple(int(v) for v in c[_GATHER:_GATHER + int(c[_GATHER_LEN])]) for c in self._ctl]
+        self.barrier()  # nobody overwrites its slot before everyone has read it
+        return out
+
+    def attach_device_barrier(self, slots: torch.Tensor) -> None:
+        """The symmetric words `dl.shmem.barrier_all` uses: slot r holds rank r's latest epoch."""
+        self.device_barrier = slots
+        self._device_barriers = 0
+        self._epoch_lock = threading.Lock()
+
+    def next_device_barrier_epoch(self) -> int:
+        with self._epoch_lock:
+            self._device_barriers += 1
+            return self._device_barriers
+
+    def atomic_lock(self):
+        """A lock held around every atomic read-modify-write, across processes and threads."""
+        return _AtomicLock(self._thread_lock, self._lock_file)
+
+    def close(self, failed: bool = False) -> None:
+        self._ctl[self.rank][_STATE] = _FAILED if failed else _FINISHED
+
+
+class _AtomicLock:
+    def __init__(self, thread_lock, lock_file):
+        self._thread_lock, self._lock_file = thread_lock, lock_file
+
+    def __enter__(self):
+        self._thread_lock.acquire()
+        fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+        self._thread_lock.release()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_i64(address: int) -> int:
+    return ctypes.c_int64.from_address(address).value

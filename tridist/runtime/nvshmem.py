@@ -1,0 +1,89 @@
+"""The GPU backend: one NVSHMEM symmetric heap per rank, allocated through PyTorch.
+
+PyTorch's symmetric memory, with its NVSHMEM backend, allocates the heap (`nvshmem_malloc` under the
+hood) and tells us where each peer's copy is mapped. Kernels call NVSHMEM's device functions from
+`libnvshmem_device.bc`, which Triton links into each module; every compiled module must then be
+initialised with `nvshmemx_cumodule_init` before its first launch.
+"""
+import os
+import sys
+import sysconfig
+
+import torch
+import torch.distributed as dist
+
+from .errors import TridistError
+
+# NVLink multicast must stay off on the machines we test on; these keep every library away from it.
+SAFE_ENVIRONMENT = {
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+_HEAP_HEADROOM = 1 << 30
+_INSTALL_HINT = ("install the NVSHMEM wheel that matches your CUDA: `pip install tridist[gpu]`, or "
+                 "`pip install nvidia-nvshmem-cu13` (CUDA 13) / `nvidia-nvshmem-cu12` (CUDA 12); or point "
+                 "NVSHMEM_LIB_DIR at the folder that holds libnvshmem_device.bc")
+
+
+def device_library_candidates() -> list[str]:
+    folders = []
+    if os.environ.get("NVSHMEM_LIB_DIR"):
+        folders.append(os.environ["NVSHMEM_LIB_DIR"])
+    for root in [sysconfig.get_path("purelib"), *sys.path]:
+        folders.append(os.path.join(root, "nvidia", "nvshmem", "lib"))
+    folders += ["/usr/local/lib", "/usr/lib", "/opt/nvidia/nvshmem/lib"]
+    seen = []
+    for folder in folders:
+        if folder and folder not in seen:
+            seen.append(folder)
+    return [os.path.join(folder, "libnvshmem_device.bc") for folder in seen]
+
+
+def find_device_library() -> str:
+    for path in device_library_candidates():
+        if os.path.exists(path):
+            return path
+    raise TridistError(f"NVSHMEM device library libnvshmem_device.bc not found; {_INSTALL_HINT}")
+
+
+class NvshmemTransport:
+    """Heap, peer views and host synchronisation for the `nvshmem` backend."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, heap_bytes: int, reachable: list[bool]):
+        self.device_library = find_device_library()
+        for key, value in SAFE_ENVIRONMENT.items():
+            os.environ[key] = value
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + _HEAP_HEADROOM))
+        torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=device)
+        if dist.get_world_size() != world_size:
+            raise TridistError(f"torch.distributed has {dist.get_world_size()} ranks, tridist expects {world_size}")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            raise TridistError(f"this PyTorch build cannot use NVSHMEM; {_INSTALL_HINT}")
+        symm_mem.set_backend("NVSHMEM")
+        self.device = device
+        self.heap = symm_mem.empty(heap_bytes, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(self.heap, dist.group.WORLD.group_name)
+        self.heaps = [
+            self._handle.get_buffer(peer, (heap_bytes,), torch.uint8, 0) if reachable[peer] else None
+            for peer in range(world_size)
+        ]
+        self.heaps[rank] = self.heap
+
+    def barrier(self) -> None:
+        torch.cuda.synchronize(self.device)
+        dist.barrier(device_ids=[self.device.index])
+        torch.cuda.synchronize(self.device)
+
+    def allgather_ints(self, values: tuple) -> list:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, tuple(values))
+        return everyone
+
+    def close(self, failed: bool = False) -> None:
+        if not failed:
+            torch.cuda.synchronize(self.device)

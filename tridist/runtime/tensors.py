@@ -1,0 +1,84 @@
+"""Symmetric tensors: ordinary torch tensors that live in the symmetric heap.
+
+They are CUDA tensors on GPUs and CPU tensors in the emulator. A symmetric tensor's address means
+the same buffer on every rank, which is what lets a kernel find a peer's copy (`dl.symm_at`).
+Allocating is collective only in the sense that every rank must do it in the same order.
+"""
+import torch
+
+from .world import heap, transport, world
+
+SIGNAL_DTYPE = torch.int64
+"""Signals are 64-bit words (NVSHMEM's signal type is uint64; the bits are the same)."""
+
+
+def _shape(shape) -> tuple:
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"shape {shape} must be non-negative ints")
+    return shape
+
+
+def symm_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised symmetric tensor. Every rank must allocate the same shapes in the same order."""
+    return heap().allocate(_shape(shape), dtype)
+
+
+def symm_zeros(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zeroed symmetric tensor. Collective: it returns once every rank has zeroed its copy, so that
+    no rank's zeroing can erase what a faster peer already wrote into it."""
+    t = symm_empty(shape, dtype)
+    t.zero_()
+    barrier_all()
+    return t
+
+
+def symm_free(t: torch.Tensor) -> None:
+    """Give a symmetric tensor's memory back. Every rank must free in the same order."""
+    heap().free(t)
+
+
+def signals(n: int) -> torch.Tensor:
+    """`n` zeroed signal words in symmetric memory (collective, like `symm_zeros`)."""
+    return symm_zeros((n,), SIGNAL_DTYPE)
+
+
+def is_symmetric(t: torch.Tensor) -> bool:
+    return heap().contains(t)
+
+
+def peer_tensor(t: torch.Tensor, peer: int) -> torch.Tensor:
+    """`peer`'s copy of the symmetric tensor `t`, as a tensor this rank can read and write.
+
+    Only for peers on this (virtual) node; other nodes are reached with put/get inside kernels.
+    """
+    w = world()
+    if not 0 <= peer < w.world_size:
+        raise ValueError(f"peer {peer} is outside the world of {w.world_size} ranks")
+    if not is_symmetric(t):
+        raise ValueError("peer_tensor takes a symmetric tensor; allocate it with tridist.symm_empty")
+    base = transport().heaps[peer]
+    if base is None or not w.same_node(peer):
+        raise ValueError(f"rank {peer} is on node {w.node_of(peer)}, not load/store reachable from rank {w.rank} "
+                         f"on node {w.node}; move data to it with put/get inside a kernel")
+    offset = heap().offset_of(t)
+    if offset % t.element_size():
+        raise ValueError("peer_tensor takes a tensor aligned to its element size")
+    return torch.as_strided(base.view(t.dtype), t.size(), t.stride(), offset // t.element_size())
+
+
+def barrier_all() -> None:
+    """Host barrier: returns on every rank once all ranks have called it (and, on GPU, once the
+    device work queued before it has finished)."""
+    transport().barrier()
+
+
+def check_tensor(t: torch.Tensor, name: str) -> None:
+    """Host functions call this on their tensor arguments: contiguous and on this rank's device."""
+    w = world()
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != w.device:
+        raise ValueError(f"{name} is on {t.device} but this rank's device is {w.device}; move it with .to({str(w.device)!r})")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")

@@ -1,0 +1,172 @@
+"""The world: who this rank is, how ranks group into (possibly virtual) nodes, and its heap.
+
+`init()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), starts the
+backend chosen at import (see `backend.py`) and allocates the symmetric heap. With `nnodes` (or
+TRIDIST_NNODES) the ranks of one host are split into that many virtual nodes: peers on another
+virtual node are treated as remote (reached with put/get, never through a pointer), so the
+inter-node code paths run on a single machine.
+"""
+import atexit
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from . import backend as _backend
+from . import config
+from .errors import NotInitializedError, TridistError
+from .heap import SymmetricHeap
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int
+    nnodes: int
+    backend: str
+    device: torch.device
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    def same_node(self, rank: int) -> bool:
+        return self.node_of(rank) == self.node
+
+
+class _State:
+    world: World | None = None
+    transport = None
+    heap: SymmetricHeap | None = None
+    finalized = False
+
+
+_state = _State()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def _layout(nnodes: int | None) -> tuple[int, int, int, int, int, int]:
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    host_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if not 0 <= rank < world_size:
+        raise TridistError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    if world_size % host_world:
+        raise TridistError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={host_world}")
+    if nnodes is None:
+        nnodes = _env_int("TRIDIST_NNODES", world_size // host_world)
+    if nnodes < 1 or world_size % nnodes:
+        raise TridistError(f"nnodes={nnodes} must divide the world size {world_size}")
+    per_node = world_size // nnodes
+    if host_world % per_node:
+        raise TridistError(
+            f"nnodes={nnodes} gives {per_node} ranks per node, which does not split the {host_world} ranks of a "
+            "host evenly; choose nnodes so that ranks per host is a multiple of ranks per node"
+        )
+    return rank, world_size, rank % per_node, per_node, rank // per_node, nnodes
+
+
+def init(backend: str | None = None, nnodes: int | None = None) -> World:
+    """Join the world; idempotent. See the module docstring for what it reads."""
+    if _state.world is not None:
+        w = _state.world
+        if (backend not in (None, w.backend)) or (nnodes not in (None, w.nnodes)):
+            raise TridistError(f"tridist is already initialised with backend={w.backend}, nnodes={w.nnodes}")
+        return w
+    if _state.finalized:
+        raise TridistError("tridist.init() after tridist.finalize() is not supported; start a new process")
+    if backend is not None and backend != _backend.BACKEND:
+        raise TridistError(
+            f"backend={backend!r} but this process imported tridist with the {_backend.BACKEND!r} backend; "
+            f"set TRIDIST_BACKEND={backend} before importing tridist (kernels are defined at import)"
+        )
+    rank, world_size, local_rank, local_world_size, node, nnodes = _layout(nnodes)
+    heap_bytes = config.heap_bytes(_backend.BACKEND)
+    if _backend.BACKEND == _backend.EMULATOR:
+        from .emulator import EmulatorWorld
+
+        device = torch.device("cpu")
+        transport = EmulatorWorld(_emulator_folder(world_size), rank, world_size, heap_bytes)
+    else:
+        from .nvshmem import NvshmemTransport
+
+        host_rank = _env_int("LOCAL_RANK", rank % _env_int("LOCAL_WORLD_SIZE", world_size))
+        if host_rank >= torch.cuda.device_count():
+            raise TridistError(
+                f"rank {rank} wants GPU {host_rank} but this host has {torch.cuda.device_count()}; "
+                "start at most one rank per GPU"
+            )
+        device = torch.device("cuda", host_rank)
+        per_node = world_size // nnodes
+        reachable = [peer // per_node == node for peer in range(world_size)]
+        transport = NvshmemTransport(rank, world_size, device, heap_bytes, reachable)
+    world = World(rank, world_size, local_rank, local_world_size, node, nnodes, _backend.BACKEND, device)
+    _state.transport = transport
+    _state.heap = SymmetricHeap(transport, rank, checked=_backend.is_emulator() or config.debug())
+    _state.world = world
+    if _backend.is_emulator():
+        transport.attach_device_barrier(_state.heap.allocate((world_size,), torch.int64))
+    _install_failure_hook()
+    atexit.register(finalize)
+    return world
+
+
+def _emulator_folder(world_size: int) -> str:
+    folder = os.environ.get("TRIDIST_EMU_DIR")
+    if folder:
+        return folder
+    if world_size > 1:
+        raise TridistError(
+            f"WORLD_SIZE={world_size} in the emulator needs the ranks' shared folder; start the job with "
+            f"`tridist run -n {world_size} script.py`"
+        )
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    folder = tempfile.mkdtemp(prefix="tridist-", dir=root)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+def _install_failure_hook() -> None:
+    previous = sys.excepthook
+
+    def mark_failed(kind, value, traceback):
+        if _state.transport is not None:
+            _state.transport.close(failed=True)
+        previous(kind, value, traceback)
+
+    sys.excepthook = mark_failed
+
+
+def finalize() -> None:
+    """Leave the world. Buffers from the symmetric heap must not be used afterwards."""
+    if _state.world is None:
+        return
+    _state.transport.close()
+    _state.world = None
+    _state.heap = None
+    _state.finalized = True
+
+
+def world() -> World:
+    if _state.world is None:
+        raise NotInitializedError("tridist is not initialised: call tridist.init() first")
+    return _state.world
+
+
+def heap() -> SymmetricHeap:
+    world()
+    return _state.heap
+
+
+def transport():
+    world()
+    return _state.transport
