@@ -135,8 +135,8 @@ def _wait_until(addresses: np.ndarray, dtype, compare: int, expected, what: str)
 
     def describe():
         return (f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} on the signal at "
-                f"{_where(int(addresses.reshape(-1)[0]))} ({box[0].size} word(s)) never satisfied "
-                f"{text} {expected}; observed {box[0].reshape(-1).tolist()}")
+                f"{_where(int(addresses.reshape(-1)[0]))} ({box[0].size} word(s)): expected {text} {expected}, "
+                f"observed {box[0].reshape(-1).tolist()}")
 
     emulator.spin_until(done, describe, world=transport())
     return box[0]

@@ -70,15 +70,18 @@ def _no_arguments(symbol: tl.constexpr, _semantic=None):
     return _extern(core._unwrap_if_constexpr(symbol), [], (), "int32", _semantic)
 
 
-_TYPE_NAMES = {"int32": "int", "int64": "int64", "uint64": "uint64", "fp32": "float", "fp64": "double",
-               "uint32": "uint32"}
+# NVSHMEM's type names: its RMA functions take fixed-width names, its atomics the C names.
+_RMA_TYPES = {"int32": "int32", "int64": "int64", "uint32": "uint32", "uint64": "uint64", "fp32": "float",
+              "fp64": "double"}
+_ATOMIC_TYPES = {"int32": "int", "int64": "long", "uint32": "uint", "uint64": "ulong"}
 
 
 def _typed(name, pointer):
     element = pointer.dtype.element_ty if pointer.dtype.is_ptr() else pointer.type.scalar.element_ty
-    if element.name not in _TYPE_NAMES:
-        raise TypeError(f"{name} supports {', '.join(_TYPE_NAMES)} elements, not {element.name}")
-    return f"nvshmem_{_TYPE_NAMES[element.name]}_{name}", element
+    types = _ATOMIC_TYPES if name.startswith("atomic_") else _RMA_TYPES
+    if element.name not in types:
+        raise TypeError(f"shmem.{name} takes pointers to {', '.join(types)}, not {element.name}")
+    return f"nvshmem_{types[element.name]}_{name}", element
 
 
 @core.extern
@@ -114,6 +117,13 @@ def _global_time_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
+@triton.jit
+def _trap():
+    # Ends the kernel with an error the host sees at its next synchronisation (tl.device_assert
+    # would be compiled out unless Triton's own debug mode is on).
+    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # ---- identity and addressing ---------------------------------------------------------------------
 @triton.jit
 def rank():
@@ -132,7 +142,7 @@ def symm_at(ptr, peer):
 
 # ---- memory order --------------------------------------------------------------------------------
 @triton.jit
-def ld(ptr, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acquire"):
+def ld(ptr, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acquire")):
     if ptr.dtype.element_ty.primitive_bitwidth == 64:
         return tl.inline_asm_elementwise("ld.global." + semantic + "." + scope + ".b64 $0, [$1];", "=l,l", [ptr],
                                          dtype=ptr.dtype.element_ty, is_pure=False, pack=1)
@@ -142,34 +152,35 @@ def ld(ptr, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acquire"):
 
 
 @triton.jit
-def st(ptr, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "release"):
+def st(ptr, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("release")):
     if ptr.dtype.element_ty.primitive_bitwidth == 64:
         tl.inline_asm_elementwise("st.global." + semantic + "." + scope + ".b64 [$1], $2; mov.u32 $0, 0;",
-                                  "=r,l,l", [ptr, value.to(ptr.dtype.element_ty)], dtype=tl.int32, is_pure=False,
+                                  "=r,l,l", [ptr, tl.cast(value, ptr.dtype.element_ty)], dtype=tl.int32, is_pure=False,
                                   pack=1)
     else:
         tl.inline_asm_elementwise("st.global." + semantic + "." + scope + ".b32 [$1], $2; mov.u32 $0, 0;",
-                                  "=r,l,r", [ptr, value.to(ptr.dtype.element_ty)], dtype=tl.int32, is_pure=False,
+                                  "=r,l,r", [ptr, tl.cast(value, ptr.dtype.element_ty)], dtype=tl.int32, is_pure=False,
                                   pack=1)
 
 
 @triton.jit
-def atomic_add(ptr, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acq_rel"):
+def atomic_add(ptr, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acq_rel")):
     return tl.atomic_add(ptr, value, sem=semantic, scope=scope)
 
 
 @triton.jit
-def atomic_cas(ptr, compare, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acq_rel"):
-    return tl.atomic_cas(ptr, compare, value, sem=semantic, scope=scope)
+def atomic_cas(ptr, compare, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acq_rel")):
+    element = ptr.dtype.element_ty
+    return tl.atomic_cas(ptr, tl.cast(compare, element), tl.cast(value, element), sem=semantic, scope=scope)
 
 
 @triton.jit
-def atomic_xchg(ptr, value, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acq_rel"):
+def atomic_xchg(ptr, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acq_rel")):
     return tl.atomic_xchg(ptr, value, sem=semantic, scope=scope)
 
 
 @triton.jit
-def fence(scope: tl.constexpr = "sys"):
+def fence(scope: tl.constexpr = tl.constexpr("sys")):
     tl.inline_asm_elementwise("fence.acq_rel." + scope + "; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -201,8 +212,7 @@ def _spin(ptr, cmp: tl.constexpr, value, scope: tl.constexpr, semantic: tl.const
             if _global_time_ns() - start > TIMEOUT_NS:
                 tl.device_print("tridist wait timed out: rank, signal address, expected, observed", _my_pe(),
                                 ptr.to(tl.int64), value, observed)
-                tl.device_assert(False, "tridist: a bounded wait expired (TRIDIST_DEBUG)")
-                start = _global_time_ns()
+                _trap()
             observed = ld(ptr, scope, semantic)
     else:
         while not _compare(observed, cmp, value):
@@ -211,7 +221,7 @@ def _spin(ptr, cmp: tl.constexpr, value, scope: tl.constexpr, semantic: tl.const
 
 
 @triton.jit
-def wait(ptr, num, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acquire", waitValue=1):
+def wait(ptr, num, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acquire"), waitValue=1):
     token = ld(ptr, scope, semantic)
     for i in range(num):
         token = _spin(ptr + i, CMP_EQ, waitValue, scope, semantic)
@@ -220,27 +230,25 @@ def wait(ptr, num, scope: tl.constexpr = "gpu", semantic: tl.constexpr = "acquir
 
 @triton.jit
 def consume_token(x, token):
-    # The asm reads the token, so nothing computed from its result (the addresses of later loads)
-    # can be scheduled before the wait that produced the token.
-    if x.dtype.is_ptr():
-        return tl.inline_asm_elementwise("mov.b64 $0, $1; // $2", "=l,l,l", [x.to(tl.int64), token.to(tl.int64)],
-                                         dtype=tl.int64, is_pure=True, pack=1).to(x.dtype, bitcast=True)
-    else:
-        return tl.inline_asm_elementwise("mov.b64 $0, $1; // $2", "=l,l,l", [x.to(tl.int64), token.to(tl.int64)],
-                                         dtype=tl.int64, is_pure=True, pack=1).to(x.dtype)
+    # A zero that the compiler cannot know before the wait has returned: anything computed from
+    # `x + zero` (the addresses of later loads) stays after the wait. Declaring it a multiple of
+    # 16 keeps the alignment of pointer blocks, so their loads stay vectorised.
+    zero = tl.inline_asm_elementwise("mov.b32 $0, 0; // $1", "=r,l", [tl.cast(token, tl.int64)], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+    return x + tl.multiple_of(zero, 16)
 
 
 @triton.jit
-def notify(ptr, peer, signal=1, sig_op: tl.constexpr = "set", comm_scope: tl.constexpr = "gpu"):
+def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm_scope: tl.constexpr = tl.constexpr("gpu")):
     # Every thread's earlier writes must be visible before the signal: the barrier makes them
     # visible to the signalling thread, and its release (or NVSHMEM's fence) carries them along.
     tl.debug_barrier()
     if comm_scope == "inter_node":
         if _thread_index() == 0:
             if sig_op == "add":
-                _signal_op(ptr.to(tl.int64), signal.to(tl.uint64), SIGNAL_ADD, peer)
+                _signal_op(ptr.to(tl.int64), tl.cast(signal, tl.uint64), SIGNAL_ADD, peer)
             else:
-                _signal_op(ptr.to(tl.int64), signal.to(tl.uint64), SIGNAL_SET, peer)
+                _signal_op(ptr.to(tl.int64), tl.cast(signal, tl.uint64), SIGNAL_SET, peer)
     else:
         remote = symm_at(ptr, peer)
         if sig_op == "add":
@@ -269,12 +277,12 @@ def ptr(dest, pe):
 def _issue_copy(symbol: tl.constexpr, threads: tl.constexpr, dest, source, nbytes, pe):
     if threads == 1:
         if _thread_index() == 0:
-            _copy(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), pe)
+            _copy(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), pe)
     elif threads == 32:
         if _thread_index() < 32:
-            _copy(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), pe)
+            _copy(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), pe)
     else:
-        _copy(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), pe)
+        _copy(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), pe)
 
 
 @triton.jit
@@ -342,11 +350,11 @@ def _issue_copy_signal(symbol: tl.constexpr, threads: tl.constexpr, dest, source
                        pe):
     if threads == 1:
         if _thread_index() == 0:
-            _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), sig_addr.to(tl.int64),
-                         signal.to(tl.uint64), sig_op, pe)
+            _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), sig_addr.to(tl.int64),
+                         tl.cast(signal, tl.uint64), sig_op, pe)
     else:
-        _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), nbytes.to(tl.int64), sig_addr.to(tl.int64),
-                     signal.to(tl.uint64), sig_op, pe)
+        _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), sig_addr.to(tl.int64),
+                     tl.cast(signal, tl.uint64), sig_op, pe)
 
 
 @triton.jit
@@ -372,7 +380,7 @@ def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
 @triton.jit
 def signal_op(sig_addr, signal, sig_op, pe):
     if _thread_index() == 0:
-        _signal_op(sig_addr.to(tl.int64), signal.to(tl.uint64), sig_op, pe)
+        _signal_op(sig_addr.to(tl.int64), tl.cast(signal, tl.uint64), sig_op, pe)
 
 
 @triton.jit
@@ -380,7 +388,7 @@ def signal_wait_until(sig_addr, cmp: tl.constexpr, cmp_value):
     if DEBUG:
         return _spin(sig_addr, cmp, cmp_value, "sys", "acquire")
     else:
-        return _signal_wait_until(sig_addr.to(tl.int64), cmp, cmp_value.to(tl.uint64))
+        return _signal_wait_until(sig_addr.to(tl.int64), cmp, tl.cast(cmp_value, tl.uint64))
 
 
 @triton.jit
@@ -406,7 +414,7 @@ def sync_all():
 @triton.jit
 def p(dest, value, pe):
     if _thread_index() == 0:
-        _typed_put(dest, value, pe)
+        _typed_put(dest, tl.cast(value, dest.dtype.element_ty), pe)
 
 
 @triton.jit
@@ -416,18 +424,19 @@ def g(source, pe):
 
 @triton.jit
 def _from_first_thread(value):
-    # Thread 0 holds the answer; a max over a block that every thread owns part of (and that is
-    # large enough for no element to be replicated) hands it to all threads.
+    # Thread 0 holds the answer. Each element of a 1024-wide block belongs to exactly one thread
+    # (programs have at most 1024 threads), so a max over the block, with every thread but thread 0
+    # contributing the smallest value of the type, hands thread 0's value to all threads.
     lanes = tl.full([1024], 0, tl.int32) + _thread_index()
-    return tl.max(tl.where(lanes == 0, value, tl.full([1024], 0, value.dtype) + value.dtype.get_int_min_value()
-                           if value.dtype.is_int() else -float("inf")), axis=0)
+    lowest = tl.full([1024], value.dtype.get_int_min_value(), value.dtype)
+    return tl.max(tl.where(lanes == 0, value, lowest), axis=0)
 
 
 @triton.jit
 def atomic_fetch_add(dest, value, pe):
     old = tl.zeros((), dest.dtype.element_ty)
     if _thread_index() == 0:
-        old = _typed_atomic("fetch_add", dest, (value.to(dest.dtype.element_ty),), pe)
+        old = _typed_atomic("fetch_add", dest, (tl.cast(value, dest.dtype.element_ty),), pe)
     return _from_first_thread(old)
 
 
@@ -435,7 +444,7 @@ def atomic_fetch_add(dest, value, pe):
 def atomic_compare_swap(dest, cond, value, pe):
     old = tl.zeros((), dest.dtype.element_ty)
     if _thread_index() == 0:
-        old = _typed_atomic("compare_swap", dest, (cond.to(dest.dtype.element_ty), value.to(dest.dtype.element_ty)), pe)
+        old = _typed_atomic("compare_swap", dest, (tl.cast(cond, dest.dtype.element_ty), tl.cast(value, dest.dtype.element_ty)), pe)
     return _from_first_thread(old)
 
 
@@ -448,7 +457,7 @@ def atomic_inc(dest, pe):
 @triton.jit
 def atomic_set(dest, value, pe):
     if _thread_index() == 0:
-        _typed_atomic("set", dest, (value.to(dest.dtype.element_ty),), pe)
+        _typed_atomic("set", dest, (tl.cast(value, dest.dtype.element_ty),), pe)
 
 
 # ---- low-latency packets -------------------------------------------------------------------------
@@ -466,8 +475,7 @@ def wait_packets(ptrs, mask, flag):
             if _global_time_ns() - start > TIMEOUT_NS:
                 tl.device_print("tridist LL wait timed out: rank, expected flag, stale packets", _my_pe(), flag,
                                 _stale(packets, mask, flag))
-                tl.device_assert(False, "tridist: a bounded wait expired (TRIDIST_DEBUG)")
-                start = _global_time_ns()
+                _trap()
             packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
     else:
         while _stale(packets, mask, flag) > 0:

@@ -23,7 +23,7 @@ else:
 @triton.jit
 def pack(data, flag):
     """int32 `data` and an int32 `flag` -> int64 packets."""
-    return (flag.to(tl.int64) << 32) | (data.to(tl.int64) & 0xFFFFFFFF)
+    return (tl.cast(flag, tl.int64) << 32) | (data.to(tl.int64) & 0xFFFFFFFF)
 
 
 @triton.jit

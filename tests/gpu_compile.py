@@ -1,0 +1,82 @@
+"""Compiles kernels for a Hopper GPU (sm_90) on a machine without one: `python -m tests.gpu_compile`.
+
+Catches type and lowering errors of the GPU path (inline PTX, NVSHMEM declarations, linking
+libnvshmem_device.bc, ptxas) before any GPU time is spent. Each case names a kernel, its argument
+types and its constexprs; the module is run in a subprocess by tests/test_gpu_compile.py because
+the backend is fixed when tridist is imported.
+"""
+import os
+import sys
+import time
+
+os.environ["TRIDIST_BACKEND"] = "nvshmem"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tridist.ops import sync  # noqa: E402
+from tridist.runtime.nvshmem import find_device_library  # noqa: E402
+
+from . import test_language as lang  # noqa: E402
+from . import test_shmem as shmem  # noqa: E402
+
+
+def cases():
+    return [
+        (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
+        (lang.push_allgather_kernel, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
+                                      "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
+        (lang.produce_kernel, {"data_ptr": "*i32", "flag_ptr": "*i64", "peer": "i32", "value": "i32", "n": "i32",
+                               "BLOCK": "constexpr"}, {"BLOCK": 64}),
+        (lang.consume_kernel, {"data_ptr": "*i32", "flag_ptr": "*i64", "out_ptr": "*i32", "value": "i32", "n": "i32",
+                               "BLOCK": "constexpr"}, {"BLOCK": 64}),
+        (lang.count_kernel, {"counter_ptr": "*i64", "adds": "i32", "INTRA_NODE": "constexpr"}, {"INTRA_NODE": True}),
+        (lang.count_kernel, {"counter_ptr": "*i64", "adds": "i32", "INTRA_NODE": "constexpr"}, {"INTRA_NODE": False}),
+        (lang.cas_xchg_kernel, {"word_ptr": "*i64", "out_ptr": "*i64"}, {}),
+        (lang.notify_add_kernel, {"signal_ptr": "*i64", "rounds": "i32", "total": "i32"}, {}),
+        (lang.never_signalled_kernel, {"flag_ptr": "*i64"}, {}),
+        (lang.stamp_kernel, {"slots_ptr": "*i64", "value": "i32"}, {}),
+        (sync._barrier_kernel, {}, {}),
+        (sync._sleep_kernel, {"duration_ns": "i64"}, {}),
+        *[(shmem.ring_put_signal_kernel, {"src_ptr": "*fp32", "dst_ptr": "*fp32", "signal_ptr": "*i64",
+                                          "nbytes": "i32", "epoch": "i32", "VARIANT": "constexpr"}, {"VARIANT": v})
+          for v in range(len(shmem.PUT_SIGNAL_VARIANTS))],
+        (shmem.putmem_signal_allgather_kernel, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64",
+                                                "n": "i32", "epoch": "i32"}, {}),
+        *[(shmem.put_get_kernel, {"src_ptr": "*i32", "put_dst_ptr": "*i32", "get_dst_ptr": "*i32", "nbytes": "i32",
+                                  "VARIANT": "constexpr"}, {"VARIANT": v}) for v in range(len(shmem.COPY_VARIANTS))],
+        (shmem.typed_p_g_kernel, {"i32_ptr": "*i32", "i64_ptr": "*i64", "f32_ptr": "*fp32", "out_ptr": "*fp64"}, {}),
+        (shmem.remote_atomics_kernel, {"counter_ptr": "*i64", "word_ptr": "*i64", "flag_ptr": "*i64",
+                                       "out_ptr": "*i64"}, {}),
+        (shmem.shmem_ptr_kernel, {"buf_ptr": "*i32", "out_ptr": "*i32"}, {}),
+        (shmem.ll_ping_pong_kernel, {"packets_ptr": "*i64", "src_ptr": "*i32", "out_ptr": "*i32", "peer": "i32",
+                                     "rounds": "i32", "initiator": "i32", "n": "i32", "BLOCK": "constexpr"},
+         {"BLOCK": 128}),
+    ]
+
+
+def compile_for_hopper(kernel, signature, constexprs, debug=False):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": 4, "debug": debug, "extern_libs": {"libnvshmem_device": find_device_library()}}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main() -> int:
+    failures = 0
+    debug = os.environ.get("TRIDIST_DEBUG") == "1"
+    for kernel, signature, constexprs in cases():
+        start = time.monotonic()
+        try:
+            compiled = compile_for_hopper(kernel, signature, constexprs, debug)
+            assert "cubin" in compiled.asm
+            print(f"ok    {kernel.__name__} {constexprs or ''} ({time.monotonic() - start:.1f} s)", flush=True)
+        except Exception as error:  # noqa: BLE001 - every failure is listed
+            failures += 1
+            print(f"FAIL  {kernel.__name__} {constexprs or ''}: {type(error).__name__}: {error}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Runs test bodies on every rank of a world that is started once per test session.
+
+Starting Python, torch and Triton costs seconds per process, so each world size gets one pool of
+rank processes for the whole session, and a test hands it a body: a module-level function
+`body(world, **kwargs)` that every rank runs at once. A body that fails on any rank fails the test
+with every rank's traceback; the pool is then thrown away (a failed rank may leave peers waiting)
+and the next test starts a fresh one.
+
+Worlds are named "N" (N ranks, one node) or "KxL" (K virtual nodes of L ranks each).
+"""
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import socket
+import tempfile
+import traceback
+
+_BODY_TIMEOUT_S = float(os.environ.get("TRIDIST_TEST_TIMEOUT", "300"))
+
+
+def parse_world(name: str) -> tuple[int, int | None]:
+    if "x" in name:
+        nodes, per_node = (int(v) for v in name.split("x"))
+        return nodes * per_node, nodes
+    return int(name), None
+
+
+def backend() -> str:
+    name = os.environ.get("TRIDIST_BACKEND")
+    if name:
+        return name
+    import torch
+
+    return "nvshmem" if torch.cuda.is_available() else "emulator"
+
+
+def default_worlds() -> list[str]:
+    spec = os.environ.get("TRIDIST_TEST_WORLDS")
+    if spec:
+        return [w.strip() for w in spec.split(",") if w.strip()]
+    if backend() == "nvshmem":
+        import torch
+
+        return ["1", "2", "2x1"] if torch.cuda.device_count() >= 2 else ["1"]
+    return ["1", "2", "3", "4", "2x2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, env: dict, conn) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    import importlib
+
+    import tridist
+
+    world = tridist.init()
+    conn.send(("ready", None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        module, name, kwargs = message
+        try:
+            result = getattr(importlib.import_module(module), name)(world, **kwargs)
+        except BaseException:  # noqa: BLE001 - reported to the parent, then this rank leaves
+            conn.send(("error", traceback.format_exc()))
+            from tridist.runtime.world import transport
+
+            transport().close(failed=True)
+            os._exit(1)
+        conn.send(("ok", result))
+    tridist.finalize()
+
+
+class WorldPool:
+    def __init__(self, name: str):
+        self.name = name
+        self.size, self.nnodes = parse_world(name)
+        self.backend = backend()
+        self._processes, self._conns, self._folder = [], [], None
+
+    def _start(self) -> None:
+        env = {"TRIDIST_BACKEND": self.backend, "WORLD_SIZE": str(self.size), "LOCAL_WORLD_SIZE": str(self.size),
+               "TRIDIST_WAIT_TIMEOUT": os.environ.get("TRIDIST_WAIT_TIMEOUT", "60")}
+        if self.nnodes:
+            env["TRIDIST_NNODES"] = str(self.nnodes)
+        if self.backend == "emulator":
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._folder = tempfile.mkdtemp(prefix="tridist-test-", dir=root)
+            env.update(TRITON_INTERPRET="1", TRIDIST_EMU_DIR=self._folder,
+                       TRIDIST_HEAP_SIZE=os.environ.get("TRIDIST_HEAP_SIZE", "64M"))
+        else:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NVSHMEM_DISABLE_NVLS="1",
+                       NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+        context = multiprocessing.get_context("spawn")
+        for rank in range(self.size):
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker, args=(rank, env, child), daemon=True)
+            process.start()
+            self._processes.append(process)
+            self._conns.append(parent)
+        self._collect("start")
+
+    def run(self, body, **kwargs) -> list:
+        """Run `body(world, **kwargs)` on every rank; returns the ranks' results in rank order."""
+        if not self._processes:
+            self._start()
+        for conn in self._conns:
+            conn.send((body.__module__, body.__name__, kwargs))
+        return self._collect(body.__name__)
+
+    def _collect(self, what: str) -> list:
+        results, errors = [None] * self.size, []
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = multiprocessing.connection.wait(list(pending.values()), timeout=_BODY_TIMEOUT_S)
+            if not ready:
+                errors.append(f"ranks {sorted(pending)} did not finish {what} within {_BODY_TIMEOUT_S:.0f} s")
+                break
+            for rank, conn in list(pending.items()):
+                if conn in ready:
+                    del pending[rank]
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:
+                        errors.append(f"rank {rank} died during {what}")
+                        continue
+                    if status == "error":
+                        errors.append(f"rank {rank}:\n{value}")
+                    else:
+                        results[rank] = value
+            if errors:
+                break
+        if errors:
+            self.close()
+            raise AssertionError(f"world {self.name}, {what}:\n" + "\n".join(errors))
+        return results
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._processes, self._conns = [], []
+        if self._folder:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None

@@ -1,0 +1,239 @@
+"""The device API (`tridist.language`) on every world size, each test checked against a reference."""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+import tridist
+import tridist.language as dl
+
+# ---- identity -------------------------------------------------------------------------------------
+
+
+@tridist.jit
+def identity_kernel(out_ptr):
+    tl.store(out_ptr, dl.rank())
+    tl.store(out_ptr + 1, dl.num_ranks())
+    tl.store(out_ptr + 2, dl.shmem.my_pe())
+    tl.store(out_ptr + 3, dl.shmem.n_pes())
+
+
+def _identity(w):
+    out = torch.full((4,), -1, dtype=torch.int32, device=w.device)
+    identity_kernel[(1,)](out)
+    assert out.tolist() == [w.rank, w.world_size, w.rank, w.world_size]
+
+
+def test_identity(world):
+    world.run(_identity)
+
+
+# ---- push all-gather through symm_at --------------------------------------------------------------
+
+
+@tridist.jit
+def push_allgather_kernel(shard_ptr, out_ptr, flags_ptr, n, epoch, BLOCK: tl.constexpr):
+    """Program p writes this rank's shard into slot `rank` of peer p's output, then raises the
+    peer's flag `rank`; program `rank` then waits for every flag of this rank."""
+    me = dl.rank()
+    peer = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        mask = start + offsets < n
+        data = tl.load(shard_ptr + start + offsets, mask=mask)
+        tl.store(dl.symm_at(out_ptr + me * n + start + offsets, peer), data, mask=mask)
+    dl.notify(flags_ptr + me, peer, signal=epoch, sig_op="set")
+    if peer == me:
+        dl.wait(flags_ptr, dl.num_ranks(), waitValue=epoch)
+
+
+def _push_allgather(w, n):
+    out = tridist.symm_empty((w.world_size, n), torch.float32)
+    flags = tridist.signals(w.world_size)
+    for epoch in range(1, 4):
+        torch.manual_seed(epoch)
+        everyone = torch.randn(w.world_size, n)
+        out.fill_(float("nan"))
+        tridist.barrier_all()
+        push_allgather_kernel[(w.world_size,)](everyone[w.rank].to(w.device), out, flags, n, epoch, BLOCK=128)
+        tridist.barrier_all()
+        assert torch.equal(out.cpu(), everyone)
+    tridist.symm_free(flags)
+    tridist.symm_free(out)
+
+
+def test_push_allgather_symm_at(world):
+    if world.nnodes:
+        return  # symm_at reaches only this node; the shmem tests cover other nodes
+    world.run(_push_allgather, n=300)
+
+
+# ---- wait / consume_token ordering ------------------------------------------------------------------
+
+
+@tridist.jit
+def produce_kernel(data_ptr, flag_ptr, peer, value, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(dl.symm_at(data_ptr + offsets, peer), tl.full([BLOCK], 0, tl.int32) + value, mask=offsets < n)
+    dl.notify(flag_ptr, peer, signal=value, sig_op="set")
+
+
+@tridist.jit
+def consume_kernel(data_ptr, flag_ptr, out_ptr, value, n, BLOCK: tl.constexpr):
+    token = dl.wait(flag_ptr, 1, scope="sys", semantic="acquire", waitValue=value)
+    offsets = tl.arange(0, BLOCK)
+    data = tl.load(dl.consume_token(data_ptr + offsets, token), mask=offsets < n)
+    tl.store(out_ptr + offsets, data, mask=offsets < n)
+
+
+def _wait_consume_token(w, rounds):
+    """Rank r produces for the next rank of its node; the consumer must never see data older than
+    the flag it waited for."""
+    n = 64
+    data = tridist.symm_zeros((n,), torch.int32)
+    flag = tridist.signals(1)
+    out = torch.empty(n, dtype=torch.int32, device=w.device)
+    first = w.node * w.local_world_size
+    peer = first + (w.local_rank + 1) % w.local_world_size
+    for value in range(1, rounds + 1):
+        produce_kernel[(1,)](data, flag, peer, value, n, BLOCK=64)
+        out.fill_(-1)
+        consume_kernel[(1,)](data, flag, out, value, n, BLOCK=64)
+        assert (out == value).all(), (value, out.tolist())
+        tridist.barrier_all()  # the producer of the next round must not overwrite unread data
+    tridist.symm_free(flag)
+    tridist.symm_free(data)
+
+
+def test_wait_consume_token(world):
+    world.run(_wait_consume_token, rounds=5)
+
+
+# ---- atomics from every rank to one counter ---------------------------------------------------------
+
+
+@tridist.jit
+def count_kernel(counter_ptr, adds, INTRA_NODE: tl.constexpr):
+    for _ in range(adds):
+        if INTRA_NODE:
+            dl.atomic_add(dl.symm_at(counter_ptr, 0), 1, scope="sys", semantic="relaxed")
+        else:
+            dl.shmem.atomic_inc(counter_ptr, 0)
+
+
+def _atomic_counter(w, adds, programs):
+    counter = tridist.symm_zeros((1,), torch.int64)
+    count_kernel[(programs,)](counter, adds, INTRA_NODE=w.nnodes == 1)
+    tridist.barrier_all()
+    if w.rank == 0:
+        assert int(counter.item()) == adds * programs * w.world_size, int(counter.item())
+    tridist.symm_free(counter)
+
+
+def test_atomic_counter_exact(world):
+    world.run(_atomic_counter, adds=20, programs=3)
+
+
+@tridist.jit
+def cas_xchg_kernel(word_ptr, out_ptr):
+    previous = dl.atomic_cas(word_ptr, 0, 7, scope="gpu", semantic="acq_rel")
+    swapped = dl.atomic_xchg(word_ptr, 9, scope="gpu", semantic="acq_rel")
+    tl.store(out_ptr, previous)
+    tl.store(out_ptr + 1, swapped)
+    tl.store(out_ptr + 2, dl.ld(word_ptr, scope="gpu", semantic="acquire"))
+    dl.st(word_ptr, 11, scope="sys", semantic="release")
+    dl.fence()
+    tl.store(out_ptr + 3, dl.ld(word_ptr, scope="sys", semantic="relaxed"))
+
+
+def _cas_xchg(w):
+    word = tridist.symm_zeros((1,), torch.int64)
+    out = torch.full((4,), -1, dtype=torch.int64, device=w.device)
+    cas_xchg_kernel[(1,)](word, out)
+    assert out.tolist() == [0, 7, 9, 11]
+    tridist.symm_free(word)
+
+
+def test_local_memory_order_ops(world):
+    world.run(_cas_xchg)
+
+
+# ---- notify with add, and the timeout diagnostic ----------------------------------------------------
+
+
+@tridist.jit
+def notify_add_kernel(signal_ptr, rounds, total):
+    for _ in range(rounds):
+        dl.notify(signal_ptr, 0, signal=1, sig_op="add", comm_scope="inter_node")
+    if dl.rank() == 0:
+        dl.shmem.signal_wait_until(signal_ptr, dl.shmem.CMP_GE, total)
+
+
+def _notify_add(w, rounds):
+    signal = tridist.signals(1)
+    notify_add_kernel[(1,)](signal, rounds, rounds * w.world_size)
+    tridist.barrier_all()
+    if w.rank == 0:
+        assert int(signal.item()) == rounds * w.world_size
+    tridist.symm_free(signal)
+
+
+def test_notify_add(world):
+    world.run(_notify_add, rounds=4)
+
+
+@tridist.jit
+def never_signalled_kernel(flag_ptr):
+    dl.wait(flag_ptr, 2, waitValue=1)
+
+
+def _timeout_diagnostic(w):
+    flags = tridist.signals(2)
+    previous = os.environ.get("TRIDIST_WAIT_TIMEOUT")
+    os.environ["TRIDIST_WAIT_TIMEOUT"] = "0.3"
+    try:
+        never_signalled_kernel[(1,)](flags)
+    except tridist.WaitTimeoutError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a wait that cannot finish returned")
+    finally:
+        os.environ["TRIDIST_WAIT_TIMEOUT"] = previous
+    for part in (f"rank {w.rank}", "never_signalled_kernel", "heap offset", "expected == 1", "observed [0, 0]"):
+        assert part in message, (part, message)
+    tridist.barrier_all()
+    tridist.symm_free(flags)
+
+
+def test_timeout_diagnostic(world):
+    if world.backend != "emulator":
+        return  # on GPUs the bounded wait traps the context; tests/gpu/test_debug_wait.py runs it alone
+    world.run(_timeout_diagnostic)
+
+
+# ---- barriers -------------------------------------------------------------------------------------
+
+
+@tridist.jit
+def stamp_kernel(slots_ptr, value):
+    me = dl.rank()
+    for peer in range(dl.num_ranks()):
+        dl.shmem.p(slots_ptr + me, value, peer)
+    dl.shmem.quiet()
+
+
+def _barriers(w, rounds):
+    slots = tridist.symm_zeros((w.world_size,), torch.int64)
+    for i in range(1, rounds + 1):
+        stamp_kernel[(1,)](slots, i)
+        tridist.barrier_all_on_stream()
+        assert (slots == i).all(), (i, slots.tolist())
+        tridist.barrier_all_on_stream()  # nobody stamps round i+1 before everyone checked round i
+    for _ in range(rounds):
+        tridist.barrier_all()
+    tridist.symm_free(slots)
+
+
+def test_back_to_back_barriers(world):
+    world.run(_barriers, rounds=100)
