@@ -15,6 +15,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from tridist.bench import primitives  # noqa: E402
 from tridist.ops import sync  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
@@ -39,6 +40,14 @@ def cases():
         (lang.stamp_kernel, {"slots_ptr": "*i64", "value": "i32"}, {}),
         (sync._barrier_kernel, {}, {}),
         (sync._sleep_kernel, {"duration_ns": "i64"}, {}),
+        *[(kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", "peer": "i32", "n": "i32", "BLOCK": "constexpr"},
+           {"BLOCK": primitives.BLOCK}) for kernel in (primitives.put_kernel, primitives.get_kernel)],
+        (primitives.putmem_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", "peer": "i32", "n": "i32"}, {}),
+        (primitives.ll_kernel, {"src_ptr": "*i32", "packets_ptr": "*i64", "out_ptr": "*i32", "peer": "i32", "n": "i32",
+                                "flag": "i32", "BLOCK": "constexpr"}, {"BLOCK": primitives.BLOCK}),
+        *[(primitives.ping_pong_kernel, {"flag_ptr": "*i64", "peer": "i32", "rounds": "i32", "base": "i32",
+                                         "initiator": "i32", "COMM_SCOPE": "constexpr"}, {"COMM_SCOPE": scope})
+          for scope in ("gpu", "inter_node")],
         *[(shmem.ring_put_signal_kernel, {"src_ptr": "*fp32", "dst_ptr": "*fp32", "signal_ptr": "*i64",
                                           "nbytes": "i32", "epoch": "i32", "VARIANT": "constexpr"}, {"VARIANT": v})
           for v in range(len(shmem.PUT_SIGNAL_VARIANTS))],

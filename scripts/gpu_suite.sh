@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole GPU test suite and the benchmarks in one command, for a lent multi-GPU machine:
+#   bash scripts/gpu_suite.sh [tests|bench|all] [pytest args...]
+# Runs from the repository without installing it (that machine has no network; its image has
+# torch, triton and the NVSHMEM wheel). Logs, results and the Triton cache (kernels with NVSHMEM
+# linked take seconds each to compile) are written to $OUT, so the next call can carry the cache.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}; shift || true
+OUT=${OUT:-out}
+mkdir -p "$OUT" benchmarks/results
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export TRITON_CACHE_DIR=$PWD/.triton-cache
+if [ -f .triton-cache.tar.gz ]; then tar xzf .triton-cache.tar.gz; fi
+status=0
+python -m tridist info 2>&1 | tee "$OUT/info.txt"
+nvidia-smi topo -m 2>&1 | tee -a "$OUT/info.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python -m pytest tests -q -x --ignore=tests/test_gpu_compile.py "$@" 2>&1 | tee "$OUT/tests.log"
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 300 python -m tridist bench primitives -n 2 --out benchmarks/results 2>&1 | tee "$OUT/bench-primitives.log"
+  status=$((status | ${PIPESTATUS[0]}))
+  cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+fi
+tar czf "$OUT/triton-cache.tar.gz" .triton-cache 2>/dev/null
+exit $status

@@ -1,0 +1,111 @@
+"""Host API: symmetric allocation and its checks, peer tensors, argument checks, errors."""
+import pytest
+import torch
+
+import tridist
+from tridist.runtime.tensors import check_tensor
+
+
+def _allocate_and_free(w):
+    a = tridist.symm_empty((3, 5), torch.float32)
+    b = tridist.symm_zeros((7,), torch.bfloat16)
+    assert tridist.is_symmetric(a) and tridist.is_symmetric(b)
+    assert not tridist.is_symmetric(torch.zeros(3, device=w.device))
+    assert a.shape == (3, 5) and a.dtype == torch.float32 and a.device == w.device
+    assert (b == 0).all()
+    tridist.symm_free(a)
+    c = tridist.symm_empty((3, 5), torch.float32)
+    assert c.data_ptr() == a.data_ptr(), "first fit reuses the freed block"
+    for t in (c, b):
+        tridist.symm_free(t)
+    return a.data_ptr() - tridist.runtime.world.heap().base_ptr
+
+
+def test_allocate_free_reuse(world):
+    offsets = world.run(_allocate_and_free)
+    assert len(set(offsets)) == 1, "every rank gets the same offset"
+
+
+def _peer_tensors(w):
+    t = tridist.symm_empty((4, 8), torch.int64)
+    t.copy_(torch.arange(32).view(4, 8) + 1000 * w.rank)
+    tridist.barrier_all()
+    for peer in range(w.world_size):
+        if w.same_node(peer):
+            view = tridist.peer_tensor(t[1:3], peer)
+            assert torch.equal(view.cpu(), torch.arange(8, 24).view(2, 8) + 1000 * peer)
+        else:
+            with pytest.raises(ValueError, match="not load/store reachable"):
+                tridist.peer_tensor(t, peer)
+    tridist.barrier_all()
+    with pytest.raises(ValueError, match="symmetric tensor"):
+        tridist.peer_tensor(torch.zeros(2, device=w.device), 0)
+    with pytest.raises(ValueError, match="outside the world"):
+        tridist.peer_tensor(t, w.world_size)
+    tridist.symm_free(t)
+
+
+def test_peer_tensor(world):
+    world.run(_peer_tensors)
+
+
+def _mismatched_allocation(w):
+    with pytest.raises(tridist.SymmetricAllocationError, match="differ between ranks") as error:
+        tridist.symm_empty((16 * (1 + w.rank % 2),), torch.float32)
+    assert "rank 0: allocation" in str(error.value) and "float32[16]" in str(error.value)
+    t = tridist.symm_empty((4,), torch.float32)  # the heap stays usable and consistent
+    tridist.symm_free(t)
+
+
+def test_mismatched_allocation_fails_on_every_rank(world):
+    if world.size == 1 or world.backend != "emulator":
+        return  # on GPUs the check runs with TRIDIST_DEBUG=1 only
+    world.run(_mismatched_allocation)
+
+
+def _heap_exhausted(w):
+    heap = tridist.runtime.world.heap()
+    with pytest.raises(tridist.SymmetricAllocationError, match="TRIDIST_HEAP_SIZE"):
+        tridist.symm_empty((heap.nbytes,), torch.uint8)
+
+
+def test_heap_exhausted(world):
+    world.run(_heap_exhausted)
+
+
+def _argument_checks(w):
+    with pytest.raises(ValueError, match="contiguous"):
+        check_tensor(torch.zeros(4, 4, device=w.device).t(), "x")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        check_tensor([1, 2], "x")
+    with pytest.raises(ValueError, match="symm_free"):
+        tridist.symm_free(torch.zeros(2, device=w.device))
+    with pytest.raises(ValueError, match="non-negative"):
+        tridist.symm_empty((-1,), torch.float32)
+    assert tridist.init() is w, "init is idempotent"
+    with pytest.raises(tridist.TridistError, match="already initialised"):
+        tridist.init(nnodes=w.nnodes + 1)
+
+
+def test_argument_checks(world):
+    world.run(_argument_checks)
+
+
+def _emulated_kernel_rejects_cuda(w):
+    from tests.test_language import identity_kernel
+
+    meta = torch.empty(4, device="meta")
+    with pytest.raises(ValueError, match="the emulator runs on CPU tensors"):
+        identity_kernel[(1,)](meta)
+
+
+def test_emulator_rejects_device_tensors(world):
+    if world.backend == "emulator":
+        world.run(_emulated_kernel_rejects_cuda)
+
+
+def test_use_before_init():
+    with pytest.raises(tridist.NotInitializedError, match=r"tridist.init\(\)"):
+        tridist.world()
+    with pytest.raises(tridist.NotInitializedError):
+        tridist.symm_empty((4,), torch.float32)

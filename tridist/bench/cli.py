@@ -1,0 +1,24 @@
+"""`tridist bench NAME [options]`: starts the ranks itself when run outside a launcher."""
+import os
+import sys
+
+BENCHMARKS = {"primitives": "tridist.bench.primitives"}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: tridist bench {{{','.join(BENCHMARKS)}}} [-n RANKS] [options]", file=sys.stderr)
+        return 2
+    name, rest = argv[0], argv[1:]
+    if "RANK" not in os.environ:
+        nproc = 2
+        if "-n" in rest:
+            i = rest.index("-n")
+            nproc = int(rest[i + 1])
+            rest = rest[:i] + rest[i + 2:]
+        from ..runtime.launcher import run
+
+        return run(nproc, ["-m", BENCHMARKS[name], *rest])
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[name]).main(rest)
