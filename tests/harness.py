@@ -103,6 +103,7 @@ class WorldPool:
             parent, child = context.Pipe()
             process = context.Process(target=_worker, args=(rank, env, child), daemon=True)
             process.start()
+            child.close()  # so that a rank that dies shows up here as end-of-file
             self._processes.append(process)
             self._conns.append(parent)
         self._collect("start")

@@ -67,11 +67,11 @@ class NvshmemTransport:
         symm_mem.set_backend("NVSHMEM")
         self.device = device
         self.heap = symm_mem.empty(heap_bytes, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(self.heap, dist.group.WORLD.group_name)
-        self.heaps = [
-            self._handle.get_buffer(peer, (heap_bytes,), torch.uint8, 0) if reachable[peer] else None
-            for peer in range(world_size)
-        ]
+        self.heaps = [None] * world_size
+        if world_size > 1:  # PyTorch's rendezvous wants company; alone, the heap is all there is
+            handle = symm_mem.rendezvous(self.heap, dist.group.WORLD.group_name)
+            self.heaps = [handle.get_buffer(peer, (heap_bytes,), torch.uint8, 0) if reachable[peer] else None
+                          for peer in range(world_size)]
         self.heaps[rank] = self.heap
 
     def barrier(self) -> None:
