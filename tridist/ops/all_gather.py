@@ -1,0 +1,165 @@
+"""All-gather: every rank contributes a shard of n elements; every rank gets all of them, in rank
+order (torch's `all_gather_into_tensor` layout: out is world_size * n elements, rank r's at r*n).
+
+Methods
+- "push": program (p, s) stores slice s of this rank's shard into row `rank` of rank p's staging
+  (through p's pointer on this node, an NVSHMEM put with signal on another node) and raises p's
+  flag (rank, s); it then waits for rank p's flag (p, s) here and copies that slice of row p into
+  `out`. Double-buffered staging and call epochs (see `_protocol.py`) need no handshake.
+- "ll": the same exchange in low-latency packets: each 4-byte word travels with the epoch as its
+  flag, so there are no separate signals; for small messages on one node.
+- "ce": the copy engines pull every peer's shard (no SMs); on one node. A barrier before the pulls
+  says every shard is staged, one after says every peer has finished reading.
+"""
+import torch
+import triton
+import triton.language as tl
+
+import tridist
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from . import _protocol
+from ._protocol import Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice
+
+METHODS = ("auto", "push", "ll", "ce")
+BLOCK = 2048
+
+
+@jit
+def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, local_world_size,
+                           SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    peer = tl.program_id(0)
+    split = tl.program_id(1)
+    per_split = tl.cdiv(n, SPLITS)
+    start = split * per_split
+    stop = tl.minimum(start + per_split, n)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (tl.num_programs(0) * SPLITS)
+    if peer == me:
+        copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
+    else:
+        push_slice(x_ptr, stage + me * n, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+                   BLOCK)
+        token = dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        copy_slice(dl.consume_token(stage + peer * n, token), out_ptr + peer * n, start, stop, BLOCK)
+        dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, slot_numel, BLOCK: tl.constexpr):
+    """x and out are viewed as int32 words; program p exchanges packets with rank p."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    peer = tl.program_id(0)
+    stage = packets_ptr + (epoch % 2) * slot_numel
+    offsets = tl.arange(0, BLOCK)
+    if peer == me:
+        copy_slice(x_ptr, out_ptr + me * n, 0, n, BLOCK)
+    else:
+        remote = dl.symm_at(stage + me * n, peer)
+        for offset in range(0, n, BLOCK):
+            mask = offset + offsets < n
+            dl.ll.send(remote + offset + offsets, tl.load(x_ptr + offset + offsets, mask=mask), epoch, mask)
+        for offset in range(0, n, BLOCK):
+            mask = offset + offsets < n
+            words = dl.ll.recv(stage + peer * n + offset + offsets, epoch, mask)
+            tl.store(out_ptr + peer * n + offset + offsets, words, mask=mask)
+    finish_call(calls_ptr)
+
+
+class AllGather:
+    """An all-gather of `numel` elements of `dtype` per rank, with its own workspace. Reuse one
+    instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto"):
+        if method not in METHODS:
+            raise _protocol.method_error("all_gather", method, METHODS)
+        self.world = w = tridist.world()
+        self.numel, self.dtype = numel, dtype
+        nbytes = numel * dtype.itemsize
+        self.method = choose_method(nbytes * w.world_size, w) if method == "auto" else method
+        if self.method in ("ll", "ce") and w.nnodes > 1:
+            raise ValueError(f"all_gather method {self.method!r} works within one node; this world has {w.nnodes} "
+                             "nodes: use method='push'")
+        if self.method == "ll" and nbytes % 4:
+            raise ValueError("all_gather method 'll' moves 4-byte words: the shard must be a multiple of 4 bytes")
+        if self.method == "ll":
+            self.words = nbytes // 4
+            self.workspace = Workspace(w.world_size * self.words, torch.int64, 1)
+        elif self.method == "push":
+            self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // w.world_size))
+            self.workspace = Workspace(w.world_size * numel, dtype, w.world_size * self.splits)
+        else:
+            self.staging = tridist.symm_empty((numel,), dtype)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.world
+        check_input(x, "x")
+        if x.numel() != self.numel or x.dtype != self.dtype:
+            raise ValueError(f"this all-gather moves {self.numel} {self.dtype} elements per rank; x has "
+                             f"{x.numel()} {x.dtype}")
+        shape = (w.world_size * x.shape[0], *x.shape[1:]) if x.dim() else (w.world_size,)
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        check_output(out, shape, x.dtype)
+        if self.method == "push":
+            ws = self.workspace
+            all_gather_push_kernel[(w.world_size, self.splits)](
+                x, out, ws.staging, ws.flags, ws.calls, self.numel, ws.slot_numel, w.local_world_size,
+                SPLITS=self.splits, BLOCK=BLOCK)
+        elif self.method == "ll":
+            ws = self.workspace
+            all_gather_ll_kernel[(w.world_size,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
+                                                  ws.staging, ws.calls, self.words, ws.slot_numel, BLOCK=1024)
+        else:
+            self._copy_engine(x, out)
+        return out
+
+    def _copy_engine(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        w = self.world
+        flat = out.view(w.world_size, -1)
+        source = x.view(-1) if tridist.is_symmetric(x) else self.staging
+        if source is self.staging:
+            self.staging.copy_(x.view(-1))
+        tridist.barrier_all_on_stream()
+        for step in range(w.world_size):
+            peer = (w.rank + step) % w.world_size  # everyone starts with a different peer
+            flat[peer].copy_(x.view(-1) if peer == w.rank else tridist.peer_tensor(source, peer))
+        tridist.barrier_all_on_stream()
+
+    def free(self) -> None:
+        if self.method == "ce":
+            tridist.symm_free(self.staging)
+        else:
+            self.workspace.free()
+
+
+def choose_method(total_bytes: int, world) -> str:
+    """Crossovers measured on 2 x H200 (benchmarks/results/allgather-*): LL packets while latency
+    dominates, SM push in the middle, the copy engines for large messages on one node."""
+    if world.nnodes > 1:
+        return "push"
+    if total_bytes <= 256 << 10:
+        return "ll"
+    if total_bytes <= 32 << 20:
+        return "push"
+    return "ce"
+
+
+_instances: dict = {}
+
+
+def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
+    """Gather `x` from every rank into `out` (world_size * x.shape[0] rows), like
+    `torch.distributed.all_gather_into_tensor`. A collective: every rank calls it with the same
+    shape, dtype and method."""
+    check_input(x, "x")
+    stream = torch.cuda.current_stream() if x.is_cuda else None
+    key = (x.numel(), x.dtype, method, stream)
+    if key not in _instances:
+        _instances[key] = AllGather(x.numel(), x.dtype, method)
+    return _instances[key](x, out)

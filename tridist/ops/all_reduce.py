@@ -1,0 +1,239 @@
+"""Reduce-scatter and all-reduce (sum), accumulated in fp32 whatever the input dtype.
+
+reduce_scatter: x has world_size * m elements; rank r gets out = sum over ranks of x[r*m:(r+1)*m].
+all_reduce:     x has n elements; every rank gets out = sum over ranks of x.
+
+Methods (both push data, so they work across nodes; see `_protocol.py` for slots and epochs)
+- "one_shot": program (s) pushes slice s of its contribution to every peer (for reduce-scatter
+  only the chunk that peer owns), raises the peer's flag (rank, s), then waits for every peer's
+  flag (p, s) here and sums the rows it received. One step, world_size - 1 copies of the data
+  received per rank: best while latency dominates.
+- "two_shot" (all_reduce): a reduce-scatter as above, then every rank pushes its reduced chunk to
+  every peer (flags in the second half of the slot's signals). Each rank receives 2 (n-1)/n of the
+  data instead of (n-1) x: best for large messages.
+"""
+import torch
+import triton
+import triton.language as tl
+
+import tridist
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from . import _protocol
+from ._protocol import Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice
+
+BLOCK = 2048
+REDUCE_SCATTER_METHODS = ("auto", "one_shot")
+ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot")
+
+
+@triton.jit
+def _sum_rows(stage_ptr, row_stride, rows, out_ptr, start, stop, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    for offset in range(start, stop, BLOCK):
+        mask = offset + offsets < stop
+        total = tl.zeros([BLOCK], tl.float32)
+        for row in range(rows):
+            total += tl.load(stage_ptr + row * row_stride + offset + offsets, mask=mask).to(tl.float32)
+        tl.store(out_ptr + offset + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scatter_and_reduce(x_ptr, chunk_ptr, stage, flags, epoch, m, local_world_size, SPLITS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Reduce-scatter phase: row `rank` of every peer p's stage gets this rank's chunk p (slice s);
+    then the rows of this rank's stage, chunk `rank`, are summed into `chunk_ptr`."""
+    me = dl.rank()
+    world = dl.num_ranks()
+    split = tl.program_id(0)
+    per_split = tl.cdiv(m, SPLITS)
+    start = split * per_split
+    stop = tl.minimum(start + per_split, m)
+    for step in range(world):
+        peer = (me + step) % world
+        push_slice(x_ptr + peer * m, stage + me * m, start, stop, flags + me * SPLITS + split, epoch, peer,
+                   local_world_size, BLOCK)
+    for peer in range(world):
+        dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+    _sum_rows(stage, m, world, chunk_ptr, start, stop, BLOCK)
+
+
+@jit
+def reduce_scatter_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, slot_numel, local_world_size,
+                          SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    epoch = call_epoch(calls_ptr)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (dl.num_ranks() * SPLITS)
+    _scatter_and_reduce(x_ptr, out_ptr, stage, flags, epoch, m, local_world_size, SPLITS, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, local_world_size,
+                               SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (world * SPLITS)
+    split = tl.program_id(0)
+    per_split = tl.cdiv(n, SPLITS)
+    start = split * per_split
+    stop = tl.minimum(start + per_split, n)
+    for step in range(world):
+        peer = (me + step) % world
+        push_slice(x_ptr, stage + me * n, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+                   BLOCK)
+    for peer in range(world):
+        dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+    _sum_rows(stage, n, world, out_ptr, start, stop, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, slot_numel, local_world_size,
+                               SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """x and out have world_size * m elements (padded by the host). The slot holds world rows of m
+    for the reduce-scatter, then world rows of m for the gather of reduced chunks."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (2 * world * SPLITS)
+    gathered = stage + world * m
+    _scatter_and_reduce(x_ptr, gathered + me * m, stage, flags, epoch, m, local_world_size, SPLITS, BLOCK)
+    split = tl.program_id(0)
+    per_split = tl.cdiv(m, SPLITS)
+    start = split * per_split
+    stop = tl.minimum(start + per_split, m)
+    gather_flags = flags + world * SPLITS
+    for step in range(1, world):
+        peer = (me + step) % world
+        push_slice(gathered + me * m, gathered + me * m, start, stop, gather_flags + me * SPLITS + split, epoch,
+                   peer, local_world_size, BLOCK)
+    for peer in range(world):
+        if peer != me:
+            dl.wait(gather_flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        copy_slice(gathered + peer * m, out_ptr + peer * m, start, stop, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+def _splits(numel: int, world) -> int:
+    return _protocol.splits_for(numel, BLOCK, _protocol.programs_available(world))
+
+
+class ReduceScatter:
+    """Sum-reduce-scatter of `numel` (a multiple of world_size) elements of `dtype` per rank."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto"):
+        if method not in REDUCE_SCATTER_METHODS:
+            raise _protocol.method_error("reduce_scatter", method, REDUCE_SCATTER_METHODS)
+        self.world = w = tridist.world()
+        if numel % w.world_size:
+            raise ValueError(f"reduce_scatter needs a multiple of world_size={w.world_size} elements, got {numel}")
+        self.numel, self.dtype, self.method = numel, dtype, "one_shot"
+        self.chunk = numel // w.world_size
+        self.splits = _splits(self.chunk, w)
+        self.workspace = Workspace(w.world_size * self.chunk, dtype, w.world_size * self.splits)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.world
+        _check_same(x, self.numel, self.dtype, "reduce-scatter")
+        if x.dim() == 0 or x.shape[0] % w.world_size:
+            raise ValueError(f"reduce_scatter splits dim 0 of x ({tuple(x.shape)}) into {w.world_size} chunks; make "
+                             "it a multiple of the world size")
+        shape = (x.shape[0] // w.world_size, *x.shape[1:])
+        if out is None:
+            out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        check_output(out, shape, x.dtype)
+        ws = self.workspace
+        reduce_scatter_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, ws.slot_numel,
+                                              w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
+        return out
+
+    def free(self) -> None:
+        self.workspace.free()
+
+
+class AllReduce:
+    """Sum-all-reduce of `numel` elements of `dtype` per rank."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto"):
+        if method not in ALL_REDUCE_METHODS:
+            raise _protocol.method_error("all_reduce", method, ALL_REDUCE_METHODS)
+        self.world = w = tridist.world()
+        self.numel, self.dtype = numel, dtype
+        self.method = choose_all_reduce(numel * dtype.itemsize, w) if method == "auto" else method
+        if self.method == "one_shot":
+            self.splits = _splits(numel, w)
+            self.workspace = Workspace(w.world_size * numel, dtype, w.world_size * self.splits)
+        else:
+            self.chunk = triton.cdiv(numel, w.world_size)
+            self.splits = _splits(self.chunk, w)
+            self.workspace = Workspace(2 * w.world_size * self.chunk, dtype, 2 * w.world_size * self.splits)
+            self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
+                2, self.chunk * w.world_size, dtype=dtype, device=w.device)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.world
+        _check_same(x, self.numel, self.dtype, "all-reduce")
+        if out is None:
+            out = torch.empty_like(x)
+        check_output(out, tuple(x.shape), x.dtype)
+        ws = self.workspace
+        if self.method == "one_shot":
+            all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel,
+                                                       ws.slot_numel, w.local_world_size, SPLITS=self.splits,
+                                                       BLOCK=BLOCK)
+            return out
+        source, target = x, out
+        if self.padded is not None:
+            self.padded[0, :self.numel].copy_(x.view(-1))
+            source, target = self.padded[0], self.padded[1]
+        all_reduce_two_shot_kernel[(self.splits,)](source, target, ws.staging, ws.flags, ws.calls, self.chunk,
+                                                   ws.slot_numel, w.local_world_size, SPLITS=self.splits,
+                                                   BLOCK=BLOCK)
+        if self.padded is not None:
+            out.view(-1).copy_(target[:self.numel])
+        return out
+
+    def free(self) -> None:
+        self.workspace.free()
+
+
+def choose_all_reduce(nbytes: int, world) -> str:
+    """One step while latency dominates, two steps once each rank would receive too many copies."""
+    return "one_shot" if nbytes * (world.world_size - 1) <= 1 << 20 else "two_shot"
+
+
+def _check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> None:
+    check_input(x, "x")
+    if x.numel() != numel or x.dtype != dtype:
+        raise ValueError(f"this {what} was built for {numel} {dtype} elements; x has {x.numel()} {x.dtype}")
+
+
+_instances: dict = {}
+
+
+def _instance(cls, x: torch.Tensor, method: str):
+    check_input(x, "x")
+    stream = torch.cuda.current_stream() if x.is_cuda else None
+    key = (cls, x.numel(), x.dtype, method, stream)
+    if key not in _instances:
+        _instances[key] = cls(x.numel(), x.dtype, method)
+    return _instances[key]
+
+
+def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
+    """Sum `x` over ranks and give rank r the r-th of world_size chunks of dim 0, like
+    `torch.distributed.reduce_scatter_tensor`. A collective."""
+    return _instance(ReduceScatter, x, method)(x, out)
+
+
+def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
+    """Sum `x` over ranks into `out` (a new tensor by default; pass out=x for in place). A collective."""
+    return _instance(AllReduce, x, method)(x, out)
