@@ -21,9 +21,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 300 python -m tridist bench primitives -n 2 --out benchmarks/results 2>&1 | tee "$OUT/bench-primitives.log"
-  status=$((status | ${PIPESTATUS[0]}))
-  cp benchmarks/results/*.json "$OUT/" 2>/dev/null
+  for bench in primitives allgather reducescatter allreduce; do
+    timeout 240 python -m tridist bench $bench -n 2 --out benchmarks/results 2>&1 | tee -a "$OUT/bench.log"
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+  tar czf "$OUT/results.tar.gz" benchmarks/results
 fi
 tar czf "$OUT/triton-cache.tar.gz" .triton-cache 2>/dev/null
 exit $status

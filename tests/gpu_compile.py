@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tridist.bench import primitives  # noqa: E402
-from tridist.ops import sync  # noqa: E402
+from tridist.ops import allgather, allreduce, sync  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402
@@ -26,6 +26,22 @@ from . import test_shmem as shmem  # noqa: E402
 def cases():
     return [
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
+        *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
+                                               "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
+                                               "local_world_size": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"},
+           {"SPLITS": 4, "BLOCK": allgather.BLOCK}) for t in ("*bf16", "*fp32")],
+        (allgather.all_gather_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
+                                           "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
+                                           "BLOCK": "constexpr"}, {"BLOCK": 1024}),
+        *[(kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64",
+                    "calls_ptr": "*i64", "m": "i32", "slot_numel": "i32", "local_world_size": "i32",
+                    "SPLITS": "constexpr", "BLOCK": "constexpr"}, {"SPLITS": 8, "BLOCK": allreduce.BLOCK})
+          for kernel in (allreduce.reduce_scatter_kernel, allreduce.all_reduce_two_shot_kernel)],
+        (allreduce.all_reduce_one_shot_kernel, {"x_ptr": "*fp16", "out_ptr": "*fp16", "staging_ptr": "*fp16",
+                                                 "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
+                                                 "slot_numel": "i32", "local_world_size": "i32",
+                                                 "SPLITS": "constexpr", "BLOCK": "constexpr"},
+         {"SPLITS": 8, "BLOCK": allreduce.BLOCK}),
         (lang.push_allgather_kernel, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
                                       "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
         (lang.produce_kernel, {"data_ptr": "*i32", "flag_ptr": "*i64", "peer": "i32", "value": "i32", "n": "i32",

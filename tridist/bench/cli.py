@@ -2,7 +2,8 @@
 import os
 import sys
 
-BENCHMARKS = {"primitives": "tridist.bench.primitives"}
+BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.bench.collectives",
+              "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives"}
 
 
 def main(argv: list[str]) -> int:
@@ -18,7 +19,8 @@ def main(argv: list[str]) -> int:
             rest = rest[:i] + rest[i + 2:]
         from ..runtime.launcher import run
 
-        return run(nproc, ["-m", BENCHMARKS[name], *rest])
+        return run(nproc, ["-m", "tridist", "bench", name, *rest])
     import importlib
 
-    return importlib.import_module(BENCHMARKS[name]).main(rest)
+    module = importlib.import_module(BENCHMARKS[name])
+    return module.main([name, *rest] if module.__name__.endswith("collectives") else rest)

@@ -1,5 +1,5 @@
 """The kernel library: one module per kernel family, each with its host wrapper next to its kernels."""
-from .all_gather import AllGather, all_gather
-from .all_reduce import AllReduce, ReduceScatter, all_reduce, reduce_scatter
+from .allgather import AllGather, all_gather
+from .allreduce import AllReduce, ReduceScatter, all_reduce, reduce_scatter
 
 __all__ = ["AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter", "reduce_scatter"]
