@@ -17,7 +17,7 @@ status=0
 python -m tridist info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/info.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 480 python -m pytest tests -q --ignore=tests/test_gpu_compile.py "$@" 2>&1 | tee "$OUT/tests.log"
+  timeout 330 python -m pytest tests -q --ignore=tests/test_gpu_compile.py "$@" 2>&1 | tee "$OUT/tests.log"
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
