@@ -104,6 +104,20 @@ def copy_slice(src_ptr, dst_ptr, start, stop, BLOCK: tl.constexpr):
         tl.store(dst_ptr + offset + offsets, tl.load(src_ptr + offset + offsets, mask=mask), mask=mask)
 
 
+@triton.jit
+def split_bounds(n, split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Part `split` [start, stop) of n elements cut in SPLITS parts. Parts are whole BLOCKs, so
+    that Triton can prove their starts aligned and keeps loads and stores vectorised."""
+    per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+    start = split * per_split
+    return start, tl.minimum(start + per_split, n)
+
+
+def row_stride(numel: int) -> int:
+    """Staging rows start at multiples of 64 elements (at least 128 bytes), for aligned accesses."""
+    return triton.cdiv(numel, 64) * 64
+
+
 def splits_for(numel: int, block: int, programs: int) -> int:
     """Programs per destination: enough for a few blocks each, at most `programs`."""
     return max(1, min(programs, triton.cdiv(numel, 4 * block)))

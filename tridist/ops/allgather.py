@@ -20,38 +20,39 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice
+from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice,
+                        row_stride, split_bounds)
 
 METHODS = ("auto", "push", "ll", "ce")
 BLOCK = 2048
 
 
 @jit
-def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, local_world_size,
+def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
                            SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Staging rows are `row` (n rounded up to 64) elements apart."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     peer = tl.program_id(0)
     split = tl.program_id(1)
-    per_split = tl.cdiv(n, SPLITS)
-    start = split * per_split
-    stop = tl.minimum(start + per_split, n)
+    start, stop = split_bounds(n, split, SPLITS, BLOCK)
     stage = staging_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * (tl.num_programs(0) * SPLITS)
     if peer == me:
         copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
     else:
-        push_slice(x_ptr, stage + me * n, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+        push_slice(x_ptr, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
                    BLOCK)
         token = dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        copy_slice(dl.consume_token(stage + peer * n, token), out_ptr + peer * n, start, stop, BLOCK)
+        copy_slice(dl.consume_token(stage + peer * row, token), out_ptr + peer * n, start, stop, BLOCK)
         dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
 @jit
-def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, slot_numel, BLOCK: tl.constexpr):
-    """x and out are viewed as int32 words; program p exchanges packets with rank p."""
+def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, BLOCK: tl.constexpr):
+    """x and out are viewed as int32 words; program p exchanges packets with rank p. Staging rows
+    are `row` packets apart."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     peer = tl.program_id(0)
@@ -60,13 +61,13 @@ def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, slot_numel, 
     if peer == me:
         copy_slice(x_ptr, out_ptr + me * n, 0, n, BLOCK)
     else:
-        remote = dl.symm_at(stage + me * n, peer)
+        remote = dl.symm_at(stage + me * row, peer)
         for offset in range(0, n, BLOCK):
             mask = offset + offsets < n
             dl.ll.send(remote + offset + offsets, tl.load(x_ptr + offset + offsets, mask=mask), epoch, mask)
         for offset in range(0, n, BLOCK):
             mask = offset + offsets < n
-            words = dl.ll.recv(stage + peer * n + offset + offsets, epoch, mask)
+            words = dl.ll.recv(stage + peer * row + offset + offsets, epoch, mask)
             tl.store(out_ptr + peer * n + offset + offsets, words, mask=mask)
     finish_call(calls_ptr)
 
@@ -89,10 +90,12 @@ class AllGather:
             raise ValueError("all_gather method 'll' moves 4-byte words: the shard must be a multiple of 4 bytes")
         if self.method == "ll":
             self.words = nbytes // 4
-            self.workspace = Workspace(w.world_size * self.words, torch.int64, 1)
+            self.row = row_stride(self.words)
+            self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
         elif self.method == "push":
             self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // w.world_size))
-            self.workspace = Workspace(w.world_size * numel, dtype, w.world_size * self.splits)
+            self.row = row_stride(numel)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         else:
             self.staging = tridist.symm_empty((numel,), dtype)
 
@@ -109,12 +112,13 @@ class AllGather:
         if self.method == "push":
             ws = self.workspace
             all_gather_push_kernel[(w.world_size, self.splits)](
-                x, out, ws.staging, ws.flags, ws.calls, self.numel, ws.slot_numel, w.local_world_size,
+                x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
                 SPLITS=self.splits, BLOCK=BLOCK)
         elif self.method == "ll":
             ws = self.workspace
             all_gather_ll_kernel[(w.world_size,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
-                                                  ws.staging, ws.calls, self.words, ws.slot_numel, BLOCK=1024)
+                                                  ws.staging, ws.calls, self.words, self.row, ws.slot_numel,
+                                                  BLOCK=1024)
         else:
             self._copy_engine(x, out)
         return out

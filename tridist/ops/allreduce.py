@@ -21,7 +21,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice
+from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice,
+                        row_stride, split_bounds)
 
 BLOCK = 2048
 REDUCE_SCATTER_METHODS = ("auto", "one_shot")
@@ -40,84 +41,78 @@ def _sum_rows(stage_ptr, row_stride, rows, out_ptr, start, stop, BLOCK: tl.const
 
 
 @triton.jit
-def _scatter_and_reduce(x_ptr, chunk_ptr, stage, flags, epoch, m, local_world_size, SPLITS: tl.constexpr,
+def _scatter_and_reduce(x_ptr, chunk_ptr, stage, flags, epoch, m, row, local_world_size, SPLITS: tl.constexpr,
                         BLOCK: tl.constexpr):
     """Reduce-scatter phase: row `rank` of every peer p's stage gets this rank's chunk p (slice s);
     then the rows of this rank's stage, chunk `rank`, are summed into `chunk_ptr`."""
     me = dl.rank()
     world = dl.num_ranks()
     split = tl.program_id(0)
-    per_split = tl.cdiv(m, SPLITS)
-    start = split * per_split
-    stop = tl.minimum(start + per_split, m)
+    start, stop = split_bounds(m, split, SPLITS, BLOCK)
     for step in range(world):
         peer = (me + step) % world
-        push_slice(x_ptr + peer * m, stage + me * m, start, stop, flags + me * SPLITS + split, epoch, peer,
+        push_slice(x_ptr + peer * m, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer,
                    local_world_size, BLOCK)
     for peer in range(world):
         dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-    _sum_rows(stage, m, world, chunk_ptr, start, stop, BLOCK)
+    _sum_rows(stage, row, world, chunk_ptr, start, stop, BLOCK)
 
 
 @jit
-def reduce_scatter_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, slot_numel, local_world_size,
+def reduce_scatter_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel, local_world_size,
                           SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     epoch = call_epoch(calls_ptr)
     stage = staging_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * (dl.num_ranks() * SPLITS)
-    _scatter_and_reduce(x_ptr, out_ptr, stage, flags, epoch, m, local_world_size, SPLITS, BLOCK)
+    _scatter_and_reduce(x_ptr, out_ptr, stage, flags, epoch, m, row, local_world_size, SPLITS, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
 @jit
-def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, local_world_size,
-                               SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel,
+                               local_world_size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     stage = staging_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * (world * SPLITS)
     split = tl.program_id(0)
-    per_split = tl.cdiv(n, SPLITS)
-    start = split * per_split
-    stop = tl.minimum(start + per_split, n)
+    start, stop = split_bounds(n, split, SPLITS, BLOCK)
     for step in range(world):
         peer = (me + step) % world
-        push_slice(x_ptr, stage + me * n, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+        push_slice(x_ptr, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
                    BLOCK)
     for peer in range(world):
         dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-    _sum_rows(stage, n, world, out_ptr, start, stop, BLOCK)
+    _sum_rows(stage, row, world, out_ptr, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
 @jit
-def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, slot_numel, local_world_size,
-                               SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """x and out have world_size * m elements (padded by the host). The slot holds world rows of m
-    for the reduce-scatter, then world rows of m for the gather of reduced chunks."""
+def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
+                               local_world_size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """x and out have world_size * m elements (padded by the host). The slot holds world rows
+    (`row` apart) for the reduce-scatter, then world rows for the gather of reduced chunks."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     stage = staging_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * (2 * world * SPLITS)
-    gathered = stage + world * m
-    _scatter_and_reduce(x_ptr, gathered + me * m, stage, flags, epoch, m, local_world_size, SPLITS, BLOCK)
+    gathered = stage + world * row
+    _scatter_and_reduce(x_ptr, gathered + me * row, stage, flags, epoch, m, row, local_world_size, SPLITS, BLOCK)
     split = tl.program_id(0)
-    per_split = tl.cdiv(m, SPLITS)
-    start = split * per_split
-    stop = tl.minimum(start + per_split, m)
+    start, stop = split_bounds(m, split, SPLITS, BLOCK)
     gather_flags = flags + world * SPLITS
     for step in range(1, world):
         peer = (me + step) % world
-        push_slice(gathered + me * m, gathered + me * m, start, stop, gather_flags + me * SPLITS + split, epoch,
+        push_slice(gathered + me * row, gathered + me * row, start, stop, gather_flags + me * SPLITS + split, epoch,
                    peer, local_world_size, BLOCK)
     for peer in range(world):
         if peer != me:
             dl.wait(gather_flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        copy_slice(gathered + peer * m, out_ptr + peer * m, start, stop, BLOCK)
+        copy_slice(gathered + peer * row, out_ptr + peer * m, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -138,7 +133,8 @@ class ReduceScatter:
         self.numel, self.dtype, self.method = numel, dtype, "one_shot"
         self.chunk = numel // w.world_size
         self.splits = _splits(self.chunk, w)
-        self.workspace = Workspace(w.world_size * self.chunk, dtype, w.world_size * self.splits)
+        self.row = row_stride(self.chunk)
+        self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
@@ -151,8 +147,8 @@ class ReduceScatter:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
         ws = self.workspace
-        reduce_scatter_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, ws.slot_numel,
-                                              w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
+        reduce_scatter_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row,
+                                              ws.slot_numel, w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
         return out
 
     def free(self) -> None:
@@ -170,11 +166,13 @@ class AllReduce:
         self.method = choose_all_reduce(numel * dtype.itemsize, w) if method == "auto" else method
         if self.method == "one_shot":
             self.splits = _splits(numel, w)
-            self.workspace = Workspace(w.world_size * numel, dtype, w.world_size * self.splits)
+            self.row = row_stride(numel)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         else:
             self.chunk = triton.cdiv(numel, w.world_size)
             self.splits = _splits(self.chunk, w)
-            self.workspace = Workspace(2 * w.world_size * self.chunk, dtype, 2 * w.world_size * self.splits)
+            self.row = row_stride(self.chunk)
+            self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.splits)
             self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
                 2, self.chunk * w.world_size, dtype=dtype, device=w.device)
 
@@ -186,7 +184,7 @@ class AllReduce:
         check_output(out, tuple(x.shape), x.dtype)
         ws = self.workspace
         if self.method == "one_shot":
-            all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel,
+            all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
                                                        ws.slot_numel, w.local_world_size, SPLITS=self.splits,
                                                        BLOCK=BLOCK)
             return out
@@ -195,7 +193,7 @@ class AllReduce:
             self.padded[0, :self.numel].copy_(x.view(-1))
             source, target = self.padded[0], self.padded[1]
         all_reduce_two_shot_kernel[(self.splits,)](source, target, ws.staging, ws.flags, ws.calls, self.chunk,
-                                                   ws.slot_numel, w.local_world_size, SPLITS=self.splits,
+                                                   self.row, ws.slot_numel, w.local_world_size, SPLITS=self.splits,
                                                    BLOCK=BLOCK)
         if self.padded is not None:
             out.view(-1).copy_(target[:self.numel])
