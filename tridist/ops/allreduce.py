@@ -204,8 +204,10 @@ class AllReduce:
 
 
 def choose_all_reduce(nbytes: int, world) -> str:
-    """One step while latency dominates, two steps once each rank would receive too many copies."""
-    return "one_shot" if nbytes * (world.world_size - 1) <= 1 << 20 else "two_shot"
+    """One step while latency dominates, two once each rank would receive too many copies: on
+    2 x H200, bf16, one-shot wins up to 4 MB and two-shot from 16 MB
+    (benchmarks/results/allreduce-*-2026-11-22.json)."""
+    return "one_shot" if nbytes * (world.world_size - 1) <= 4 << 20 else "two_shot"
 
 
 def _check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> None:
