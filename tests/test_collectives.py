@@ -120,3 +120,97 @@ def _bad_input(w):
 def test_bad_input_fails_before_launch(world):
     if world.size > 1:  # (world_size * 4 + 1 is a multiple of 1)
         world.run(_bad_input)
+
+
+def _custom_ops(w):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.arange(4 * w.world_size, dtype=torch.float32, device=w.device) + w.rank
+
+    def layer(t):
+        gathered = torch.ops.tridist.all_gather(t, "auto")
+        return torch.ops.tridist.reduce_scatter(gathered, "auto"), torch.ops.tridist.all_reduce(t * 2, "auto")
+
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    scattered, reduced = compiled(x)
+    everyone = [torch.arange(4 * w.world_size, dtype=torch.float32) + r for r in range(w.world_size)]
+    gathered = torch.cat(everyone)
+    chunk = gathered.numel() // w.world_size
+    assert torch.equal(scattered.cpu(), w.world_size * gathered[w.rank * chunk:(w.rank + 1) * chunk])
+    assert torch.equal(reduced.cpu(), 2 * sum(everyone))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+        assert torch.ops.tridist.all_gather(fake).shape == (w.world_size * x.numel(),)
+        assert torch.ops.tridist.reduce_scatter(fake).shape == (4,)
+        assert torch.ops.tridist.all_reduce(fake).shape == x.shape
+
+
+def test_custom_ops_under_torch_compile(world):
+    world.run(_custom_ops)
+
+
+def _graph_replays(w, replays):
+    """Every method captured once in a CUDA graph and replayed `replays` times back to back with new
+    inputs; every 50th replay is checked."""
+    n = 4096
+    cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "ll", "ce") if w.nnodes == 1 or m == "push"]
+    cases += [(ops.ReduceScatter(n, torch.bfloat16), "scatter")]
+    cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot")]
+    for op, kind in cases:
+        x = torch.zeros(n, dtype=torch.bfloat16, device=w.device)
+        out = torch.empty(n * w.world_size if kind == "gather" else n // w.world_size if kind == "scatter" else n,
+                          dtype=torch.bfloat16, device=w.device)
+        op(x, out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            op(x, out)
+        for i in range(replays):
+            value = float((i % 50) + w.rank)
+            x.fill_(value)
+            graph.replay()
+            if i % 50 == 49:
+                values = [float((i % 50) + r) for r in range(w.world_size)]
+                if kind == "gather":
+                    expected = torch.tensor(values).repeat_interleave(n)
+                else:
+                    expected = torch.full((out.numel(),), sum(values))
+                assert torch.equal(out.float().cpu(), expected), (type(op).__name__, getattr(op, "method", ""), i)
+        tridist.barrier_all()
+        op.free()
+
+
+def test_cuda_graph_replays(world):
+    if world.backend == "emulator":
+        return  # CUDA graphs need GPUs
+    world.run(_graph_replays, replays=1000)
+
+
+def _two_streams(w, calls):
+    """Two instances used at once from two streams, with no synchronisation between them."""
+    n = 1 << 14
+    a, b = ops.AllReduce(n, torch.float32), ops.AllGather(n, torch.float32)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    xs = [torch.full((n,), float(w.rank + i), device=w.device) for i in range(calls)]
+    reduced = [torch.empty(n, device=w.device) for _ in range(calls)]
+    gathered = [torch.empty(n * w.world_size, device=w.device) for _ in range(calls)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    for i in range(calls):
+        with torch.cuda.stream(streams[0]):
+            a(xs[i], reduced[i])
+        with torch.cuda.stream(streams[1]):
+            b(xs[i], gathered[i])
+    torch.cuda.synchronize()
+    for i in range(calls):
+        assert torch.equal(reduced[i].cpu(), torch.full((n,), float(sum(r + i for r in range(w.world_size)))))
+        expected = torch.cat([torch.full((n,), float(r + i)) for r in range(w.world_size)])
+        assert torch.equal(gathered[i].cpu(), expected)
+    tridist.barrier_all()
+    a.free()
+    b.free()
+
+
+def test_two_streams(world):
+    if world.backend == "emulator":
+        return  # streams need GPUs
+    world.run(_two_streams, calls=20)

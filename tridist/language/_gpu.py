@@ -258,19 +258,10 @@ def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm
 
 
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------
-@triton.jit
-def my_pe():
-    return _my_pe()
-
-
-@triton.jit
-def n_pes():
-    return _n_pes()
-
-
-@triton.jit
-def ptr(dest, pe):
-    return _ptr(dest.to(tl.int64), pe).to(dest.dtype, bitcast=True)
+# On GPUs NVSHMEM's own answers are ours; nvshmem_ptr already returns null for unreachable peers.
+my_pe = rank
+n_pes = num_ranks
+ptr = symm_at
 
 
 @triton.jit

@@ -237,3 +237,25 @@ def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str
 def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Sum `x` over ranks into `out` (a new tensor by default; pass out=x for in place). A collective."""
     return _instance(AllReduce, x, method)(x, out)
+
+
+@torch.library.custom_op("tridist::reduce_scatter", mutates_args=())
+def reduce_scatter_op(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """`reduce_scatter` as a PyTorch custom op (`torch.ops.tridist.reduce_scatter`)."""
+    return reduce_scatter(x, method=method)
+
+
+@reduce_scatter_op.register_fake
+def _reduce_scatter_shape(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    return x.new_empty((x.shape[0] // tridist.world().world_size, *x.shape[1:]))
+
+
+@torch.library.custom_op("tridist::all_reduce", mutates_args=())
+def all_reduce_op(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """`all_reduce` (out of place) as a PyTorch custom op (`torch.ops.tridist.all_reduce`)."""
+    return all_reduce(x, method=method)
+
+
+@all_reduce_op.register_fake
+def _all_reduce_shape(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    return torch.empty_like(x)
