@@ -49,6 +49,20 @@ if backend.is_emulator():
 
         return run_locked
 
+    # The interpreter rewrites a device function the first time it runs and patches triton.language
+    # on every call, both through the function's module globals; programs running in threads must
+    # take turns at that.
+    _interpreter_lock = threading.RLock()
+
+    def _serialised(function):
+        def run_serialised(*args, **kwargs):
+            with _interpreter_lock:
+                return function(*args, **kwargs)
+
+        return run_serialised
+
+    _interpreter._patch_lang = _serialised(_interpreter._patch_lang)
+    _interpreter.InterpretedFunction.rewrite = _serialised(_interpreter.InterpretedFunction.rewrite)
     _interpreter.InterpreterBuilder.create_atomic_rmw = _locked(_interpreter.InterpreterBuilder.create_atomic_rmw)
     _interpreter.InterpreterBuilder.create_atomic_cas = _locked(_interpreter.InterpreterBuilder.create_atomic_cas)
 
