@@ -43,7 +43,7 @@ def default_worlds() -> list[str]:
         import torch
 
         return ["1", "2", "2x1"] if torch.cuda.device_count() >= 2 else ["1"]
-    return ["1", "2", "3", "4", "2x2"]
+    return ["1", "2", "3", "4", "2x2", "8", "2x4"]
 
 
 def _free_port() -> int:
