@@ -42,29 +42,22 @@ if backend.is_emulator():
     _interpreter.InterpreterBuilder.grid_idx = property(lambda self: _grid.idx,
                                                         lambda self, value: setattr(_grid, "idx", value))
 
-    def _locked(method):
-        def run_locked(self, *args):
-            with transport().atomic_lock():
-                return method(self, *args)
+    def _holding(lock, method):
+        def run_holding(*args, **kwargs):
+            with lock():
+                return method(*args, **kwargs)
 
-        return run_locked
+        return run_holding
 
     # The interpreter rewrites a device function the first time it runs and patches triton.language
-    # on every call, both through the function's module globals; programs running in threads must
-    # take turns at that.
+    # on every call, both through the function's module globals: program threads take turns at it.
     _interpreter_lock = threading.RLock()
-
-    def _serialised(function):
-        def run_serialised(*args, **kwargs):
-            with _interpreter_lock:
-                return function(*args, **kwargs)
-
-        return run_serialised
-
-    _interpreter._patch_lang = _serialised(_interpreter._patch_lang)
-    _interpreter.InterpretedFunction.rewrite = _serialised(_interpreter.InterpretedFunction.rewrite)
-    _interpreter.InterpreterBuilder.create_atomic_rmw = _locked(_interpreter.InterpreterBuilder.create_atomic_rmw)
-    _interpreter.InterpreterBuilder.create_atomic_cas = _locked(_interpreter.InterpreterBuilder.create_atomic_cas)
+    _interpreter._patch_lang = _holding(lambda: _interpreter_lock, _interpreter._patch_lang)
+    _interpreter.InterpretedFunction.rewrite = _holding(lambda: _interpreter_lock,
+                                                        _interpreter.InterpretedFunction.rewrite)
+    for _atomic in ("create_atomic_rmw", "create_atomic_cas"):
+        setattr(_interpreter.InterpreterBuilder, _atomic,
+                _holding(lambda: transport().atomic_lock(), getattr(_interpreter.InterpreterBuilder, _atomic)))
 
     class EmulatedFunction(_interpreter.InterpretedFunction):
         def run(self, *args, grid, warmup, **kwargs):
