@@ -88,10 +88,17 @@ def compile_for_hopper(kernel, signature, constexprs, debug=False):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+# TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
+DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
+                "all_reduce_one_shot_kernel"}
+
+
 def main() -> int:
     failures = 0
     debug = os.environ.get("TRIDIST_DEBUG") == "1"
     for kernel, signature, constexprs in cases():
+        if debug and kernel.__name__ not in DEBUG_SUBSET:
+            continue
         start = time.monotonic()
         try:
             compiled = compile_for_hopper(kernel, signature, constexprs, debug)
