@@ -82,6 +82,8 @@ def _argument_checks(w):
         tridist.symm_free(torch.zeros(2, device=w.device))
     with pytest.raises(ValueError, match="non-negative"):
         tridist.symm_empty((-1,), torch.float32)
+    with pytest.raises(ValueError, match="symmetric tensors take one of"):
+        tridist.symm_empty((2,), torch.complex64)
     assert tridist.init() is w, "init is idempotent"
     with pytest.raises(tridist.TridistError, match="already initialised"):
         tridist.init(nnodes=w.nnodes + 1)

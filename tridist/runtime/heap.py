@@ -42,6 +42,8 @@ class SymmetricHeap:
         return t.data_ptr() - self.base_ptr
 
     def allocate(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in _DTYPES:
+            raise ValueError(f"symmetric tensors take one of {', '.join(str(d) for d in _DTYPES)}; got {dtype}")
         nbytes = math.prod(shape) * dtype.itemsize
         self._agree(_ALLOC, nbytes, dtype, shape)
         size = max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
