@@ -85,7 +85,9 @@ def _programs(words: int, limit: int) -> int:
     return max(1, min(limit, triton.cdiv(words, BLOCK)))
 
 
-def transfer_rows(sizes: list[int], programs: int) -> list[dict]:
+def transfer_rows(sizes: list[int], programs: int, timed: bool = True) -> list[dict]:
+    """Check every transfer at every size, then (if `timed`) time it. Untimed, it is the test of
+    these kernels, which also runs in the emulator."""
     w = tridist.world()
     peer = w.rank ^ 1
     rows = []
@@ -122,6 +124,8 @@ def transfer_rows(sizes: list[int], programs: int) -> list[dict]:
             tridist.barrier_all()
             if not torch.equal(result[:n], expected):
                 raise AssertionError(f"rank {w.rank}: {name} moved wrong data at {nbytes} bytes")
+            if not timed:
+                continue
             small = nbytes <= 1 << 20
             us = slowest(time_us(fn, inner=50 if small else 5, graph=small and name != "LL"))
             row[f"{name} us"] = us
@@ -132,7 +136,7 @@ def transfer_rows(sizes: list[int], programs: int) -> list[dict]:
     return rows
 
 
-def round_trip_rows(rounds: int = 1000) -> list[dict]:
+def round_trip_rows(rounds: int = 1000, timed: bool = True) -> list[dict]:
     w = tridist.world()
     peer = w.rank ^ 1
     flag = tridist.signals(1)
@@ -144,8 +148,13 @@ def round_trip_rows(rounds: int = 1000) -> list[dict]:
             ping_pong_kernel[(1,)](flag, peer, rounds, base[0], int(w.rank % 2 == 0), COMM_SCOPE=scope)
             base[0] += rounds
 
-        us = slowest(time_us(bounce, inner=1, repetitions=10, warmup=2)) / rounds
-        rows.append({"signal": label, "round trip us": us})
+        bounce()
+        tridist.barrier_all()
+        if int(flag.item()) != rounds:
+            raise AssertionError(f"rank {w.rank}: after {rounds} round trips the flag reads {int(flag.item())}")
+        if timed:
+            us = slowest(time_us(bounce, inner=1, repetitions=10, warmup=2)) / rounds
+            rows.append({"signal": label, "round trip us": us})
     tridist.symm_free(flag)
     return rows
 
