@@ -150,8 +150,10 @@ def round_trip_rows(rounds: int = 1000, timed: bool = True) -> list[dict]:
 
         bounce()
         tridist.barrier_all()
-        if int(flag.item()) != rounds:
-            raise AssertionError(f"rank {w.rank}: after {rounds} round trips the flag reads {int(flag.item())}")
+        observed = int(flag.item())
+        tridist.barrier_all()  # the peer raises this flag again as soon as it goes on
+        if observed != rounds:
+            raise AssertionError(f"rank {w.rank}: after {rounds} round trips the flag reads {observed}")
         if timed:
             us = slowest(time_us(bounce, inner=1, repetitions=10, warmup=2)) / rounds
             rows.append({"signal": label, "round trip us": us})
