@@ -120,6 +120,17 @@ def fence(scope="sys"):
     pass
 
 
+def fence_async_proxy():
+    pass
+
+
+# ---- compute -------------------------------------------------------------------------------------
+def dot(a, b, acc):
+    # Triton 3.6's interpreter multiplies bf16 blocks as their raw 16-bit integers; fp32 operands
+    # hold bf16 and fp16 values exactly, and the products accumulate in fp32 as on the GPU.
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+
+
 # ---- signals -------------------------------------------------------------------------------------
 def _wait_until(addresses: np.ndarray, dtype, compare: int, expected, what: str) -> np.ndarray:
     """Spin until every word at `addresses` compares true against `expected`; returns the words."""

@@ -185,6 +185,18 @@ def fence(scope: tl.constexpr = tl.constexpr("sys")):
                               is_pure=False, pack=1)
 
 
+@triton.jit
+def fence_async_proxy():
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+# ---- compute -------------------------------------------------------------------------------------
+@triton.jit
+def dot(a, b, acc):
+    return tl.dot(a, b, acc)
+
+
 # ---- signals -------------------------------------------------------------------------------------
 @triton.jit
 def _compare(observed, cmp: tl.constexpr, value):

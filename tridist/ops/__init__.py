@@ -1,5 +1,6 @@
 """The kernel library: one module per kernel family, each with its host wrapper next to its kernels."""
+from .ag_gemm import AllGatherGEMM, ag_gemm
 from .allgather import AllGather, all_gather
 from .allreduce import AllReduce, ReduceScatter, all_reduce, reduce_scatter
 
-__all__ = ["AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter", "reduce_scatter"]
+__all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter", "reduce_scatter"]

@@ -1,0 +1,82 @@
+"""The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) and the GEMM they share: random data,
+poisoned outputs, back-to-back calls with no host synchronisation, bad input refused before launch."""
+import pytest
+import torch
+
+import tridist
+from tridist import ops
+from tridist.ops import gemm
+
+DTYPES = [torch.bfloat16, torch.float16]
+# The GEMM accumulates in fp32; what differs from an fp32 reference is the rounding of the output
+# (and, in gemm_rs/gemm_ar, of the partial products sent to peers), relative to the largest value.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _random(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _poisoned(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _assert_close(actual, expected, dtype, what):
+    error = (actual.float().cpu() - expected).abs().max().item() / expected.abs().max().item()
+    assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+def _matmul(w):
+    for dtype in DTYPES:
+        for m, k, n in [(50, 40, 72), (16, 16, 16), (3, 8, 8)]:
+            a, b = _random((m, k), dtype, m), _random((k, n), dtype, n)
+            out = gemm.matmul(a.to(w.device), b.to(w.device), out=_poisoned((m, n), dtype, w.device))
+            _assert_close(out, a.float() @ b.float(), dtype, f"matmul {m}x{k}x{n} {dtype}")
+
+
+def test_matmul(world):
+    world.run(_matmul)
+
+
+def _ag_gemm(w, comm, dtype, m_shard, k, n, calls):
+    if comm == "ce" and w.nnodes > 1:
+        with pytest.raises(ValueError, match="within one node"):
+            ops.AllGatherGEMM(m_shard, k, n, dtype, comm)
+        return
+    op = ops.AllGatherGEMM(m_shard, k, n, dtype, comm)
+    shards = [[_random((m_shard, k), dtype, 100 * call + r) for r in range(w.world_size)] for call in range(calls)]
+    bs = [_random((k, n), dtype, 1000 * call + 7 * w.rank) for call in range(calls)]
+    outs = [_poisoned((w.world_size * m_shard, n), dtype, w.device) for _ in range(calls)]
+    inputs = [(s[w.rank].to(w.device), b.to(w.device)) for s, b in zip(shards, bs)]
+    for call in range(calls):  # back to back
+        op(*inputs[call], out=outs[call])
+    for call in range(calls):
+        _assert_close(outs[call], torch.cat(shards[call]).float() @ bs[call].float(), dtype, f"call {call}")
+    tridist.barrier_all()
+    op.free()
+
+
+@pytest.mark.parametrize("comm", ["ce", "sm"])
+def test_ag_gemm(world, comm):
+    for dtype, (m_shard, k, n) in [(torch.bfloat16, (24, 40, 48)), (torch.float16, (5, 16, 24))]:
+        world.run(_ag_gemm, comm=comm, dtype=dtype, m_shard=m_shard, k=k, n=n, calls=3)
+
+
+def _bad_input(w):
+    a = torch.zeros((4, 12), dtype=torch.bfloat16, device=w.device)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.ag_gemm(a, torch.zeros((12, 8), dtype=torch.bfloat16, device=w.device))
+    a = torch.zeros((4, 8), dtype=torch.bfloat16, device=w.device)
+    with pytest.raises(ValueError, match="one dtype"):
+        ops.ag_gemm(a, torch.zeros((8, 8), dtype=torch.float16, device=w.device))
+    with pytest.raises(ValueError, match="columns"):
+        ops.ag_gemm(a, torch.zeros((16, 8), dtype=torch.bfloat16, device=w.device))
+    with pytest.raises(ValueError, match="dtype"):
+        ops.ag_gemm(a.float(), torch.zeros((8, 8), device=w.device))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.ag_gemm(torch.zeros((8, 4), dtype=torch.bfloat16, device=w.device).t(), a[:4])
+
+
+def test_bad_input(world):
+    world.run(_bad_input)

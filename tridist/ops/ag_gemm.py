@@ -1,0 +1,219 @@
+"""AllGather-GEMM: out = all_gather(a_shard) @ b, with the gather hidden behind the GEMM.
+
+Shapes: a_shard is m_shard x K on every rank (M = world_size * m_shard rows in all), b is K x N
+(this rank's columns of the weight), out is M x N, rank r's rows of A at r * m_shard.
+
+Protocol
+- The gathered A lives in a symmetric buffer `gathered` (slots x M x K), shard s at rows
+  s * m_shard of a slot; flag (slot, s) says shard s is there.
+- The GEMM takes its tiles shard by shard, its own shard first, then rank+1, rank+2, ...: the order
+  in which they arrive. Before a program's first tile of a shard it waits for the shard's flag, and
+  the TMA loads after it depend on the wait (consume_token) and are fenced behind it.
+- comm="ce" (one node): the copy engines pull the peers' shards on a side stream, rank+1 first, and
+  after each pull the stream sets the shard's flag with a 4-byte memset: no SM is taken from the
+  GEMM. One slot: a barrier before the pulls says every shard is staged, one after the GEMM says
+  no peer still reads this rank's shard.
+- comm="sm" (any topology): a kernel of `comm_programs` programs on the side stream pushes this
+  rank's shard into every peer's `gathered` (stores through symm_at on the node, NVSHMEM puts with
+  signal across nodes) and raises flag (slot, rank) there to the call epoch; the GEMM runs on the
+  remaining SMs, so both are resident at once. Two slots and call epochs (see `_protocol.py`), no
+  barriers.
+"""
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+import tridist
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from . import _protocol, gemm
+from ._protocol import call_epoch, check_output, finish_call, push_slice, split_bounds
+
+COMMS = ("auto", "ce", "sm")
+PUSH_BLOCK = 2048
+
+
+@jit
+def push_shard_kernel(x_ptr, gathered_ptr, flags_ptr, calls_ptr, n, slot_numel, local_world_size,
+                      SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (step, split) copies slice `split` of this rank's shard (n elements) into rank
+    (rank - step)'s `gathered`, the rank that needs it soonest first, and raises its flag there."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    peer = (me + world - tl.program_id(0)) % world
+    split = tl.program_id(1)
+    slot = epoch % 2
+    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    push_slice(x_ptr, gathered_ptr + slot * slot_numel + me * n, start, stop,
+               flags_ptr + (slot * world + me) * SPLITS + split, epoch, peer, local_world_size, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def ag_gemm_kernel(a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K, slot_rows,
+                   FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """a_desc covers `gathered` as (slots * M) x K. With EPOCH_FLAGS the flags of shard s in slot
+    e % 2 are raised to the call epoch e; without, slot 0's are raised to 1 (and reset by the host)."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    slot = 0
+    expected = 1
+    if EPOCH_FLAGS:
+        slot = (epoch % 2).to(tl.int32)  # TMA coordinates are 32-bit
+        expected = epoch
+    tiles_m = tl.cdiv(m_shard, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_shard = tiles_m * tiles_n
+    arrived = tl.cast(-1, tl.int32)  # the last shard whose flag this program has seen
+    for tile in range(tl.program_id(0), world * per_shard, tl.num_programs(0)):
+        shard = (me + tile // per_shard) % world
+        tm, tn = gemm.tile_coords(tile % per_shard, tiles_m, tiles_n, GROUP_M)
+        row = shard * m_shard + tm * BLOCK_M
+        if shard != arrived:
+            token = dl.wait(flags_ptr + (slot * world + shard) * FLAGS_PER_SHARD, FLAGS_PER_SHARD, scope="sys",
+                            semantic="acquire", waitValue=expected)
+            row = dl.consume_token(row, token)
+            dl.fence_async_proxy()
+            arrived = shard
+        # Rows past the shard's end belong to the next shard, perhaps not there yet: they are
+        # multiplied (rows are independent) but never stored.
+        acc = gemm.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        gemm.store_tile(out_ptr, acc, row, tn * BLOCK_N, (shard + 1) * m_shard, N, BLOCK_M, BLOCK_N)
+    finish_call(calls_ptr)
+
+
+class AllGatherGEMM:
+    """out = all_gather(a_shard) @ b for an a_shard of m_shard x k and a b of k x n, with buffers
+    allocated once. Use one instance per stream. `comm` is "ce" (copy engines, one node), "sm"
+    (`comm_programs` SMs push, any topology) or "auto" (ce on one node); `config` a GEMM config
+    from `gemm.configs` (default: `gemm.default_config`)."""
+
+    def __init__(self, m_shard: int, k: int, n: int, dtype: torch.dtype, comm: str = "auto",
+                 comm_programs: int | None = None, config: dict | None = None):
+        if comm not in COMMS:
+            raise _protocol.method_error("ag_gemm comm", comm, COMMS)
+        if dtype not in gemm.DTYPES:
+            raise ValueError(f"ag_gemm takes {', '.join(map(str, gemm.DTYPES))}; got {dtype}")
+        for name, size in (("k", k), ("n", n)):
+            if size % 8:
+                raise ValueError(f"{name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad {name}")
+        self.world = w = tridist.world()
+        self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
+        if self.comm == "ce" and w.nnodes > 1:
+            raise ValueError(f"ag_gemm comm='ce' works within one node; this world has {w.nnodes} nodes: use comm='sm'")
+        self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
+        self.m = w.world_size * m_shard
+        self.config = config or gemm.default_config(w.device, self.m)
+        programs = gemm.programs_for(w.device)
+        slots = 2 if self.comm == "sm" else 1
+        self.gathered = tridist.symm_empty((slots * self.m, k), dtype)
+        self.calls = torch.zeros(2, dtype=torch.int64, device=w.device)
+        if self.comm == "sm":
+            self.comm_programs = comm_programs or max(1, programs // 16)
+            self.splits = max(1, self.comm_programs // w.world_size)
+            self.push_flags = tridist.signals(2 * w.world_size * self.splits)
+            self.push_calls = torch.zeros(2, dtype=torch.int64, device=w.device)
+            self.gemm_programs = max(1, programs - w.world_size * self.splits)
+        else:
+            self.flags = torch.zeros(w.world_size, dtype=torch.int32, device=w.device)
+            self.own_flag = torch.zeros_like(self.flags)
+            self.own_flag[w.rank] = 1
+            self.gemm_programs = programs
+        self.side_stream = torch.cuda.Stream(w.device) if w.device.type == "cuda" else None
+        self.a_desc = TensorDescriptor.from_tensor(self.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
+
+    def input_buffer(self) -> torch.Tensor:
+        """Where this rank's shard may be written before a call to spare a copy (comm="ce"): pass
+        this tensor as a_shard."""
+        w = self.world
+        return self.gathered[w.rank * self.m_shard:(w.rank + 1) * self.m_shard]
+
+    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gemm.check_operands(a_shard, b, "a_shard", "b")
+        if tuple(a_shard.shape) != (self.m_shard, self.k) or tuple(b.shape) != (self.k, self.n) \
+                or a_shard.dtype != self.dtype:
+            raise ValueError(f"this ag_gemm takes a_shard {self.dtype} ({self.m_shard}, {self.k}) and b "
+                             f"({self.k}, {self.n}); got {a_shard.dtype} {tuple(a_shard.shape)} and {tuple(b.shape)}")
+        if out is None:
+            out = torch.empty((self.m, self.n), dtype=self.dtype, device=a_shard.device)
+        check_output(out, (self.m, self.n), self.dtype)
+        if self.comm == "ce":
+            self._pull_shards(a_shard)
+            flags, flags_per_shard = self.flags, 1
+        else:
+            self._push_shard(a_shard)
+            flags, flags_per_shard = self.push_flags, self.splits
+        b_desc = TensorDescriptor.from_tensor(b, [self.config["BLOCK_K"], self.config["BLOCK_N"]])
+        tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
+            triton.cdiv(self.n, self.config["BLOCK_N"])
+        ag_gemm_kernel[(min(tiles, self.gemm_programs),)](
+            self.a_desc, b_desc, out, flags, self.calls, self.m_shard, self.n, self.k, self.m,
+            FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
+        if self.side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.side_stream)
+        if self.comm == "ce":
+            tridist.barrier_all_on_stream()
+        return out
+
+    def _fork(self):
+        """The side stream, after what the current stream has queued (a no-op context in the emulator)."""
+        if self.side_stream is None:
+            return contextlib.nullcontext()
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.side_stream)
+
+    def _pull_shards(self, a_shard: torch.Tensor) -> None:
+        w = self.world
+        own = self.input_buffer()
+        if a_shard.data_ptr() != own.data_ptr():
+            own.copy_(a_shard)
+        self.flags.copy_(self.own_flag)
+        tridist.barrier_all_on_stream()
+        with self._fork():
+            for step in range(1, w.world_size):
+                shard = (w.rank + step) % w.world_size
+                rows = slice(shard * self.m_shard, (shard + 1) * self.m_shard)
+                self.gathered[rows].copy_(tridist.peer_tensor(self.gathered, shard)[rows])
+                _raise_flag(self.flags, shard)
+
+    def _push_shard(self, a_shard: torch.Tensor) -> None:
+        w = self.world
+        with self._fork():
+            push_shard_kernel[(w.world_size, self.splits)](
+                a_shard, self.gathered, self.push_flags, self.push_calls, a_shard.numel(), self.m * self.k,
+                w.local_world_size, SPLITS=self.splits, BLOCK=PUSH_BLOCK)
+
+    def free(self) -> None:
+        if self.comm == "sm":
+            tridist.symm_free(self.push_flags)
+        tridist.symm_free(self.gathered)
+
+
+def _raise_flag(flags: torch.Tensor, index: int) -> None:
+    """flags[index] = 1 in stream order, after the copies queued before it, without a kernel."""
+    if flags.is_cuda:
+        torch._C._distributed_c10d._SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
+    else:
+        flags[index] = 1
+
+
+_instances: dict = {}
+
+
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto") -> torch.Tensor:
+    """all_gather(a_shard) @ b, the gather overlapped with the GEMM. A collective: every rank calls
+    it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream."""
+    gemm.check_operands(a_shard, b, "a_shard", "b")
+    stream = torch.cuda.current_stream() if a_shard.is_cuda else None
+    key = (tuple(a_shard.shape), b.shape[1], a_shard.dtype, comm, stream)
+    if key not in _instances:
+        _instances[key] = AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm)
+    return _instances[key](a_shard, b, out)

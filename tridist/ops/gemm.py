@@ -1,0 +1,123 @@
+"""The GEMM the overlapped kernels are built on, and `matmul`: that GEMM alone.
+
+A persistent kernel: one program per SM walks the output tiles `program_id, program_id + programs,
+...`. A and B are read through TMA tensor descriptors (the copy happens in hardware, so the warps
+only issue matrix instructions), accumulate in fp32, and each tile is stored with a mask so that a
+caller can end tiles at any row (the overlapped kernels stop tiles at shard boundaries).
+
+out (M x N) = a (M x K) @ b (K x N); a and b row-major, bf16 or fp16. TMA needs every row to start
+on a 16-byte boundary: K and N must be multiples of 8.
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from ._protocol import check_input, check_output
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+# 128 x 256 x 64, 3 stages, 8 warps reached 90-99% of cuBLAS on an H200 (DESIGN.md); 4 stages of that
+# tile do not fit in shared memory. The emulator gets small tiles so its shapes can stay small.
+GPU_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=3, num_warps=8),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
+]
+EMULATOR_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_stages=1, num_warps=4)]
+
+
+def configs(device: torch.device) -> list[dict]:
+    return GPU_CONFIGS if device.type == "cuda" else EMULATOR_CONFIGS
+
+
+def default_config(device: torch.device, m: int) -> dict:
+    """Without tuning: the big tile, or 64 x 64 tiles when M is a decode batch (enough tiles for every SM)."""
+    candidates = configs(device)
+    return candidates[-1] if device.type == "cuda" and m <= 128 else candidates[0]
+
+
+def programs_for(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@triton.jit
+def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile number -> (row tile, column tile), GROUP_M row tiles at a time so that the programs
+    running together share A rows and B columns in L2."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@triton.jit
+def tile_product(a_desc, b_desc, row, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """a[row:row+BLOCK_M, :] @ b[:, col:col+BLOCK_N] in fp32 (TMA fills rows and columns past the end with zeros)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        acc = dl.dot(a_desc.load([row, k * BLOCK_K]), b_desc.load([k * BLOCK_K, col]), acc)
+    return acc
+
+
+@triton.jit
+def store_tile(out_ptr, values, row, col, row_end, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[row:min(row+BLOCK_M, row_end), col:col+BLOCK_N] = values (out is row-major with N columns)."""
+    rows = row + tl.arange(0, BLOCK_M)
+    cols = col + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < row_end) & (cols[None, :] < N)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def matmul_kernel(a_desc, b_desc, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+        tm, tn = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tile_product(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, M, N, BLOCK_M, BLOCK_N)
+
+
+def check_operands(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: str = "b") -> None:
+    """a (rows x K) and b (K x N), both 2-D, of one dtype, with K and N multiples of 8."""
+    check_input(a, a_name, DTYPES)
+    check_input(b, b_name, DTYPES)
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"{a_name} and {b_name} must be matrices; got {a_name} of shape {tuple(a.shape)} and "
+                         f"{b_name} of shape {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; use one dtype")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"{a_name} has {a.shape[1]} columns but {b_name} has {b.shape[0]} rows")
+    for name, size in (("K", a.shape[1]), ("N", b.shape[1])):
+        if size % 8:
+            raise ValueError(f"{name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad {name}")
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
+    return (TensorDescriptor.from_tensor(a, [config["BLOCK_M"], config["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(b, [config["BLOCK_K"], config["BLOCK_N"]]))
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """a @ b with the persistent TMA GEMM of the overlapped ops (on one rank, no communication)."""
+    check_operands(a, b)
+    shape = (a.shape[0], b.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    check_output(out, shape, a.dtype)
+    config = config or default_config(a.device, a.shape[0])
+    tiles = triton.cdiv(shape[0], config["BLOCK_M"]) * triton.cdiv(shape[1], config["BLOCK_N"])
+    a_desc, b_desc = descriptors(a, b, config)
+    matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc, b_desc, out, shape[0], shape[1], a.shape[1],
+                                                         **config)
+    return out
