@@ -63,6 +63,32 @@ def test_ag_gemm(world, comm):
         world.run(_ag_gemm, comm=comm, dtype=dtype, m_shard=m_shard, k=k, n=n, calls=3)
 
 
+def _gemm_reduce(w, scatter, dtype, rows, k, n, calls):
+    m = rows * w.world_size if scatter else rows
+    op = (ops.GemmReduceScatter if scatter else ops.GemmAllReduce)(m, k, n, dtype)
+    every_a = [[_random((m, k), dtype, 100 * call + r) for r in range(w.world_size)] for call in range(calls)]
+    every_b = [[_random((k, n), dtype, 1000 * call + 7 * r) for r in range(w.world_size)] for call in range(calls)]
+    outs = [_poisoned((rows, n), dtype, w.device) for _ in range(calls)]
+    inputs = [(a[w.rank].to(w.device), b[w.rank].to(w.device)) for a, b in zip(every_a, every_b)]
+    for call in range(calls):  # back to back
+        op(*inputs[call], out=outs[call])
+    for call in range(calls):
+        total = sum(a.double() @ b.double() for a, b in zip(every_a[call], every_b[call])).float()
+        expected = total[w.rank * rows:(w.rank + 1) * rows] if scatter else total
+        _assert_close(outs[call], expected, dtype, f"call {call}")
+    if not scatter:  # every rank must end with the same bits
+        gathered = ops.all_gather(outs[-1]).view(w.world_size, -1).view(torch.int16).cpu()
+        assert all(torch.equal(part, gathered[0]) for part in gathered)
+    tridist.barrier_all()
+    op.free()
+
+
+@pytest.mark.parametrize("scatter", [True, False], ids=["gemm_rs", "gemm_ar"])
+def test_gemm_reduce(world, scatter):
+    for dtype, (rows, k, n) in [(torch.bfloat16, (20, 24, 40)), (torch.float16, (3, 16, 8))]:
+        world.run(_gemm_reduce, scatter=scatter, dtype=dtype, rows=rows, k=k, n=n, calls=3)
+
+
 def _bad_input(w):
     a = torch.zeros((4, 12), dtype=torch.bfloat16, device=w.device)
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -76,6 +102,10 @@ def _bad_input(w):
         ops.ag_gemm(a.float(), torch.zeros((8, 8), device=w.device))
     with pytest.raises(ValueError, match="contiguous"):
         ops.ag_gemm(torch.zeros((8, 4), dtype=torch.bfloat16, device=w.device).t(), a[:4])
+    if w.world_size > 1:
+        with pytest.raises(ValueError, match="multiple of the world size"):
+            ops.gemm_rs(torch.zeros((w.world_size + 1, 8), dtype=torch.bfloat16, device=w.device),
+                        torch.zeros((8, 8), dtype=torch.bfloat16, device=w.device))
 
 
 def test_bad_input(world):

@@ -6,6 +6,7 @@ from .runtime.errors import (NotInitializedError, PeerFailedError, SymmetricAllo
 from .runtime.jit import jit
 from .runtime.tensors import (SIGNAL_DTYPE, barrier_all, is_symmetric, peer_tensor, signals, symm_empty, symm_free,
                               symm_zeros)
+from .runtime.tune import tune
 from .runtime.world import World, finalize, init, world
 from .ops.sync import barrier_all_on_stream, sleep_async  # noqa: E402
 
@@ -13,5 +14,5 @@ __version__ = "0.1.0"
 
 __all__ = ["BACKEND", "World", "init", "finalize", "world", "jit", "symm_empty", "symm_zeros", "symm_free",
            "signals", "peer_tensor", "is_symmetric", "SIGNAL_DTYPE", "barrier_all", "barrier_all_on_stream",
-           "sleep_async", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
+           "sleep_async", "tune", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
            "SymmetricAllocationError"]

@@ -1,0 +1,192 @@
+"""GEMM-ReduceScatter and GEMM-AllReduce: the partial products of a row-parallel layer, summed
+over ranks while the GEMM runs.
+
+Shapes: a is M x K_local, b is K_local x N on every rank; the partial product a @ b is M x N.
+gemm_rs gives rank r rows [r * M/world, (r+1) * M/world) of the sum over ranks; gemm_ar gives every
+rank all of it.
+
+Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
+- `tiles` is a symmetric buffer of partial tiles: tiles[slot, src, t] holds rank src's partial
+  product of output tile t, BLOCK_M x BLOCK_N contiguous elements; flag (slot, src, t) says it has
+  arrived.
+- gemm_rs: tile t of shard s is computed by every rank and sent to rank s, which sums it. Each rank
+  takes the shards in the order rank+1, rank+2, ..., its own last: by the time it reaches its own
+  tiles, every peer has long sent its part of them, so the reductions rarely wait; the sum is
+  added to the fp32 accumulator of this rank's own part and stored once.
+- gemm_ar: every rank computes every tile and sends it to every peer; a second pass over the same
+  tiles sums the partials of ranks 0, 1, ... in that order, so every rank ends with the same bits.
+- A tile goes to a peer on the node as stores through symm_at followed by a release of its flag;
+  to another node as an NVSHMEM put with the signal attached, from this rank's own copy of the
+  slot (tiles[slot, rank]).
+Partial tiles travel in the output dtype; sums accumulate in fp32.
+"""
+import torch
+import triton
+import triton.language as tl
+
+import tridist
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from . import gemm
+from ._protocol import Workspace, call_epoch, check_output, finish_call
+
+
+@triton.jit
+def _send_tile(values, tile_ptr, flag_ptr, epoch, peer, local_world_size, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Write `values` to `peer`'s copy of the tile at `tile_ptr` and raise its flag to `epoch`."""
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    if peer // local_world_size == dl.rank() // local_world_size:
+        tl.store(dl.symm_at(tile_ptr, peer) + offsets, values)
+        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
+    else:
+        tl.store(tile_ptr + offsets, values)
+        tl.debug_barrier()  # the whole block reads the tile it stored
+        nbytes = BLOCK_M * BLOCK_N * (tile_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        dl.shmem.putmem_signal_block(tile_ptr, tile_ptr, nbytes, flag_ptr, epoch, dl.shmem.SIGNAL_SET, peer)
+
+
+@triton.jit
+def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rank src's partial tile t of this slot, once its flag says it is here."""
+    token = dl.wait(flags + src * per_shard + t, 1, scope="sys", semantic="acquire", waitValue=epoch)
+    tile_ptr = dl.consume_token(tiles + (src * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N), token)
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    return tl.load(tile_ptr + offsets).to(tl.float32)
+
+
+@jit
+def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size,
+                       SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+    """SCATTER: gemm_rs (out is M/world x N), else gemm_ar (out is M x N)."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    rows = M
+    shards = 1
+    if SCATTER:
+        rows = M // world
+        shards = world
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_shard = tiles_m * tiles_n
+    slot = epoch % 2
+    tiles = tiles_ptr + (slot * world * per_shard) * (BLOCK_M * BLOCK_N)
+    flags = flags_ptr + slot * world * per_shard
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    for tile in range(tl.program_id(0), shards * per_shard, tl.num_programs(0)):
+        shard = me
+        if SCATTER:
+            shard = (me + 1 + tile // per_shard) % world
+        t = tile % per_shard
+        tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        first_row = tm * BLOCK_M
+        if SCATTER:
+            first_row += shard * rows
+        acc = gemm.tile_product(a_desc, b_desc, first_row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        mine = tiles + (me * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N)
+        my_flag = flags + me * per_shard + t
+        values = acc.to(tiles_ptr.dtype.element_ty)
+        if SCATTER:
+            if shard != me:
+                _send_tile(values, mine, my_flag, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
+            else:
+                for step in range(1, world):
+                    acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
+                gemm.store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
+        else:
+            tl.store(mine + offsets, values)
+            for step in range(1, world):
+                _send_tile(values, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M, BLOCK_N)
+    if not SCATTER:
+        tl.debug_barrier()  # this program's own tiles, stored by all its threads, are read back below
+        for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
+            tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for src in range(world):
+                if src == me:
+                    total += tl.load(tiles + (me * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N) + offsets
+                                     ).to(tl.float32)
+                else:
+                    total += _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M, BLOCK_N)
+            gemm.store_tile(out_ptr, total, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+class _GemmReduce:
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, scatter: bool, config: dict | None):
+        self.world = w = tridist.world()
+        name = "gemm_rs" if scatter else "gemm_ar"
+        if dtype not in gemm.DTYPES:
+            raise ValueError(f"{name} takes {', '.join(map(str, gemm.DTYPES))}; got {dtype}")
+        if scatter and m % w.world_size:
+            raise ValueError(f"gemm_rs splits the M = {m} rows of the product over {w.world_size} ranks: make M a "
+                             "multiple of the world size")
+        for size_name, size in (("k", k), ("n", n)):
+            if size % 8:
+                raise ValueError(f"{size_name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad "
+                                 f"{size_name}")
+        self.name, self.m, self.k, self.n, self.dtype, self.scatter = name, m, k, n, dtype, scatter
+        self.rows = m // w.world_size if scatter else m
+        self.config = config or gemm.default_config(w.device, self.rows)
+        block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
+        self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
+        self.workspace = Workspace(w.world_size * self.per_shard * block_m * block_n, dtype,
+                                   w.world_size * self.per_shard)
+        self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gemm.check_operands(a, b)
+        if tuple(a.shape) != (self.m, self.k) or tuple(b.shape) != (self.k, self.n) or a.dtype != self.dtype:
+            raise ValueError(f"this {self.name} takes a {self.dtype} ({self.m}, {self.k}) and b ({self.k}, {self.n}); "
+                             f"got {a.dtype} {tuple(a.shape)} and {tuple(b.shape)}")
+        if out is None:
+            out = torch.empty((self.rows, self.n), dtype=self.dtype, device=a.device)
+        check_output(out, (self.rows, self.n), self.dtype)
+        ws = self.workspace
+        a_desc, b_desc = gemm.descriptors(a, b, self.config)
+        gemm_reduce_kernel[(self.programs,)](a_desc, b_desc, out, ws.staging, ws.flags, ws.calls, self.m, self.n,
+                                             self.k, self.world.local_world_size, SCATTER=self.scatter, **self.config)
+        return out
+
+    def free(self) -> None:
+        self.workspace.free()
+
+
+class GemmReduceScatter(_GemmReduce):
+    """reduce_scatter(a @ b) for a of m x k and b of k x n: rank r gets rows r * m/world of the sum."""
+
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | None = None):
+        super().__init__(m, k, n, dtype, scatter=True, config=config)
+
+
+class GemmAllReduce(_GemmReduce):
+    """all_reduce(a @ b) for a of m x k and b of k x n; made for decode-sized m (up to a few hundred rows)."""
+
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | None = None):
+        super().__init__(m, k, n, dtype, scatter=False, config=config)
+
+
+_instances: dict = {}
+
+
+def _cached(cls, a: torch.Tensor, b: torch.Tensor):
+    gemm.check_operands(a, b)
+    stream = torch.cuda.current_stream() if a.is_cuda else None
+    key = (cls, tuple(a.shape), b.shape[1], a.dtype, stream)
+    if key not in _instances:
+        _instances[key] = cls(a.shape[0], a.shape[1], b.shape[1], a.dtype)
+    return _instances[key]
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """reduce_scatter(a @ b) over the ranks, overlapped with the GEMM. A collective."""
+    return _cached(GemmReduceScatter, a, b)(a, b, out)
+
+
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective."""
+    return _cached(GemmAllReduce, a, b)(a, b, out)

@@ -1,0 +1,200 @@
+"""`tridist.tune`: choose the fastest of several configurations of a distributed kernel.
+
+A distributed kernel finishes when its slowest rank does, so a configuration scores its slowest
+rank's median time. Every rank picks from the same gathered numbers and so picks the same winner,
+with no broadcast: ranks that chose differently would launch different kernels and wait on each
+other forever.
+
+A configuration that raises while it is built or warmed up is skipped on every rank. That works
+only if it raises on every rank, or at least before it waits on a peer: a rank whose peer gave up
+mid-launch would wait on it. We rely on compilation and resource errors being the same everywhere,
+since every rank launches the same code on the same kind of device.
+
+Choices are cached per host in `tune.json` (folder TRIDIST_TUNE_CACHE, default ~/.cache/tridist),
+keyed by what a timing depends on: name, key, configurations, world layout, backend and device.
+"""
+import datetime
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .errors import PeerFailedError, TridistError
+from .world import transport, world
+
+_FILE = "tune.json"
+
+
+def tune(name: str, key, configs: Sequence[dict], make_run: Callable[[dict], Callable[[], object]], *,
+         warmup: int = 2, repetitions: int = 5, use_cache: bool = True, verbose: bool | None = None) -> dict:
+    """The config (a copy) whose `make_run(config)()` is fastest on the slowest rank.
+
+    A collective: every rank calls it with the same `name`, `key` (any value with a stable repr:
+    shapes, dtypes) and `configs` (dicts). `make_run(config)` returns the callable that is timed,
+    itself usually a collective. `use_cache=False` neither reads nor writes the cache; `verbose`
+    (default TRIDIST_TUNE_VERBOSE=1) prints each configuration's time on rank 0.
+    """
+    if warmup < 0 or repetitions < 1:
+        raise ValueError(f"tridist.tune needs warmup >= 0 and repetitions >= 1, got {warmup} and {repetitions}")
+    configs = list(configs)
+    configs_text = [_canonical(c) for c in configs]
+    _check_same_arguments(name, key, configs, "\n".join([name, repr(key), *configs_text]))
+    if not configs:
+        raise ValueError(f"tridist.tune({name!r}) got no configs to choose from")
+    if not all(isinstance(c, dict) for c in configs):
+        raise TypeError(f"tridist.tune({name!r}) takes configs as dicts, got {[type(c).__name__ for c in configs]}")
+    if len(configs) == 1:
+        return dict(configs[0])
+    if verbose is None:
+        verbose = os.environ.get("TRIDIST_TUNE_VERBOSE", "0") not in ("", "0")
+    w = world()
+    path = os.path.join(os.path.expanduser(os.environ.get("TRIDIST_TUNE_CACHE") or "~/.cache/tridist"), _FILE)
+    cache_key = _cache_key(name, key, configs_text, w)
+
+    mine = _cached_index(path, cache_key, configs_text) if use_cache else -1
+    indices = {i for (i,) in transport().allgather_ints((mine,))}
+    if len(indices) == 1 and mine >= 0:
+        if verbose and w.rank == 0:
+            print(f"tridist.tune {name} {key!r}: {configs[mine]} (cached in {path})", flush=True)
+        return dict(configs[mine])
+
+    results = [_measure(config, make_run, warmup, repetitions, w.device) for config in configs]
+    timed = [i for i, (ranks_ns, _, _) in enumerate(results) if ranks_ns is not None]
+    if not timed:
+        first_error = next((error for _, _, error in results if error is not None), None)
+        raise TridistError(f"tridist.tune({name!r}, {key!r}): every config failed:\n" + "\n".join(
+            f"  {config}: {_describe_failure(failed, error)}" for config, (_, failed, error) in zip(configs, results)
+        )) from first_error
+    best = min(timed, key=lambda i: max(results[i][0]))  # the first of equals; the same numbers on every rank
+    if verbose and w.rank == 0:
+        for i, (config, (ranks_ns, failed, error)) in enumerate(zip(configs, results)):
+            outcome = f"{max(ranks_ns) / 1e3:10.1f} us" if ranks_ns else f"skipped, {_describe_failure(failed, error)}"
+            print(f"tridist.tune {name} {key!r}: {config} {outcome}{'  <- chosen' if i == best else ''}", flush=True)
+    if use_cache and w.local_rank == 0:  # the node's ranks share the folder: one of them writes
+        _write_cache(path, cache_key, {
+            "config": json.loads(configs_text[best]),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "times": [{"config": json.loads(text), "slowest_ns": max(ranks_ns) if ranks_ns else None,
+                       "ranks_ns": ranks_ns, "failed_on_ranks": failed}
+                      for text, (ranks_ns, failed, _) in zip(configs_text, results)],
+        })
+    return dict(configs[best])
+
+
+def _canonical(value) -> str:
+    # Sorted keys so that dict order does not matter; repr for what JSON cannot hold (dtypes).
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def _check_same_arguments(name: str, key, configs: list, text: str) -> None:
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big", signed=True)
+    everyone = [h for (h,) in transport().allgather_ints((digest,))]
+    if len(set(everyone)) == 1:
+        return
+    groups = {}
+    for rank, h in enumerate(everyone):
+        groups.setdefault(h, []).append(rank)
+    listed = " / ".join(("ranks " if len(g) > 1 else "rank ") + ", ".join(map(str, g)) for g in groups.values())
+    raise ValueError(
+        f"tridist.tune: ranks passed different name, key or configs (ranks that agree: {listed}); rank "
+        f"{world().rank} passed name={name!r}, key={key!r}, {len(configs)} configs {configs}. Every rank must "
+        "pass the same, or they would time different kernels and wait on each other"
+    )
+
+
+def _cache_key(name: str, key, configs_text: list, w) -> str:
+    device = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else "cpu"
+    configs_digest = hashlib.sha256("\n".join(configs_text).encode()).hexdigest()[:12]
+    return (f"{name} {key!r} world_size={w.world_size} nnodes={w.nnodes} backend={w.backend} "
+            f"device={device} configs={configs_digest}")
+
+
+def _read_cache(path: str) -> dict:
+    """Everything in the cache file; a missing or damaged file reads as empty (and is rewritten)."""
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def _cached_index(path: str, cache_key: str, configs_text: list) -> int:
+    entry = _read_cache(path).get(cache_key)
+    if not isinstance(entry, dict) or "config" not in entry:
+        return -1
+    cached = _canonical(entry["config"])
+    return configs_text.index(cached) if cached in configs_text else -1
+
+
+def _write_cache(path: str, cache_key: str, entry: dict) -> None:
+    # Read, merge and replace atomically: readers never see half a file. Two hosts' writers racing
+    # on a shared folder can drop each other's new entry, which costs a re-tune, never a wrong choice.
+    folder = os.path.dirname(path)
+    temp = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        entries = _read_cache(path)
+        entries[cache_key] = entry
+        with tempfile.NamedTemporaryFile("w", dir=folder, prefix="tune.", suffix=".tmp", delete=False) as f:
+            temp = f.name
+            json.dump(entries, f, indent=1, sort_keys=True)
+        os.replace(temp, path)
+    except OSError as error:
+        if temp and os.path.exists(temp):
+            os.unlink(temp)
+        warnings.warn(f"tridist.tune could not write its cache {path}: {error}; the choice is not cached", stacklevel=3)
+
+
+def _measure(config: dict, make_run, warmup: int, repetitions: int, device: torch.device):
+    """(every rank's median ns, None, None), or (None, ranks that failed, this rank's error or None)."""
+    error = None
+    try:
+        run = make_run(config)
+        for _ in range(warmup):
+            run()
+        _synchronize(device)
+    except PeerFailedError:
+        raise  # a dead peer is not this config's fault, and the next collective would fail anyway
+    except Exception as caught:  # noqa: BLE001 - skipped on every rank, reported if all configs fail
+        error = caught
+    failed = [rank for rank, (flag,) in enumerate(transport().allgather_ints((int(error is not None),))) if flag]
+    if failed:
+        return None, failed, error
+    transport().barrier()  # every rank starts timing together
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(repetitions)]
+        for start, end in events:
+            start.record()
+            run()
+            end.record()
+        _synchronize(device)
+        samples = [round(start.elapsed_time(end) * 1e6) for start, end in events]
+    else:
+        samples = []
+        for _ in range(repetitions):
+            begin = time.perf_counter_ns()
+            run()
+            samples.append(time.perf_counter_ns() - begin)
+    median = int(statistics.median(samples))
+    return [ns for (ns,) in transport().allgather_ints((median,))], None, None
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _describe_failure(failed: list, error: Exception | None) -> str:
+    ranks = ", ".join(map(str, failed))
+    if error is None:
+        return f"failed on rank(s) {ranks}"
+    first_line = (str(error).splitlines() or [""])[0]
+    return f"failed on rank(s) {ranks}: {type(error).__name__}: {first_line}"
