@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU test suite and the benchmarks in one command, for a lent multi-GPU machine:
-#   bash scripts/gpu_suite.sh [tests|bench|all] [pytest args...]
+#   bash scripts/gpu_suite.sh [tests|bench|all] [pytest args: default "tests"]
+#   BENCHES="gemm ag_gemm" bash scripts/gpu_suite.sh bench    (default: every benchmark)
 # Runs from the repository without installing it (that machine has no network; its image has
 # torch, triton and the NVSHMEM wheel). Logs, results and the Triton cache (kernels with NVSHMEM
 # linked take seconds each to compile) are written to $OUT, so the next call can carry the cache.
@@ -17,12 +18,13 @@ status=0
 python -m tridist info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/info.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 330 python -m pytest tests -q --ignore=tests/test_gpu_compile.py "$@" 2>&1 | tee "$OUT/tests.log"
+  targets=("$@"); [ ${#targets[@]} -eq 0 ] && targets=(tests)
+  timeout ${TESTS_TIMEOUT:-330} python -m pytest -q --ignore=tests/test_gpu_compile.py "${targets[@]}" 2>&1 | tee "$OUT/tests.log"
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for bench in primitives allgather reducescatter allreduce; do
-    timeout 240 python -m tridist bench $bench -n 2 --out benchmarks/results 2>&1 | tee -a "$OUT/bench.log"
+  for bench in ${BENCHES:-primitives allgather reducescatter allreduce gemm ag_gemm gemm_rs gemm_ar}; do
+    timeout ${BENCH_TIMEOUT:-240} python -m tridist bench $bench -n 2 --out benchmarks/results 2>&1 | tee -a "$OUT/bench.log"
     status=$((status | ${PIPESTATUS[0]}))
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results

@@ -16,15 +16,43 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tridist.bench import primitives  # noqa: E402
-from tridist.ops import allgather, allreduce, sync  # noqa: E402
+from tridist.ops import allgather, allgather_gemm, allreduce, gemm, gemm_reduce, sync  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402
 from . import test_shmem as shmem  # noqa: E402
 
 
-def cases():
+def _gemm_cases():
+    """The GEMM kernels at the GPU's first config (8 warps, 3 stages), TMA descriptors included."""
+    config = dict(gemm.GPU_CONFIGS[0])
+    options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+    a = f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>"
+    b = f"tensordesc<bf16[{config['BLOCK_K']}, {config['BLOCK_N']}]>"
+    blocks = {name: "constexpr" for name in config}
     return [
+        (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                              **blocks}, config, options),
+        *[(allgather_gemm.ag_gemm_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "flags_ptr": flags,
+                                    "calls_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
+                                    "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", **blocks},
+           {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
+          for flags, per_shard, epochs in (("*i32", 1, False), ("*i64", 4, True))],
+        *[(gemm_reduce.gemm_reduce_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
+                                            "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                            "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr", **blocks},
+           {"SCATTER": scatter, **config}, options) for scatter in (True, False)],
+        (allgather_gemm.push_shard_kernel, {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "flags_ptr": "*i64",
+                                     "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32", "local_world_size": "i32",
+                                     "SPLITS": "constexpr", "BLOCK": "constexpr"},
+         {"SPLITS": 4, "BLOCK": allgather_gemm.PUSH_BLOCK}),
+    ]
+
+
+def cases():
+    """(kernel, signature, constexprs[, compile options])."""
+    return [
+        *_gemm_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
@@ -81,27 +109,29 @@ def cases():
     ]
 
 
-def compile_for_hopper(kernel, signature, constexprs, debug=False):
+def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False):
     attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": 4, "debug": debug, "extern_libs": {"libnvshmem_device": find_device_library()}}
+    options = {"num_warps": 4, **(options or {}), "debug": debug,
+               "extern_libs": {"libnvshmem_device": find_device_library()}}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
-                "all_reduce_one_shot_kernel"}
+                "all_reduce_one_shot_kernel", "gemm_reduce_kernel"}
 
 
 def main() -> int:
     failures = 0
     debug = os.environ.get("TRIDIST_DEBUG") == "1"
-    for kernel, signature, constexprs in cases():
-        if debug and kernel.__name__ not in DEBUG_SUBSET:
+    only = sys.argv[1:]  # kernel names, to compile a few while working on them
+    for kernel, signature, constexprs, *options in cases():
+        if (debug and kernel.__name__ not in DEBUG_SUBSET) or (only and kernel.__name__ not in only):
             continue
         start = time.monotonic()
         try:
-            compiled = compile_for_hopper(kernel, signature, constexprs, debug)
+            compiled = compile_for_hopper(kernel, signature, constexprs, *options, debug=debug)
             assert "cubin" in compiled.asm
             print(f"ok    {kernel.__name__} {constexprs or ''} ({time.monotonic() - start:.1f} s)", flush=True)
         except Exception as error:  # noqa: BLE001 - every failure is listed

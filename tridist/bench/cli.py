@@ -3,7 +3,9 @@ import os
 import sys
 
 BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.bench.collectives",
-              "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives"}
+              "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives",
+              "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
+              "gemm_ar": "tridist.bench.overlap"}
 
 
 def main(argv: list[str]) -> int:
@@ -23,4 +25,4 @@ def main(argv: list[str]) -> int:
     import importlib
 
     module = importlib.import_module(BENCHMARKS[name])
-    return module.main([name, *rest] if module.__name__.endswith("collectives") else rest)
+    return module.main(rest if name == "primitives" else [name, *rest])

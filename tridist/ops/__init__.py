@@ -1,5 +1,5 @@
 """The kernel library: one module per kernel family, each with its host wrapper next to its kernels."""
-from .ag_gemm import AllGatherGEMM, ag_gemm
+from .allgather_gemm import AllGatherGEMM, ag_gemm
 from .allgather import AllGather, all_gather
 from .allreduce import AllReduce, ReduceScatter, all_reduce, reduce_scatter
 from .gemm import matmul

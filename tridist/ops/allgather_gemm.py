@@ -24,6 +24,7 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
+from torch._C._distributed_c10d import _SymmetricMemory
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tridist
@@ -198,11 +199,15 @@ class AllGatherGEMM:
 
 
 def _raise_flag(flags: torch.Tensor, index: int) -> None:
-    """flags[index] = 1 in stream order, after the copies queued before it, without a kernel."""
-    if flags.is_cuda:
-        torch._C._distributed_c10d._SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
-    else:
+    """flags[index] = 1 in stream order, after the copies queued before it, without a kernel: the
+    GEMM holds every SM while it waits for this flag. A stream write (cuStreamWriteValue32) where
+    it can be; a 4-byte memset inside a CUDA-graph capture."""
+    if not flags.is_cuda:
         flags[index] = 1
+    elif torch.cuda.is_current_stream_capturing():
+        _SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
+    else:
+        _SymmetricMemory.stream_write_value32(flags, index, 1)
 
 
 _instances: dict = {}
