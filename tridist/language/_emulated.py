@@ -190,6 +190,8 @@ def ptr(dest, pe):
 
 
 def _copy(dst: int, src: int, nbytes: int) -> None:
+    if nbytes < 0:  # on a GPU NVSHMEM reads it as a huge size and faults
+        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: a put or get of {nbytes} bytes")
     if nbytes:
         ctypes.memmove(dst, src, nbytes)
 

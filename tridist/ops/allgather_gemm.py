@@ -119,7 +119,7 @@ class AllGatherGEMM:
         self.calls = torch.zeros(2, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
             self.comm_programs = comm_programs or max(1, programs // 16)
-            self.splits = max(1, self.comm_programs // w.world_size)
+            self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // w.world_size))
             self.push_flags = tridist.signals(2 * w.world_size * self.splits)
             self.push_calls = torch.zeros(2, dtype=torch.int64, device=w.device)
             self.gemm_programs = max(1, programs - w.world_size * self.splits)
@@ -205,9 +205,9 @@ def _raise_flag(flags: torch.Tensor, index: int) -> None:
     if not flags.is_cuda:
         flags[index] = 1
     elif torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
+        _SymmetricMemory.memset32(flags.view(torch.uint32), offset=index, val=1, count=1)
     else:
-        _SymmetricMemory.stream_write_value32(flags, index, 1)
+        _SymmetricMemory.stream_write_value32(flags.view(torch.uint32), index, 1)
 
 
 _instances: dict = {}

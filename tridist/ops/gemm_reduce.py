@@ -76,6 +76,10 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
     tiles = tiles_ptr + (slot * world * per_shard) * (BLOCK_M * BLOCK_N)
     flags = flags_ptr + slot * world * per_shard
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    # gemm_rs raises a peer's flag for a tile one tile late: by then the tile's stores have
+    # drained over NVLink and the release costs nothing, where at once it would stall the program.
+    late_peer = tl.cast(-1, tl.int32)
+    late_flag = flags
     for tile in range(tl.program_id(0), shards * per_shard, tl.num_programs(0)):
         shard = me
         if SCATTER:
@@ -90,8 +94,16 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
         my_flag = flags + me * per_shard + t
         values = acc.to(tiles_ptr.dtype.element_ty)
         if SCATTER:
+            if late_peer >= 0:  # before any wait below: a peer may be waiting for this flag
+                dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
+                late_peer = tl.cast(-1, tl.int32)
             if shard != me:
-                _send_tile(values, mine, my_flag, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
+                if shard // local_world_size == me // local_world_size:
+                    tl.store(dl.symm_at(mine, shard) + offsets, values)
+                    late_peer = shard
+                    late_flag = my_flag
+                else:
+                    _send_tile(values, mine, my_flag, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
             else:
                 for step in range(1, world):
                     acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
@@ -100,6 +112,8 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
             tl.store(mine + offsets, values)
             for step in range(1, world):
                 _send_tile(values, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M, BLOCK_N)
+    if late_peer >= 0:
+        dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
     if not SCATTER:
         tl.debug_barrier()  # this program's own tiles, stored by all its threads, are read back below
         for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
