@@ -24,27 +24,35 @@ from . import test_shmem as shmem  # noqa: E402
 
 
 def _gemm_cases():
-    """The GEMM kernels at the GPU's first config (8 warps, 3 stages), TMA descriptors included."""
-    config = dict(gemm.GPU_CONFIGS[0])
-    options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-    a = f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>"
-    b = f"tensordesc<bf16[{config['BLOCK_K']}, {config['BLOCK_N']}]>"
-    blocks = {name: "constexpr" for name in config}
-    return [
-        (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                              **blocks}, config, options),
-        *[(allgather_gemm.ag_gemm_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "flags_ptr": flags,
-                                    "calls_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
-                                    "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", **blocks},
-           {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
-          for flags, per_shard, epochs in (("*i32", 1, False), ("*i64", 4, True))],
-        *[(gemm_reduce.gemm_reduce_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
-                                            "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                            "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr", **blocks},
-           {"SCATTER": scatter, **config}, options) for scatter in (True, False)],
+    """The GEMM kernels at the GPU's first two configs (FLATTEN off and on), TMA descriptors included."""
+    cases = []
+    for index, config in enumerate(gemm.GPU_CONFIGS[:2]):
+        config = dict(config)
+        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+        a = f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>"
+        b = f"tensordesc<bf16[{config['BLOCK_K']}, {config['BLOCK_N']}]>"
+        blocks = {name: "constexpr" for name in config}
+        ag_flags = (("*i32", 1, False), ("*i64", 4, True)) if index == 0 else (("*i64", 4, True),)
+        cases += [
+            (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                                  **blocks}, config, options),
+            *[(allgather_gemm.ag_gemm_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "flags_ptr": flags,
+                                               "calls_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32",
+                                               "slot_rows": "i32", "FLAGS_PER_SHARD": "constexpr",
+                                               "EPOCH_FLAGS": "constexpr", **blocks},
+               {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
+              for flags, per_shard, epochs in ag_flags],
+            *[(gemm_reduce.gemm_reduce_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
+                                                "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                "K": "i32", "local_world_size": "i32", "slot_tiles": "i32",
+                                                "SCATTER": "constexpr",
+                                                **blocks},
+               {"SCATTER": scatter, **config}, options) for scatter in ((True, False) if index == 0 else ())],
+        ]
+    return cases + [
         (allgather_gemm.push_shard_kernel, {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "flags_ptr": "*i64",
-                                     "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32", "local_world_size": "i32",
-                                     "SPLITS": "constexpr", "BLOCK": "constexpr"},
+                                            "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
+                                            "local_world_size": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"},
          {"SPLITS": 4, "BLOCK": allgather_gemm.PUSH_BLOCK}),
     ]
 

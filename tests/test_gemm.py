@@ -1,5 +1,7 @@
 """The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) and the GEMM they share: random data,
 poisoned outputs, back-to-back calls with no host synchronisation, bad input refused before launch."""
+import os
+
 import pytest
 import torch
 
@@ -87,6 +89,31 @@ def _gemm_reduce(w, scatter, dtype, rows, k, n, calls):
 def test_gemm_reduce(world, scatter):
     for dtype, (rows, k, n) in [(torch.bfloat16, (20, 24, 40)), (torch.float16, (3, 16, 8))]:
         world.run(_gemm_reduce, scatter=scatter, dtype=dtype, rows=rows, k=k, n=n, calls=3)
+
+
+def _tuned(w, folder):
+    os.environ["TRIDIST_TUNE_CACHE"] = folder
+    m, k, n, dtype = 8 * w.world_size, 16, 24, torch.bfloat16
+    a, b = _random((m, k), dtype, w.rank), _random((k, n), dtype, 10 + w.rank)
+    for build in (lambda: ops.GemmReduceScatter(m, k, n, dtype, config="tune"),
+                  lambda: ops.AllGatherGEMM(m, k, n, dtype, config="tune")):
+        op = build()
+        assert op.config in gemm.EMULATOR_CONFIGS
+        tridist.barrier_all()
+        op.free()
+    # the second emulator config (32-row tiles, FLATTEN) gives the same products
+    with pytest.raises(Exception, match="FLATTEN=False"):
+        ops.GemmReduceScatter(m, k, n, dtype, config=gemm.EMULATOR_CONFIGS[1])(a.to(w.device), b.to(w.device))
+    op = ops.AllGatherGEMM(m, k, n, dtype, config=gemm.EMULATOR_CONFIGS[1])
+    out = op(a.to(w.device), b.to(w.device))
+    gathered = torch.cat([_random((m, k), dtype, r) for r in range(w.world_size)])
+    _assert_close(out, gathered.float() @ b.float(), dtype, "FLATTEN")
+    tridist.barrier_all()
+    op.free()
+
+
+def test_tuned_config(world, tmp_path):
+    world.run(_tuned, folder=str(tmp_path))
 
 
 def _bad_input(w):

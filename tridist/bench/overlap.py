@@ -27,7 +27,7 @@ SHAPES = {
     "gemm_ar": [(32, 8192, 8192), (128, 8192, 8192), (128, 28672, 8192)],
 }
 SHAPES["gemm"] = SHAPES["ag_gemm"]
-GRAPH_LIMIT_US = 200.0  # shorter ops are timed as CUDA-graph replays
+GRAPH_LIMIT_US = 1000.0  # shorter ops are timed again as CUDA-graph replays
 
 
 def _shape(spec: str) -> tuple[int, int, int]:
@@ -109,35 +109,49 @@ def _local_gemm_us(name: str, a, b, config: dict | None = None) -> float:
     return _time(lambda: gemm.matmul(a, b, out=out, config=config))
 
 
-def run_overlap(name: str, shapes, dtype) -> list[dict]:
+def _checked(name: str, op, a, b, expected) -> float:
+    """Microseconds per call of `op`, once its result matches `expected`."""
+    result = op(a, b)
+    torch.cuda.synchronize()
+    error = slowest(((result.float() - expected).abs().max() / expected.abs().max()).item())
+    if error > 2e-2:
+        raise AssertionError(f"{name} {tuple(a.shape)} x {tuple(b.shape)}: relative error {error:.2e} against "
+                             "NCCL + cuBLAS")
+    return _time(lambda: op(a, b))
+
+
+def run_overlap(name: str, shapes, dtype, config) -> list[dict]:
+    """Each shape: tridist (for ag_gemm with copy-engine and with SM communication), the
+    sequential NCCL + cuBLAS, PyTorch fused where it runs, and the local GEMMs alone."""
     w = tridist.world()
     rows = []
     for m, n, k in shapes:
         a, b = _operands(name, m, n, k, dtype)
-        op = {"ag_gemm": lambda: ops.AllGatherGEMM(a.shape[0], a.shape[1], b.shape[1], dtype),
-              "gemm_rs": lambda: ops.GemmReduceScatter(a.shape[0], a.shape[1], b.shape[1], dtype),
-              "gemm_ar": lambda: ops.GemmAllReduce(a.shape[0], a.shape[1], b.shape[1], dtype)}[name]()
+        sizes = (a.shape[0], a.shape[1], b.shape[1], dtype)
+        variants = {"ag_gemm": {"": lambda: ops.AllGatherGEMM(*sizes, comm="ce", config=config),
+                                " sm": lambda: ops.AllGatherGEMM(*sizes, comm="sm", config=config)},
+                    "gemm_rs": {"": lambda: ops.GemmReduceScatter(*sizes, config=config)},
+                    "gemm_ar": {"": lambda: ops.GemmAllReduce(*sizes, config=config)}}[name]
         sequential = _sequential(name, a, b)
         expected = sequential().float()
-        result = op(a, b)
-        torch.cuda.synchronize()
-        error = ((result.float() - expected).abs().max() / expected.abs().max()).item()
-        if slowest(error) > 2e-2:
-            raise AssertionError(f"{name} {m}x{n}x{k}: relative error {slowest(error):.2e} against NCCL + cuBLAS")
-        row = {"shape": f"{m}x{n}x{k}", "config": _config_name(op.config)}
-        row["tridist us"] = _time(lambda: op(a, b))
+        row = {"shape": f"{m}x{n}x{k}"}
+        for suffix, build in variants.items():
+            op = build()
+            row[f"config{suffix}"] = _config_name(op.config)
+            row[f"tridist{suffix} us"] = _checked(name, op, a, b, expected)
+            tridist.barrier_all()
+            op.free()
         row["sequential us"] = _time(sequential)
         fused = _torch_fused(name, a, b)
         if fused is not None:
             row["torch fused us"] = _time(fused)
         row["GEMM alone us"] = _local_gemm_us(name, a, b)
-        row["tridist GEMM alone us"] = _local_gemm_us(name, a, b, op.config)
+        row["tridist GEMM alone us"] = _local_gemm_us(name, a, b, _config_of(row["config"]))
         row["vs sequential"] = row["sequential us"] / row["tridist us"]
         if fused is not None:
             row["vs torch fused"] = row["torch fused us"] / row["tridist us"]
         row["/ GEMM alone"] = row["tridist us"] / row["GEMM alone us"]
         rows.append(row)
-        op.free()
         if w.rank == 0:
             print(f"  {name} {row['shape']}: {row['tridist us']:.1f} us, sequential {row['sequential us']:.1f} us",
                   flush=True)
@@ -146,7 +160,11 @@ def run_overlap(name: str, shapes, dtype) -> list[dict]:
 
 def _config_name(config: dict) -> str:
     return (f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']} s{config['num_stages']} "
-            f"w{config['num_warps']}")
+            f"w{config['num_warps']}{' flat' if config['FLATTEN'] else ''}")
+
+
+def _config_of(name: str) -> dict:
+    return next(c for c in gemm.GPU_CONFIGS if _config_name(c) == name)
 
 
 def run_gemm(shapes, dtype) -> list[dict]:
@@ -178,6 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("op", choices=list(SHAPES))
     parser.add_argument("--shapes", default=None, help="MxNxK of the whole layer, comma separated")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--tune", action="store_true", help="tune each op's GEMM config first (tridist.tune)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results")
     args = parser.parse_args(argv)
     w = tridist.init()
@@ -185,10 +204,12 @@ def main(argv=None) -> int:
         raise SystemExit("the GEMM benchmarks time GPUs against cuBLAS and NCCL; run them on a GPU box")
     shapes = [_shape(s) for s in args.shapes.split(",")] if args.shapes else SHAPES[args.op]
     dtype = getattr(torch, args.dtype)
-    rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype)
+    config = "tune" if args.tune else None
+    rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype, config)
     if w.rank == 0:
         print(table(rows, list(rows[0]) if args.op == "gemm" else _columns(rows)))
-        print(f"saved {save(args.op, rows, args.out, {'world_size': w.world_size, 'dtype': args.dtype})}")
+        extra = {'world_size': w.world_size, 'dtype': args.dtype, 'tuned': args.tune}
+        print(f"saved {save(args.op, rows, args.out, extra)}")
     tridist.finalize()
     return 0
 

@@ -59,7 +59,7 @@ def push_shard_kernel(x_ptr, gathered_ptr, flags_ptr, calls_ptr, n, slot_numel, 
 @jit
 def ag_gemm_kernel(a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K, slot_rows,
                    FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """a_desc covers `gathered` as (slots * M) x K. With EPOCH_FLAGS the flags of shard s in slot
     e % 2 are raised to the call epoch e; without, slot 0's are raised to 1 (and reset by the host)."""
     epoch = call_epoch(calls_ptr)
@@ -74,7 +74,7 @@ def ag_gemm_kernel(a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K,
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_shard = tiles_m * tiles_n
     arrived = tl.cast(-1, tl.int32)  # the last shard whose flag this program has seen
-    for tile in range(tl.program_id(0), world * per_shard, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), world * per_shard, tl.num_programs(0), flatten=FLATTEN):
         shard = (me + tile // per_shard) % world
         tm, tn = gemm.tile_coords(tile % per_shard, tiles_m, tiles_n, GROUP_M)
         row = shard * m_shard + tm * BLOCK_M
@@ -95,10 +95,11 @@ class AllGatherGEMM:
     """out = all_gather(a_shard) @ b for an a_shard of m_shard x k and a b of k x n, with buffers
     allocated once. Use one instance per stream. `comm` is "ce" (copy engines, one node), "sm"
     (`comm_programs` SMs push, any topology) or "auto" (ce on one node); `config` a GEMM config
-    from `gemm.configs` (default: `gemm.default_config`)."""
+    from `gemm.configs`, None for `gemm.default_config`, or "tune" to time them all on this op
+    (every rank together; the choice is cached on disk)."""
 
     def __init__(self, m_shard: int, k: int, n: int, dtype: torch.dtype, comm: str = "auto",
-                 comm_programs: int | None = None, config: dict | None = None):
+                 comm_programs: int | None = None, config: dict | str | None = None):
         if comm not in COMMS:
             raise _protocol.method_error("ag_gemm comm", comm, COMMS)
         if dtype not in gemm.DTYPES:
@@ -112,7 +113,11 @@ class AllGatherGEMM:
             raise ValueError(f"ag_gemm comm='ce' works within one node; this world has {w.nnodes} nodes: use comm='sm'")
         self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
         self.m = w.world_size * m_shard
-        self.config = config or gemm.default_config(w.device, self.m)
+        self.config = gemm.resolve_config(
+            config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
+            lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
+            lambda: (torch.randn(m_shard, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
+            w.device, self.m)
         programs = gemm.programs_for(w.device)
         slots = 2 if self.comm == "sm" else 1
         self.gathered = tridist.symm_empty((slots * self.m, k), dtype)
@@ -213,12 +218,14 @@ def _raise_flag(flags: torch.Tensor, index: int) -> None:
 _instances: dict = {}
 
 
-def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto") -> torch.Tensor:
+def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",
+            config: dict | str | None = None) -> torch.Tensor:
     """all_gather(a_shard) @ b, the gather overlapped with the GEMM. A collective: every rank calls
-    it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream."""
+    it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream (see it for `config`)."""
     gemm.check_operands(a_shard, b, "a_shard", "b")
     stream = torch.cuda.current_stream() if a_shard.is_cuda else None
-    key = (tuple(a_shard.shape), b.shape[1], a_shard.dtype, comm, stream)
+    key = (tuple(a_shard.shape), b.shape[1], a_shard.dtype, comm, repr(config), stream)
     if key not in _instances:
-        _instances[key] = AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm)
+        _instances[key] = AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm,
+                                        config=config)
     return _instances[key](a_shard, b, out)

@@ -16,30 +16,67 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
+from ..runtime.tune import tune
 from ._protocol import check_input, check_output
 
 DTYPES = (torch.bfloat16, torch.float16)
 
 # 128 x 256 x 64, 3 stages, 8 warps reached 90-99% of cuBLAS on an H200 (DESIGN.md); 4 stages of that
-# tile do not fit in shared memory. The emulator gets small tiles so its shapes can stay small.
+# tile do not fit in shared memory. FLATTEN lets Triton pipeline the loads of a program's next tile
+# behind the end of the current one. Small-M configs give decode batches enough tiles for every SM.
+# The emulator gets small tiles, so that its shapes can stay small.
 GPU_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_stages=3, num_warps=8),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_stages=4, num_warps=8),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=3, num_warps=8),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
-    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_stages=4, num_warps=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=False, num_stages=3, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=4, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, FLATTEN=False, num_stages=4, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, FLATTEN=False, num_stages=4, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, FLATTEN=False, num_stages=4, num_warps=4),
 ]
-EMULATOR_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_stages=1, num_warps=4)]
+EMULATOR_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, FLATTEN=False, num_stages=1, num_warps=4),
+                    dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, FLATTEN=True, num_stages=1, num_warps=4)]
 
 
-def configs(device: torch.device) -> list[dict]:
-    return GPU_CONFIGS if device.type == "cuda" else EMULATOR_CONFIGS
+def configs(device: torch.device, flatten: bool = True) -> list[dict]:
+    """The configs to tune over; without those that FLATTEN where the kernel cannot."""
+    candidates = GPU_CONFIGS if device.type == "cuda" else EMULATOR_CONFIGS
+    return [c for c in candidates if flatten or not c["FLATTEN"]]
 
 
 def default_config(device: torch.device, m: int) -> dict:
     """Without tuning: the big tile, or 64 x 64 tiles when M is a decode batch (enough tiles for every SM)."""
     candidates = configs(device)
     return candidates[-1] if device.type == "cuda" and m <= 128 else candidates[0]
+
+
+def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int,
+                   flatten: bool = True) -> dict:
+    """`config` as given; the default for `m` rows if None; with "tune", the config of `configs`
+    under which `make_op(config)(*make_inputs())` is fastest on the slowest rank (`tridist.tune`,
+    cached on disk). A collective when tuning."""
+    if config is None:
+        return default_config(device, m)
+    if config != "tune":
+        return config
+    built = []
+
+    def release():
+        for op in built:
+            op.free()
+        built.clear()
+
+    def make_run(candidate):
+        release()
+        built.append(make_op(candidate))
+        inputs = make_inputs()
+        return lambda: built[-1](*inputs)
+
+    try:
+        return tune(name, key, configs(device, flatten), make_run)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # nothing may still use the buffers that are given back
+        release()
 
 
 def programs_for(device: torch.device) -> int:
@@ -62,7 +99,7 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 def tile_product(a_desc, b_desc, row, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """a[row:row+BLOCK_M, :] @ b[:, col:col+BLOCK_N] in fp32 (TMA fills rows and columns past the end with zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
         acc = dl.dot(a_desc.load([row, k * BLOCK_K]), b_desc.load([k * BLOCK_K, col]), acc)
     return acc
 
@@ -78,10 +115,10 @@ def store_tile(out_ptr, values, row, col, row_end, N, BLOCK_M: tl.constexpr, BLO
 
 @jit
 def matmul_kernel(a_desc, b_desc, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=FLATTEN):
         tm, tn = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = tile_product(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, M, N, BLOCK_M, BLOCK_N)

@@ -16,8 +16,9 @@ Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
 - gemm_ar: every rank computes every tile and sends it to every peer; a second pass over the same
   tiles sums the partials of ranks 0, 1, ... in that order, so every rank ends with the same bits.
 - A tile goes to a peer on the node as stores through symm_at followed by a release of its flag;
-  to another node as an NVSHMEM put with the signal attached, from this rank's own copy of the
-  slot (tiles[slot, rank]).
+  to another node as an NVSHMEM put with the signal attached, from a staging copy: tiles[slot,
+  world + peer, t] in gemm_rs (tiles for different peers are in flight at once), the tile's own
+  tiles[slot, rank, t] in gemm_ar (the same values go to every peer).
 Partial tiles travel in the output dtype; sums accumulate in fp32.
 """
 import torch
@@ -33,18 +34,19 @@ from ._protocol import Workspace, call_epoch, check_output, finish_call
 
 
 @triton.jit
-def _send_tile(values, tile_ptr, flag_ptr, epoch, peer, local_world_size, BLOCK_M: tl.constexpr,
+def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world_size, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    """Write `values` to `peer`'s copy of the tile at `tile_ptr` and raise its flag to `epoch`."""
+    """Write `values` to `peer`'s copy of the tile at `tile_ptr` and raise its flag to `epoch`;
+    across nodes through `staging_ptr`, a symmetric tile of this rank's."""
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     if peer // local_world_size == dl.rank() // local_world_size:
         tl.store(dl.symm_at(tile_ptr, peer) + offsets, values)
         dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
     else:
-        tl.store(tile_ptr + offsets, values)
+        tl.store(staging_ptr + offsets, values)
         tl.debug_barrier()  # the whole block reads the tile it stored
         nbytes = BLOCK_M * BLOCK_N * (tile_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        dl.shmem.putmem_signal_block(tile_ptr, tile_ptr, nbytes, flag_ptr, epoch, dl.shmem.SIGNAL_SET, peer)
+        dl.shmem.putmem_signal_block(tile_ptr, staging_ptr, nbytes, flag_ptr, epoch, dl.shmem.SIGNAL_SET, peer)
 
 
 @triton.jit
@@ -57,10 +59,13 @@ def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr
 
 
 @jit
-def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size,
+def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size, slot_tiles,
                        SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr):
-    """SCATTER: gemm_rs (out is M/world x N), else gemm_ar (out is M x N)."""
+                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """SCATTER: gemm_rs (out is M/world x N), else gemm_ar (out is M x N). A slot of `tiles` holds
+    `slot_tiles` tiles: world x (tiles per shard), twice that for gemm_rs across nodes. Triton 3.6
+    cannot flatten this loop nest (its reductions loop over peers): FLATTEN must be False."""
+    tl.static_assert(not FLATTEN, "gemm_reduce_kernel takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -73,7 +78,7 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_shard = tiles_m * tiles_n
     slot = epoch % 2
-    tiles = tiles_ptr + (slot * world * per_shard) * (BLOCK_M * BLOCK_N)
+    tiles = tiles_ptr + (slot * slot_tiles).to(tl.int64) * (BLOCK_M * BLOCK_N)
     flags = flags_ptr + slot * world * per_shard
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     # gemm_rs raises a peer's flag for a tile one tile late: by then the tile's stores have
@@ -103,7 +108,8 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
                     late_peer = shard
                     late_flag = my_flag
                 else:
-                    _send_tile(values, mine, my_flag, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
+                    staging = tiles + ((world + shard) * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N)
+                    _send_tile(values, mine, staging, my_flag, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
             else:
                 for step in range(1, world):
                     acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
@@ -111,7 +117,8 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
         else:
             tl.store(mine + offsets, values)
             for step in range(1, world):
-                _send_tile(values, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M, BLOCK_N)
+                _send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M,
+                           BLOCK_N)
     if late_peer >= 0:
         dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
     if not SCATTER:
@@ -131,7 +138,7 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
 
 
 class _GemmReduce:
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, scatter: bool, config: dict | None):
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, scatter: bool, config: dict | str | None):
         self.world = w = tridist.world()
         name = "gemm_rs" if scatter else "gemm_ar"
         if dtype not in gemm.DTYPES:
@@ -145,11 +152,14 @@ class _GemmReduce:
                                  f"{size_name}")
         self.name, self.m, self.k, self.n, self.dtype, self.scatter = name, m, k, n, dtype, scatter
         self.rows = m // w.world_size if scatter else m
-        self.config = config or gemm.default_config(w.device, self.rows)
+        self.config = gemm.resolve_config(
+            config, name, (m, k, n, str(dtype)), lambda c: type(self)(m, k, n, dtype, config=c),
+            lambda: (torch.randn(m, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
+            w.device, self.rows, flatten=False)
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
-        self.workspace = Workspace(w.world_size * self.per_shard * block_m * block_n, dtype,
-                                   w.world_size * self.per_shard)
+        self.slot_tiles = (2 if scatter and w.nnodes > 1 else 1) * w.world_size * self.per_shard
+        self.workspace = Workspace(self.slot_tiles * block_m * block_n, dtype, w.world_size * self.per_shard)
         self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,7 +173,8 @@ class _GemmReduce:
         ws = self.workspace
         a_desc, b_desc = gemm.descriptors(a, b, self.config)
         gemm_reduce_kernel[(self.programs,)](a_desc, b_desc, out, ws.staging, ws.flags, ws.calls, self.m, self.n,
-                                             self.k, self.world.local_world_size, SCATTER=self.scatter, **self.config)
+                                             self.k, self.world.local_world_size, self.slot_tiles,
+                                             SCATTER=self.scatter, **self.config)
         return out
 
     def free(self) -> None:
@@ -171,36 +182,40 @@ class _GemmReduce:
 
 
 class GemmReduceScatter(_GemmReduce):
-    """reduce_scatter(a @ b) for a of m x k and b of k x n: rank r gets rows r * m/world of the sum."""
+    """reduce_scatter(a @ b) for a of m x k and b of k x n: rank r gets rows r * m/world of the sum.
+    `config`: as for `AllGatherGEMM`."""
 
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | None = None):
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | str | None = None):
         super().__init__(m, k, n, dtype, scatter=True, config=config)
 
 
 class GemmAllReduce(_GemmReduce):
-    """all_reduce(a @ b) for a of m x k and b of k x n; made for decode-sized m (up to a few hundred rows)."""
+    """all_reduce(a @ b) for a of m x k and b of k x n; made for decode-sized m (up to a few hundred rows).
+    `config`: as for `AllGatherGEMM`."""
 
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | None = None):
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | str | None = None):
         super().__init__(m, k, n, dtype, scatter=False, config=config)
 
 
 _instances: dict = {}
 
 
-def _cached(cls, a: torch.Tensor, b: torch.Tensor):
+def _cached(cls, a: torch.Tensor, b: torch.Tensor, config):
     gemm.check_operands(a, b)
     stream = torch.cuda.current_stream() if a.is_cuda else None
-    key = (cls, tuple(a.shape), b.shape[1], a.dtype, stream)
+    key = (cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), stream)
     if key not in _instances:
-        _instances[key] = cls(a.shape[0], a.shape[1], b.shape[1], a.dtype)
+        _instances[key] = cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config)
     return _instances[key]
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+            config: dict | str | None = None) -> torch.Tensor:
     """reduce_scatter(a @ b) over the ranks, overlapped with the GEMM. A collective."""
-    return _cached(GemmReduceScatter, a, b)(a, b, out)
+    return _cached(GemmReduceScatter, a, b, config)(a, b, out)
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+            config: dict | str | None = None) -> torch.Tensor:
     """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective."""
-    return _cached(GemmAllReduce, a, b)(a, b, out)
+    return _cached(GemmAllReduce, a, b, config)(a, b, out)
