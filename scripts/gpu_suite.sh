@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU test suite and the benchmarks in one command, for a lent multi-GPU machine:
 #   bash scripts/gpu_suite.sh [tests|bench|all] [pytest args: default "tests"]
-#   BENCHES="gemm ag_gemm" bash scripts/gpu_suite.sh bench    (default: every benchmark)
+#   BENCHES="gemm ag_gemm" BENCH_ARGS=--tune bash scripts/gpu_suite.sh bench   (default: every benchmark)
 # Runs from the repository without installing it (that machine has no network; its image has
 # torch, triton and the NVSHMEM wheel). Logs, results and the Triton cache (kernels with NVSHMEM
 # linked take seconds each to compile) are written to $OUT, so the next call can carry the cache.
@@ -24,7 +24,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for bench in ${BENCHES:-primitives allgather reducescatter allreduce gemm ag_gemm gemm_rs gemm_ar}; do
-    timeout ${BENCH_TIMEOUT:-240} python -m tridist bench $bench -n 2 --out benchmarks/results 2>&1 | tee -a "$OUT/bench.log"
+    timeout ${BENCH_TIMEOUT:-240} python -m tridist bench $bench -n 2 --out benchmarks/results ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
     status=$((status | ${PIPESTATUS[0]}))
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
