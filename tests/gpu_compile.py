@@ -24,15 +24,16 @@ from . import test_shmem as shmem  # noqa: E402
 
 
 def _gemm_cases():
-    """The GEMM kernels at the GPU's first two configs (FLATTEN off and on), TMA descriptors included."""
+    """The GEMM kernels at the GPU's first two configs (FLATTEN on and off), TMA descriptors included."""
     cases = []
-    for index, config in enumerate(gemm.GPU_CONFIGS[:2]):
+    for config in gemm.GPU_CONFIGS[:2]:
+        flat = config["FLATTEN"]
         config = dict(config)
         options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
         a = f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>"
         b = f"tensordesc<bf16[{config['BLOCK_K']}, {config['BLOCK_N']}]>"
         blocks = {name: "constexpr" for name in config}
-        ag_flags = (("*i32", 1, False), ("*i64", 4, True)) if index == 0 else (("*i64", 4, True),)
+        ag_flags = (("*i32", 1, False), ("*i64", 4, True))
         cases += [
             (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                                   **blocks}, config, options),
@@ -47,7 +48,7 @@ def _gemm_cases():
                                                 "K": "i32", "local_world_size": "i32", "slot_tiles": "i32",
                                                 "SCATTER": "constexpr",
                                                 **blocks},
-               {"SCATTER": scatter, **config}, options) for scatter in ((True, False) if index == 0 else ())],
+               {"SCATTER": scatter, **config}, options) for scatter in (() if flat else (True, False))],
         ]
     return cases + [
         (allgather_gemm.push_shard_kernel, {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "flags_ptr": "*i64",

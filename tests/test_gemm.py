@@ -55,6 +55,8 @@ def _ag_gemm(w, comm, dtype, m_shard, k, n, calls):
         op(*inputs[call], out=outs[call])
     for call in range(calls):
         _assert_close(outs[call], torch.cat(shards[call]).float() @ bs[call].float(), dtype, f"call {call}")
+    op.input_buffer().copy_(inputs[0][0])  # in place: the shard already in the op's symmetric buffer
+    _assert_close(op(op.input_buffer(), inputs[0][1]), torch.cat(shards[0]).float() @ bs[0].float(), dtype, "in place")
     tridist.barrier_all()
     op.free()
 
@@ -91,6 +93,40 @@ def test_gemm_reduce(world, scatter):
         world.run(_gemm_reduce, scatter=scatter, dtype=dtype, rows=rows, k=k, n=n, calls=3)
 
 
+def _graph_replays(w, replays):
+    """Each op captured once in a CUDA graph and replayed back to back with inputs scaled by 1..4;
+    every 25th replay is checked against the op's own eager result for that scale."""
+    dtype, m, k, n = torch.bfloat16, 256, 128, 256
+    cases = [ops.AllGatherGEMM(m // w.world_size, k, n, dtype, comm) for comm in ("ce", "sm")
+             if w.nnodes == 1 or comm == "sm"]
+    cases += [ops.GemmReduceScatter(m, k, n, dtype), ops.GemmAllReduce(64, k, n, dtype)]
+    for op in cases:
+        rows = op.m_shard if isinstance(op, ops.AllGatherGEMM) else op.m
+        base = _random((rows, k), dtype, w.rank).to(w.device)
+        a, b = base.clone(), _random((k, n), dtype, 5 + w.rank).to(w.device)
+        expected = []
+        for scale in range(1, 5):
+            a.copy_(base * scale)
+            expected.append(op(a, b).clone())
+        out = op(a, b)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            op(a, b, out=out)
+        for i in range(replays):
+            a.copy_(base * (i % 4 + 1))
+            graph.replay()
+            if i % 25 == 24:
+                assert torch.equal(out, expected[i % 4]), (type(op).__name__, getattr(op, "comm", ""), i)
+        tridist.barrier_all()
+        op.free()
+
+
+def test_cuda_graph_replays(world):
+    if world.backend == "emulator":
+        return  # CUDA graphs need GPUs
+    world.run(_graph_replays, replays=200)
+
+
 def _tuned(w, folder):
     os.environ["TRIDIST_TUNE_CACHE"] = folder
     m, k, n, dtype = 8 * w.world_size, 16, 24, torch.bfloat16
@@ -98,13 +134,14 @@ def _tuned(w, folder):
     for build in (lambda: ops.GemmReduceScatter(m, k, n, dtype, config="tune"),
                   lambda: ops.AllGatherGEMM(m, k, n, dtype, config="tune")):
         op = build()
-        assert op.config in gemm.EMULATOR_CONFIGS
+        assert op.config in gemm.configs(w.device)
         tridist.barrier_all()
         op.free()
-    # the second emulator config (32-row tiles, FLATTEN) gives the same products
+    # a config with FLATTEN gives the same products; gemm_rs refuses it
+    flattened = next(c for c in gemm.configs(w.device) if c["FLATTEN"])
     with pytest.raises(Exception, match="FLATTEN=False"):
-        ops.GemmReduceScatter(m, k, n, dtype, config=gemm.EMULATOR_CONFIGS[1])(a.to(w.device), b.to(w.device))
-    op = ops.AllGatherGEMM(m, k, n, dtype, config=gemm.EMULATOR_CONFIGS[1])
+        ops.GemmReduceScatter(m, k, n, dtype, config=flattened)(a.to(w.device), b.to(w.device))
+    op = ops.AllGatherGEMM(m, k, n, dtype, config=flattened)
     out = op(a.to(w.device), b.to(w.device))
     gathered = torch.cat([_random((m, k), dtype, r) for r in range(w.world_size)])
     _assert_close(out, gathered.float() @ b.float(), dtype, "FLATTEN")

@@ -35,7 +35,7 @@ from . import _protocol, gemm
 from ._protocol import call_epoch, check_output, finish_call, push_slice, split_bounds
 
 COMMS = ("auto", "ce", "sm")
-PUSH_BLOCK = 2048
+PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
 
 
 @jit
@@ -195,7 +195,7 @@ class AllGatherGEMM:
         with self._fork():
             push_shard_kernel[(w.world_size, self.splits)](
                 a_shard, self.gathered, self.push_flags, self.push_calls, a_shard.numel(), self.m * self.k,
-                w.local_world_size, SPLITS=self.splits, BLOCK=PUSH_BLOCK)
+                w.local_world_size, SPLITS=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
 
     def free(self) -> None:
         if self.comm == "sm":

@@ -26,8 +26,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # behind the end of the current one. Small-M configs give decode batches enough tiles for every SM.
 # The emulator gets small tiles, so that its shapes can stay small.
 GPU_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=False, num_stages=3, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=False, num_stages=3, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=4, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, FLATTEN=False, num_stages=4, num_warps=4),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, FLATTEN=False, num_stages=4, num_warps=4),
@@ -43,10 +43,13 @@ def configs(device: torch.device, flatten: bool = True) -> list[dict]:
     return [c for c in candidates if flatten or not c["FLATTEN"]]
 
 
-def default_config(device: torch.device, m: int) -> dict:
-    """Without tuning: the big tile, or 64 x 64 tiles when M is a decode batch (enough tiles for every SM)."""
-    candidates = configs(device)
-    return candidates[-1] if device.type == "cuda" and m <= 128 else candidates[0]
+def default_config(device: torch.device, m: int, flatten: bool = True) -> dict:
+    """Without tuning: the big tile, or 64 x 128 tiles for a decode batch of up to 64 rows (enough
+    tiles for every SM). Measured on 2 x H200: benchmarks/results/gemm*-2026-11-22.json."""
+    candidates = configs(device, flatten)
+    if device.type == "cuda" and m <= 64:
+        return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == (64, 128))
+    return candidates[0]
 
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int,
@@ -55,7 +58,7 @@ def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.d
     under which `make_op(config)(*make_inputs())` is fastest on the slowest rank (`tridist.tune`,
     cached on disk). A collective when tuning."""
     if config is None:
-        return default_config(device, m)
+        return default_config(device, m, flatten)
     if config != "tune":
         return config
     built = []
