@@ -25,7 +25,7 @@ def _sleep_async(w):
     if w.backend == "emulator":
         tridist.sleep_async(1e6)  # a no-op: the emulator has no stream to keep busy
         return
-    tridist.sleep_async(1)  # compiles the kernel
+    tridist.sleep_async(1)  # compiles the kernel (the same one for every duration)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begun = time.monotonic()

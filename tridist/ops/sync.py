@@ -14,7 +14,7 @@ def _barrier_kernel():
     dl.shmem.barrier_all()
 
 
-@jit
+@jit(do_not_specialize=["duration_ns"])  # one compiled kernel for every duration
 def _sleep_kernel(duration_ns):
     start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
     now = start
