@@ -66,7 +66,7 @@ def cases():
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                                "local_world_size": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"},
-           {"SPLITS": 4, "BLOCK": allgather.BLOCK}) for t in ("*bf16", "*fp32")],
+           {"SPLITS": 4, "BLOCK": allgather.BLOCK}) for t in ("*bf16", "*fp32", "*u8")],
         (allgather.all_gather_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
                                            "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                            "BLOCK": "constexpr"}, {"BLOCK": 1024}),

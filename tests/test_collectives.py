@@ -13,11 +13,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}  # 
 def _inputs(w, shape, dtype, call):
     """Every rank's input for one call, the same on every rank (so each can build the reference)."""
     g = torch.Generator().manual_seed(1000 * call + 7)
+    if not dtype.is_floating_point:
+        return [torch.randint(-100 if dtype.is_signed else 0, 100, shape, generator=g, dtype=dtype)
+                for _ in range(w.world_size)]
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(w.world_size)]
 
 
 def _poisoned(shape, dtype, device):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
 
 
 def _all_gather(w, method, dtype, shape, calls):
@@ -39,7 +42,8 @@ def _all_gather(w, method, dtype, shape, calls):
 
 @pytest.mark.parametrize("method", ["push", "ll", "ce"])
 def test_all_gather(world, method):
-    for dtype, shape in [(torch.float32, (37, 3)), (torch.bfloat16, (64,)), (torch.float16, (2, 130))]:
+    for dtype, shape in [(torch.float32, (37, 3)), (torch.bfloat16, (64,)), (torch.float16, (2, 130)),
+                         (torch.uint8, (4, 12)), (torch.int64, (5,))]:  # raw bytes and integers too
         world.run(_all_gather, method=method, dtype=dtype, shape=shape, calls=4)
 
 
@@ -102,7 +106,9 @@ def test_all_reduce_in_place(world):
 def _bad_input(w):
     x = torch.zeros(8, device=w.device)
     with pytest.raises(ValueError, match="dtype"):
-        ops.all_gather(torch.zeros(8, dtype=torch.int64, device=w.device))
+        ops.all_gather(torch.zeros(8, dtype=torch.bool, device=w.device))
+    with pytest.raises(ValueError, match="dtype"):
+        ops.all_reduce(torch.zeros(8, dtype=torch.int64, device=w.device))
     with pytest.raises(ValueError, match="contiguous"):
         ops.all_reduce(torch.zeros(4, 4, device=w.device).t())
     with pytest.raises(ValueError, match="unknown method"):

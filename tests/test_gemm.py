@@ -153,6 +153,38 @@ def test_tuned_config(world, tmp_path):
     world.run(_tuned, folder=str(tmp_path))
 
 
+def _custom_ops(w):
+    """A tensor-parallel MLP (column-parallel up, row-parallel down) under torch.compile."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dtype, rows, hidden, inner = torch.bfloat16, 8, 16, 8 * w.world_size
+    x = _random((rows, hidden), dtype, w.rank).to(w.device)
+    up = _random((hidden, inner // w.world_size), dtype, 10 + w.rank).to(w.device)
+    down = _random((inner // w.world_size, hidden), dtype, 20 + w.rank).to(w.device)
+
+    def layer(t):
+        h = torch.ops.tridist.ag_gemm(t, up, "auto")
+        return torch.ops.tridist.gemm_rs(h, down), torch.ops.tridist.gemm_ar(h, down)
+
+    scattered, reduced = torch.compile(layer, backend="eager", fullgraph=True)(x)
+    gathered = torch.cat([_random((rows, hidden), dtype, r) for r in range(w.world_size)]).float()
+    partials = [(gathered @ _random((hidden, inner // w.world_size), dtype, 10 + r).float()).to(dtype).float()
+                @ _random((inner // w.world_size, hidden), dtype, 20 + r).float() for r in range(w.world_size)]
+    total = sum(partials)
+    _assert_close(reduced, total, dtype, "gemm_ar")
+    _assert_close(scattered, total[w.rank * rows:(w.rank + 1) * rows], dtype, "gemm_rs")
+    with FakeTensorMode() as mode:
+        fake_x, fake_up, fake_down = (mode.from_tensor(t) for t in (x, up, down))
+        h = torch.ops.tridist.ag_gemm(fake_x, fake_up)
+        assert h.shape == (w.world_size * rows, inner // w.world_size)
+        assert torch.ops.tridist.gemm_rs(h, fake_down).shape == (rows, hidden)
+        assert torch.ops.tridist.gemm_ar(h, fake_down).shape == (w.world_size * rows, hidden)
+
+
+def test_custom_ops_under_torch_compile(world):
+    world.run(_custom_ops)
+
+
 def _bad_input(w):
     a = torch.zeros((4, 12), dtype=torch.bfloat16, device=w.device)
     with pytest.raises(ValueError, match="multiple of 8"):

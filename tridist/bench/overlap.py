@@ -196,6 +196,30 @@ def run_gemm(shapes, dtype) -> list[dict]:
     return rows
 
 
+def plot(name: str, rows: list[dict], path: str, world_size: int) -> None:
+    """Microseconds per shape, one bar per timed column (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    columns = [c for c in _columns(rows) if c.endswith(" us")]
+    figure, axis = plt.subplots(figsize=(max(7, 1.6 * len(rows)), 4))
+    width = 0.8 / len(columns)
+    for i, column in enumerate(columns):
+        axis.bar([x + i * width for x in range(len(rows))], [r.get(column, 0) for r in rows], width,
+                 label=column.removesuffix(" us"))
+    axis.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], [r["shape"] for r in rows], fontsize=8)
+    axis.set_yscale("log")
+    axis.set_ylabel("us (lower is better)")
+    axis.set_title(f"{name}, {world_size} ranks")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tridist bench <gemm|ag_gemm|gemm_rs|gemm_ar>")
     parser.add_argument("op", choices=list(SHAPES))
@@ -213,8 +237,9 @@ def main(argv=None) -> int:
     rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype, config)
     if w.rank == 0:
         print(table(rows, list(rows[0]) if args.op == "gemm" else _columns(rows)))
-        extra = {'world_size': w.world_size, 'dtype': args.dtype, 'tuned': args.tune}
-        print(f"saved {save(args.op, rows, args.out, extra)}")
+        path = save(args.op, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype, "tuned": args.tune})
+        plot(args.op, rows, path.replace(".json", ".png"), w.world_size)
+        print(f"saved {path}")
     tridist.finalize()
     return 0
 

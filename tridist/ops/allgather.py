@@ -24,6 +24,8 @@ from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_s
                         row_stride, split_bounds)
 
 METHODS = ("auto", "push", "ll", "ce")
+# An all-gather only moves data, so it takes raw bytes and integers as well.
+DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 BLOCK = 2048
 
 
@@ -79,6 +81,8 @@ class AllGather:
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto"):
         if method not in METHODS:
             raise _protocol.method_error("all_gather", method, METHODS)
+        if dtype not in DTYPES:
+            raise ValueError(f"all_gather takes {', '.join(map(str, DTYPES))}; got {dtype}")
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         nbytes = numel * dtype.itemsize
@@ -101,7 +105,7 @@ class AllGather:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
-        check_input(x, "x")
+        check_input(x, "x", DTYPES)
         if x.numel() != self.numel or x.dtype != self.dtype:
             raise ValueError(f"this all-gather moves {self.numel} {self.dtype} elements per rank; x has "
                              f"{x.numel()} {x.dtype}")
@@ -162,7 +166,7 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     """Gather `x` from every rank into `out` (world_size * x.shape[0] rows), like
     `torch.distributed.all_gather_into_tensor`. A collective: every rank calls it with the same
     shape, dtype and method."""
-    check_input(x, "x")
+    check_input(x, "x", DTYPES)
     stream = torch.cuda.current_stream() if x.is_cuda else None
     key = (x.numel(), x.dtype, method, stream)
     if key not in _instances:

@@ -229,3 +229,14 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
         _instances[key] = AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm,
                                         config=config)
     return _instances[key](a_shard, b, out)
+
+
+@torch.library.custom_op("tridist::ag_gemm", mutates_args=())
+def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto") -> torch.Tensor:
+    """`ag_gemm` as a PyTorch custom op (`torch.ops.tridist.ag_gemm`), for torch.compile."""
+    return ag_gemm(a_shard, b, comm=comm)
+
+
+@ag_gemm_op.register_fake
+def _ag_gemm_shape(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto") -> torch.Tensor:
+    return a_shard.new_empty((tridist.world().world_size * a_shard.shape[0], b.shape[1]))

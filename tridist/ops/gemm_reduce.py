@@ -219,3 +219,25 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
             config: dict | str | None = None) -> torch.Tensor:
     """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective."""
     return _cached(GemmAllReduce, a, b, config)(a, b, out)
+
+
+@torch.library.custom_op("tridist::gemm_rs", mutates_args=())
+def gemm_rs_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`gemm_rs` as a PyTorch custom op (`torch.ops.tridist.gemm_rs`), for torch.compile."""
+    return gemm_rs(a, b)
+
+
+@gemm_rs_op.register_fake
+def _gemm_rs_shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0] // tridist.world().world_size, b.shape[1]))
+
+
+@torch.library.custom_op("tridist::gemm_ar", mutates_args=())
+def gemm_ar_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`gemm_ar` as a PyTorch custom op (`torch.ops.tridist.gemm_ar`), for torch.compile."""
+    return gemm_ar(a, b)
+
+
+@gemm_ar_op.register_fake
+def _gemm_ar_shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))

@@ -43,4 +43,6 @@ SETTINGS = {
     "TRIDIST_WAIT_TIMEOUT": "seconds a bounded wait spins before it reports (default 60)",
     "TRIDIST_DEBUG": "1: bound every GPU wait, check allocations across ranks, sync after launches",
     "TRIDIST_EMU_THREADS": "programs of one launch the emulator runs at once (default 64)",
+    "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
+    "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",
 }
