@@ -45,10 +45,13 @@ def _gemm_cases():
               for flags, per_shard, epochs in ag_flags],
             *[(gemm_reduce.gemm_reduce_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
                                                 "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                "K": "i32", "local_world_size": "i32", "slot_tiles": "i32",
-                                                "SCATTER": "constexpr",
+                                                "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr",
                                                 **blocks},
                {"SCATTER": scatter, **config}, options) for scatter in (() if flat else (True, False))],
+            *[(gemm_reduce.gemm_rs_2d_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
+                                               "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                               "K": "i32", "local_world_size": "i32", **blocks}, config, options)
+              for _ in (() if flat else (1,))],
         ]
     return cases + [
         (allgather_gemm.push_shard_kernel, {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "flags_ptr": "*i64",

@@ -15,10 +15,12 @@ Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
   added to the fp32 accumulator of this rank's own part and stored once.
 - gemm_ar: every rank computes every tile and sends it to every peer; a second pass over the same
   tiles sums the partials of ranks 0, 1, ... in that order, so every rank ends with the same bits.
+- gemm_rs across nodes (`gemm_rs_2d_kernel`) reduces in two steps so that each tile crosses to a
+  node once: partial tiles for a rank on another node go to this node's rank with the same local
+  index (its "counterpart"), which sums them and puts the node's sum to the owner; the owner adds
+  its node's partials and one sum per other node.
 - A tile goes to a peer on the node as stores through symm_at followed by a release of its flag;
-  to another node as an NVSHMEM put with the signal attached, from a staging copy: tiles[slot,
-  world + peer, t] in gemm_rs (tiles for different peers are in flight at once), the tile's own
-  tiles[slot, rank, t] in gemm_ar (the same values go to every peer).
+  to another node as an NVSHMEM put with the signal attached, from this rank's symmetric copy.
 Partial tiles travel in the output dtype; sums accumulate in fp32.
 """
 import torch
@@ -34,6 +36,12 @@ from ._protocol import Workspace, call_epoch, check_output, finish_call
 
 
 @triton.jit
+def _tile(tiles, index, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The address of tile `index` of a block of contiguous BLOCK_M x BLOCK_N tiles."""
+    return tiles + index.to(tl.int64) * (BLOCK_M * BLOCK_N)
+
+
+@triton.jit
 def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world_size, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Write `values` to `peer`'s copy of the tile at `tile_ptr` and raise its flag to `epoch`;
@@ -43,6 +51,7 @@ def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world
         tl.store(dl.symm_at(tile_ptr, peer) + offsets, values)
         dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
     else:
+        tl.debug_barrier()  # the staging tile may have just been read by other threads of the block
         tl.store(staging_ptr + offsets, values)
         tl.debug_barrier()  # the whole block reads the tile it stored
         nbytes = BLOCK_M * BLOCK_N * (tile_ptr.dtype.element_ty.primitive_bitwidth // 8)
@@ -53,18 +62,18 @@ def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world
 def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rank src's partial tile t of this slot, once its flag says it is here."""
     token = dl.wait(flags + src * per_shard + t, 1, scope="sys", semantic="acquire", waitValue=epoch)
-    tile_ptr = dl.consume_token(tiles + (src * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N), token)
+    tile_ptr = dl.consume_token(_tile(tiles, src * per_shard + t, BLOCK_M, BLOCK_N), token)
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     return tl.load(tile_ptr + offsets).to(tl.float32)
 
 
 @jit
-def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size, slot_tiles,
+def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size,
                        SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-    """SCATTER: gemm_rs (out is M/world x N), else gemm_ar (out is M x N). A slot of `tiles` holds
-    `slot_tiles` tiles: world x (tiles per shard), twice that for gemm_rs across nodes. Triton 3.6
-    cannot flatten this loop nest (its reductions loop over peers): FLATTEN must be False."""
+    """SCATTER: gemm_rs on one node (out is M/world x N), else gemm_ar (out is M x N). A slot of
+    `tiles` holds world x (tiles per shard) tiles. Triton 3.6 cannot flatten this loop nest (its
+    reductions loop over peers): FLATTEN must be False."""
     tl.static_assert(not FLATTEN, "gemm_reduce_kernel takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
@@ -78,7 +87,7 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_shard = tiles_m * tiles_n
     slot = epoch % 2
-    tiles = tiles_ptr + (slot * slot_tiles).to(tl.int64) * (BLOCK_M * BLOCK_N)
+    tiles = _tile(tiles_ptr, slot * world * per_shard, BLOCK_M, BLOCK_N)
     flags = flags_ptr + slot * world * per_shard
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     # gemm_rs raises a peer's flag for a tile one tile late: by then the tile's stores have
@@ -95,7 +104,7 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
         if SCATTER:
             first_row += shard * rows
         acc = gemm.tile_product(a_desc, b_desc, first_row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        mine = tiles + (me * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N)
+        mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
         my_flag = flags + me * per_shard + t
         values = acc.to(tiles_ptr.dtype.element_ty)
         if SCATTER:
@@ -103,13 +112,9 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
                 dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
                 late_peer = tl.cast(-1, tl.int32)
             if shard != me:
-                if shard // local_world_size == me // local_world_size:
-                    tl.store(dl.symm_at(mine, shard) + offsets, values)
-                    late_peer = shard
-                    late_flag = my_flag
-                else:
-                    staging = tiles + ((world + shard) * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N)
-                    _send_tile(values, mine, staging, my_flag, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
+                tl.store(dl.symm_at(mine, shard) + offsets, values)
+                late_peer = shard
+                late_flag = my_flag
             else:
                 for step in range(1, world):
                     acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
@@ -128,11 +133,81 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for src in range(world):
                 if src == me:
-                    total += tl.load(tiles + (me * per_shard + t).to(tl.int64) * (BLOCK_M * BLOCK_N) + offsets
-                                     ).to(tl.float32)
+                    total += tl.load(_tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N) + offsets).to(tl.float32)
                 else:
                     total += _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M, BLOCK_N)
             gemm.store_tile(out_ptr, total, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      FLATTEN: tl.constexpr):
+    """gemm_rs across nodes, with L ranks per node and `nodes` nodes. A slot holds two regions of
+    world x (tiles per shard) tiles, each with a flag per tile:
+    - received[src, t]: a partial of tile t of this rank's shard from src on this node (src = this
+      rank: its own), or the sum of node n's partials from src, this rank's counterpart on node n;
+    - gathered[l, n, t]: local rank l's partial of tile t of the shard of the rank with this local
+      index on node n (so this rank is its counterpart), later this node's sum of them.
+    Three passes, each waiting only on the ones before it, so no rank waits on one that waits back:
+    compute and send every tile; sum and put the node's sums; sum this rank's own tiles."""
+    tl.static_assert(not FLATTEN, "gemm_rs_2d_kernel takes configs with FLATTEN=False")
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    nodes = world // local_world_size
+    node = me // local_world_size
+    local = me % local_world_size
+    rows = M // world
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_shard = tiles_m * tiles_n
+    slot = epoch % 2
+    received = _tile(tiles_ptr, slot * 2 * world * per_shard, BLOCK_M, BLOCK_N)
+    gathered = _tile(received, world * per_shard, BLOCK_M, BLOCK_N)
+    received_flags = flags_ptr + slot * 2 * world * per_shard
+    gathered_flags = received_flags + world * per_shard
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    for tile in range(tl.program_id(0), world * per_shard, tl.num_programs(0)):
+        shard = (me + 1 + tile // per_shard) % world
+        t = tile % per_shard
+        tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        acc = gemm.tile_product(a_desc, b_desc, shard * rows + tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                                BLOCK_K)
+        values = acc.to(tiles_ptr.dtype.element_ty)
+        if shard // local_world_size == node:  # the owner is on this node (perhaps this rank)
+            index = me * per_shard + t
+            to = _tile(received, index, BLOCK_M, BLOCK_N)
+            _send_tile(values, to, to, received_flags + index, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
+        else:
+            index = (local * nodes + shard // local_world_size) * per_shard + t
+            to = _tile(gathered, index, BLOCK_M, BLOCK_N)
+            _send_tile(values, to, to, gathered_flags + index, epoch, node * local_world_size + shard % local_world_size,
+                       local_world_size, BLOCK_M, BLOCK_N)
+    for item in range(tl.program_id(0), (nodes - 1) * per_shard, tl.num_programs(0)):
+        other = (node + 1 + item // per_shard) % nodes
+        t = item % per_shard
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for l in range(local_world_size):
+            total += _received_tile(gathered, gathered_flags, l * nodes + other, t, per_shard, epoch, BLOCK_M, BLOCK_N)
+        # The sum is staged where this rank's own partial was, which it has just read.
+        node_sum = _tile(gathered, (local * nodes + other) * per_shard + t, BLOCK_M, BLOCK_N)
+        _send_tile(total.to(tiles_ptr.dtype.element_ty), _tile(received, me * per_shard + t, BLOCK_M, BLOCK_N),
+                   node_sum, received_flags + me * per_shard + t, epoch, other * local_world_size + local,
+                   local_world_size, BLOCK_M, BLOCK_N)
+    for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
+        tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for l in range(local_world_size):
+            total += _received_tile(received, received_flags, node * local_world_size + l, t, per_shard, epoch,
+                                    BLOCK_M, BLOCK_N)
+        for n in range(nodes):
+            if n != node:
+                total += _received_tile(received, received_flags, n * local_world_size + local, t, per_shard, epoch,
+                                        BLOCK_M, BLOCK_N)
+        gemm.store_tile(out_ptr, total, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -158,8 +233,9 @@ class _GemmReduce:
             w.device, self.rows, flatten=False)
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
-        self.slot_tiles = (2 if scatter and w.nnodes > 1 else 1) * w.world_size * self.per_shard
-        self.workspace = Workspace(self.slot_tiles * block_m * block_n, dtype, w.world_size * self.per_shard)
+        self.two_levels = scatter and w.nnodes > 1  # gemm_rs_2d_kernel, with two regions per slot
+        slot_tiles = (2 if self.two_levels else 1) * w.world_size * self.per_shard
+        self.workspace = Workspace(slot_tiles * block_m * block_n, dtype, slot_tiles)
         self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,9 +248,11 @@ class _GemmReduce:
         check_output(out, (self.rows, self.n), self.dtype)
         ws = self.workspace
         a_desc, b_desc = gemm.descriptors(a, b, self.config)
-        gemm_reduce_kernel[(self.programs,)](a_desc, b_desc, out, ws.staging, ws.flags, ws.calls, self.m, self.n,
-                                             self.k, self.world.local_world_size, self.slot_tiles,
-                                             SCATTER=self.scatter, **self.config)
+        args = (a_desc, b_desc, out, ws.staging, ws.flags, ws.calls, self.m, self.n, self.k, self.world.local_world_size)
+        if self.two_levels:
+            gemm_rs_2d_kernel[(self.programs,)](*args, **self.config)
+        else:
+            gemm_reduce_kernel[(self.programs,)](*args, SCATTER=self.scatter, **self.config)
         return out
 
     def free(self) -> None:
