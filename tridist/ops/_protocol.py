@@ -77,6 +77,14 @@ def method_error(op: str, method: str, methods) -> ValueError:
 
 
 @triton.jit
+def placement(local_world_size):
+    """(rank, world size, nodes, this rank's node, its index on the node)."""
+    me = dl.rank()
+    world = dl.num_ranks()
+    return me, world, world // local_world_size, me // local_world_size, me % local_world_size
+
+
+@triton.jit
 def push_slice(src_ptr, dst_ptr, start, stop, flag_ptr, epoch, peer, local_world_size, BLOCK: tl.constexpr):
     """Copy src[start:stop] to dst[start:stop] on `peer` (`dst_ptr` is this rank's address of the
     symmetric destination), then set the peer's flag to `epoch`. On this node the program stores

@@ -32,7 +32,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol, gemm
-from ._protocol import call_epoch, check_output, finish_call, push_slice, split_bounds
+from ._protocol import call_epoch, check_output, finish_call, placement, push_slice, split_bounds
 
 COMMS = ("auto", "ce", "sm")
 PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
@@ -49,11 +49,7 @@ def push_shard_kernel(x_ptr, gathered_ptr, flags_ptr, calls_ptr, n, slot_numel, 
       (node + 1 + j) % N has arrived here, then forwards it to the other ranks of this node.
     So each shard crosses to a node once, and every flag (slot, source) is raised once per rank."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
-    nodes = world // local_world_size
-    node = me // local_world_size
-    local = me % local_world_size
+    me, world, nodes, node, local = placement(local_world_size)
     task = tl.program_id(0)
     split = tl.program_id(1)
     slot = epoch % 2

@@ -32,7 +32,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import gemm
-from ._protocol import Workspace, call_epoch, check_output, finish_call
+from ._protocol import Workspace, call_epoch, check_output, finish_call, placement
 
 
 @triton.jit
@@ -155,11 +155,7 @@ def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, 
     compute and send every tile; sum and put the node's sums; sum this rank's own tiles."""
     tl.static_assert(not FLATTEN, "gemm_rs_2d_kernel takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
-    nodes = world // local_world_size
-    node = me // local_world_size
-    local = me % local_world_size
+    me, world, nodes, node, local = placement(local_world_size)
     rows = M // world
     tiles_m = tl.cdiv(rows, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
