@@ -79,6 +79,10 @@ def test_reduce_scatter(world, dtype):
 
 
 def _all_reduce(w, method, dtype, numel, calls, in_place):
+    if method == "ll" and w.nnodes > 1:
+        with pytest.raises(ValueError, match="within one node"):
+            ops.AllReduce(numel, dtype, method)
+        return
     op = ops.AllReduce(numel, dtype, method)
     everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
     outs = []
@@ -93,10 +97,11 @@ def _all_reduce(w, method, dtype, numel, calls, in_place):
     op.free()
 
 
-@pytest.mark.parametrize("method", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("method", ["one_shot", "two_shot", "ll"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce(world, method, dtype):
-    world.run(_all_reduce, method=method, dtype=dtype, numel=301, calls=3, in_place=False)
+    # LL moves 4-byte words: an even count of 16-bit elements
+    world.run(_all_reduce, method=method, dtype=dtype, numel=302 if method == "ll" else 301, calls=3, in_place=False)
 
 
 def test_all_reduce_in_place(world):
@@ -161,7 +166,8 @@ def _graph_replays(w, replays):
     n = 4096
     cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "ll", "ce") if w.nnodes == 1 or m == "push"]
     cases += [(ops.ReduceScatter(n, torch.bfloat16), "scatter")]
-    cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot")]
+    cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot", "ll")
+              if w.nnodes == 1 or m != "ll"]
     for op, kind in cases:
         x = torch.zeros(n, dtype=torch.bfloat16, device=w.device)
         out = torch.empty(n * w.world_size if kind == "gather" else n // w.world_size if kind == "scatter" else n,

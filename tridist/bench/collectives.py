@@ -19,7 +19,9 @@ from .results import save, table
 from .timing import slowest, time_us
 
 OPS = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}
-METHODS = {"allgather": ("push", "ll", "ce"), "reducescatter": ("one_shot",), "allreduce": ("one_shot", "two_shot")}
+METHODS = {"allgather": ("push", "ll", "ce"), "reducescatter": ("one_shot",),
+           "allreduce": ("one_shot", "two_shot", "ll")}
+LL_ALL_REDUCE_LIMIT = 1 << 20  # its packets take 4x the message per rank and peer: small messages only
 GRAPH_LIMIT = 1 << 20
 
 
@@ -85,6 +87,8 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype) -> 
         row["NCCL us"] = nccl_us
         best = None
         for method in methods:
+            if name == "allreduce" and method == "ll" and nbytes > LL_ALL_REDUCE_LIMIT:
+                continue
             op = getattr(ops, {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}[
                 name])(x.numel(), dtype, method)
             result = torch.full_like(out, float("nan"))

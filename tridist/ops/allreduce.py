@@ -11,6 +11,9 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
 - "two_shot" (all_reduce): a reduce-scatter as above, then every rank pushes its reduced chunk to
   every peer (flags in the second half of the slot's signals). Each rank receives 2 (n-1)/n of the
   data instead of (n-1) x: best for large messages.
+- "ll" (all_reduce, one node): one-shot in low-latency packets (`dl.ll`): each 4-byte word of x
+  travels with the epoch as its flag, so there is no separate signal and no fence; the words are
+  summed in rank order, so every rank gets the same bits. For small messages.
 """
 import torch
 import triton
@@ -26,7 +29,8 @@ from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_s
 
 BLOCK = 2048
 REDUCE_SCATTER_METHODS = ("auto", "one_shot")
-ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot")
+ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll")
+LL_BLOCK = 1024  # words per step
 
 
 @triton.jit
@@ -117,6 +121,57 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
     finish_call(calls_ptr)
 
 
+@triton.jit
+def _halves(words, dtype: tl.constexpr):
+    """int32 words holding two 16-bit floats -> (low, high) as fp32."""
+    low = tl.cast((words & 0xFFFF).to(tl.int16), dtype, bitcast=True).to(tl.float32)
+    high = tl.cast(((words >> 16) & 0xFFFF).to(tl.int16), dtype, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def _bits16(values, dtype: tl.constexpr):
+    return tl.cast(values.to(dtype), tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@jit
+def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, DTYPE: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """x and out are viewed as n int32 words, each one fp32 or two 16-bit floats of DTYPE; program s
+    sends its slice of words to row `rank` of every rank's packets (itself included), then sums the
+    slice over the rows in rank order."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    stage = packets_ptr + (epoch % 2) * slot_numel
+    start, stop = split_bounds(n, tl.program_id(0), SPLITS, BLOCK)
+    offsets = tl.arange(0, BLOCK)
+    for offset in range(start, stop, BLOCK):
+        mask = offset + offsets < stop
+        words = tl.load(x_ptr + offset + offsets, mask=mask)
+        for step in range(world):
+            peer = (me + step) % world
+            dl.ll.send(dl.symm_at(stage + me * row, peer) + offset + offsets, words, epoch, mask)
+    for offset in range(start, stop, BLOCK):
+        mask = offset + offsets < stop
+        low = tl.zeros([BLOCK], tl.float32)
+        high = tl.zeros([BLOCK], tl.float32)
+        for peer in range(world):
+            words = dl.ll.recv(stage + peer * row + offset + offsets, epoch, mask)
+            if DTYPE == tl.float32:
+                low += tl.cast(words, tl.float32, bitcast=True)
+            else:
+                peer_low, peer_high = _halves(words, DTYPE)
+                low += peer_low
+                high += peer_high
+        if DTYPE == tl.float32:
+            total = tl.cast(low, tl.int32, bitcast=True)
+        else:
+            total = _bits16(low, DTYPE) | (_bits16(high, DTYPE) << 16)
+        tl.store(out_ptr + offset + offsets, total, mask=mask)
+    finish_call(calls_ptr)
+
+
 def _splits(numel: int, world) -> int:
     return _protocol.splits_for(numel, BLOCK, _protocol.programs_available(world))
 
@@ -164,7 +219,17 @@ class AllReduce:
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         self.method = choose_all_reduce(numel * dtype.itemsize, w) if method == "auto" else method
-        if self.method == "one_shot":
+        if self.method == "ll":
+            if w.nnodes > 1:
+                raise ValueError(f"all_reduce method 'll' works within one node; this world has {w.nnodes} nodes: "
+                                 "use method='one_shot'")
+            if numel * dtype.itemsize % 4:
+                raise ValueError("all_reduce method 'll' moves 4-byte words: x must be a multiple of 4 bytes")
+            self.words = numel * dtype.itemsize // 4
+            self.splits = _protocol.splits_for(self.words, LL_BLOCK, _protocol.programs_available(w))
+            self.row = row_stride(self.words)
+            self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
+        elif self.method == "one_shot":
             self.splits = _splits(numel, w)
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
@@ -183,6 +248,12 @@ class AllReduce:
             out = torch.empty_like(x)
         check_output(out, tuple(x.shape), x.dtype)
         ws = self.workspace
+        if self.method == "ll":
+            all_reduce_ll_kernel[(self.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
+                                                 ws.staging, ws.calls, self.words, self.row, ws.slot_numel,
+                                                 DTYPE=_TRITON_DTYPES[self.dtype], SPLITS=self.splits,
+                                                 BLOCK=LL_BLOCK)
+            return out
         if self.method == "one_shot":
             all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
                                                        ws.slot_numel, w.local_world_size, SPLITS=self.splits,
@@ -201,6 +272,9 @@ class AllReduce:
 
     def free(self) -> None:
         self.workspace.free()
+
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def choose_all_reduce(nbytes: int, world) -> str:
