@@ -24,7 +24,7 @@ def _poisoned(shape, dtype, device):
 
 
 def _all_gather(w, method, dtype, shape, calls):
-    if method in ("ll", "ce") and w.nnodes > 1:
+    if method in ("pull", "ll", "ce") and w.nnodes > 1:
         with pytest.raises(ValueError, match="within one node"):
             ops.AllGather(int(torch.Size(shape).numel()), dtype, method)
         return
@@ -40,7 +40,7 @@ def _all_gather(w, method, dtype, shape, calls):
     op.free()
 
 
-@pytest.mark.parametrize("method", ["push", "ll", "ce"])
+@pytest.mark.parametrize("method", ["push", "pull", "ll", "ce"])
 def test_all_gather(world, method):
     for dtype, shape in [(torch.float32, (37, 3)), (torch.bfloat16, (64,)), (torch.float16, (2, 130)),
                          (torch.uint8, (4, 12)), (torch.int64, (5,))]:  # raw bytes and integers too
@@ -164,7 +164,8 @@ def _graph_replays(w, replays):
     """Every method captured once in a CUDA graph and replayed `replays` times back to back with new
     inputs; every 50th replay is checked."""
     n = 4096
-    cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "ll", "ce") if w.nnodes == 1 or m == "push"]
+    cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "pull", "ll", "ce")
+             if w.nnodes == 1 or m == "push"]
     cases += [(ops.ReduceScatter(n, torch.bfloat16), "scatter")]
     cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot", "ll")
               if w.nnodes == 1 or m != "ll"]

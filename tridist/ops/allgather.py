@@ -8,6 +8,9 @@ Methods
   `out`. Double-buffered staging and call epochs (see `_protocol.py`) need no handshake.
 - "ll": the same exchange in low-latency packets: each 4-byte word travels with the epoch as its
   flag, so there are no separate signals; for small messages on one node.
+- "pull": the program (rank, s) stages slice s of this rank's shard and raises flag (rank, s) on
+  every rank of the node; program (p, s) waits for rank p's flag (p, s) here and reads that slice
+  of p's staging through symm_at. Reads instead of writes over NVLink; on one node.
 - "ce": the copy engines pull every peer's shard (no SMs); on one node. A barrier before the pulls
   says every shard is staged, one after says every peer has finished reading.
 """
@@ -23,7 +26,7 @@ from . import _protocol
 from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice,
                         row_stride, split_bounds)
 
-METHODS = ("auto", "push", "ll", "ce")
+METHODS = ("auto", "push", "pull", "ll", "ce")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
 DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 BLOCK = 2048
@@ -48,6 +51,30 @@ def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
         token = dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
         copy_slice(dl.consume_token(stage + peer * row, token), out_ptr + peer * n, start, stop, BLOCK)
         dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, SPLITS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Staging holds this rank's shard, one per slot."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    peer = tl.program_id(0)
+    split = tl.program_id(1)
+    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (world * SPLITS)
+    if peer == me:
+        copy_slice(x_ptr, stage, start, stop, BLOCK)
+        copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
+        for other in range(world):
+            if other != me:
+                dl.notify(flags + me * SPLITS + split, other, signal=epoch, sig_op="set")
+    else:
+        token = dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        copy_slice(dl.consume_token(dl.symm_at(stage, peer), token), out_ptr + peer * n, start, stop, BLOCK)
     finish_call(calls_ptr)
 
 
@@ -87,7 +114,7 @@ class AllGather:
         self.numel, self.dtype = numel, dtype
         nbytes = numel * dtype.itemsize
         self.method = choose_method(nbytes * w.world_size, w) if method == "auto" else method
-        if self.method in ("ll", "ce") and w.nnodes > 1:
+        if self.method in ("pull", "ll", "ce") and w.nnodes > 1:
             raise ValueError(f"all_gather method {self.method!r} works within one node; this world has {w.nnodes} "
                              "nodes: use method='push'")
         if self.method == "ll" and nbytes % 4:
@@ -96,6 +123,9 @@ class AllGather:
             self.words = nbytes // 4
             self.row = row_stride(self.words)
             self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
+        elif self.method == "pull":
+            self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // w.world_size))
+            self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
         elif self.method == "push":
             self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // w.world_size))
             self.row = row_stride(numel)
@@ -113,7 +143,11 @@ class AllGather:
         if out is None:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
-        if self.method == "push":
+        if self.method == "pull":
+            ws = self.workspace
+            all_gather_pull_kernel[(w.world_size, self.splits)](x, out, ws.staging, ws.flags, ws.calls, self.numel,
+                                                                ws.slot_numel, SPLITS=self.splits, BLOCK=BLOCK)
+        elif self.method == "push":
             ws = self.workspace
             all_gather_push_kernel[(w.world_size, self.splits)](
                 x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
