@@ -9,6 +9,8 @@ import tridist
 from tridist import ops
 from tridist.ops import gemm
 
+from .test_language import load_example
+
 DTYPES = [torch.bfloat16, torch.float16]
 # The GEMM accumulates in fp32; what differs from an fp32 reference is the rounding of the output
 # (and, in gemm_rs/gemm_ar, of the partial products sent to peers), relative to the largest value.
@@ -183,6 +185,14 @@ def _custom_ops(w):
 
 def test_custom_ops_under_torch_compile(world):
     world.run(_custom_ops)
+
+
+def _example(w):
+    load_example("tensor_parallel_mlp").mlp_block(w)
+
+
+def test_tensor_parallel_mlp_example(world):
+    world.run(_example)
 
 
 def _bad_input(w):

@@ -33,7 +33,7 @@ def test_identity(world):
 # ---- push all-gather through symm_at --------------------------------------------------------------
 
 
-def _load_example(name):
+def load_example(name):
     """The examples are what users copy first, so the tests run them too (at every world size)."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
@@ -42,7 +42,7 @@ def _load_example(name):
     return module
 
 
-push_allgather_kernel = _load_example("allgather").allgather_push
+push_allgather_kernel = load_example("allgather").allgather_push
 
 
 def _push_allgather(w, n):
