@@ -222,6 +222,9 @@ class _GemmReduce:
                 raise ValueError(f"{size_name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad "
                                  f"{size_name}")
         self.name, self.m, self.k, self.n, self.dtype, self.scatter = name, m, k, n, dtype, scatter
+        if isinstance(config, dict) and config.get("FLATTEN"):
+            raise ValueError(f"{name} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got "
+                             f"{config}")
         self.rows = m // w.world_size if scatter else m
         self.config = gemm.resolve_config(
             config, name, (m, k, n, str(dtype)), lambda c: type(self)(m, k, n, dtype, config=c),
