@@ -72,6 +72,18 @@ def check_output(out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
         raise ValueError(f"out must be {dtype} of shape {tuple(shape)}, got {out.dtype} of shape {tuple(out.shape)}")
 
 
+_instances: dict = {}
+
+
+def instance(build, *key, device: torch.device):
+    """The op instance for `key` on the current stream, made once by `build()`. The functions of
+    `tridist.ops` keep one per shape and stream, since an instance must not serve two streams at once."""
+    key = (*key, torch.cuda.current_stream() if device.type == "cuda" else None)
+    if key not in _instances:
+        _instances[key] = build()
+    return _instances[key]
+
+
 def method_error(op: str, method: str, methods) -> ValueError:
     return ValueError(f"{op}: unknown method {method!r}; choose one of {', '.join(methods)}")
 

@@ -193,19 +193,14 @@ def choose_method(total_bytes: int, world) -> str:
     return "ce"
 
 
-_instances: dict = {}
-
-
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Gather `x` from every rank into `out` (world_size * x.shape[0] rows), like
     `torch.distributed.all_gather_into_tensor`. A collective: every rank calls it with the same
     shape, dtype and method."""
     check_input(x, "x", DTYPES)
-    stream = torch.cuda.current_stream() if x.is_cuda else None
-    key = (x.numel(), x.dtype, method, stream)
-    if key not in _instances:
-        _instances[key] = AllGather(x.numel(), x.dtype, method)
-    return _instances[key](x, out)
+    op = _protocol.instance(lambda: AllGather(x.numel(), x.dtype, method), AllGather, x.numel(), x.dtype, method,
+                            device=x.device)
+    return op(x, out)
 
 
 @torch.library.custom_op("tridist::all_gather", mutates_args=())

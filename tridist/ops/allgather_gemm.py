@@ -121,11 +121,7 @@ class AllGatherGEMM:
                  comm_programs: int | None = None, config: dict | str | None = None):
         if comm not in COMMS:
             raise _protocol.method_error("ag_gemm comm", comm, COMMS)
-        if dtype not in gemm.DTYPES:
-            raise ValueError(f"ag_gemm takes {', '.join(map(str, gemm.DTYPES))}; got {dtype}")
-        for name, size in (("k", k), ("n", n)):
-            if size % 8:
-                raise ValueError(f"{name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad {name}")
+        gemm.check_sizes("ag_gemm", dtype, k, n)
         self.world = w = tridist.world()
         self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
         if self.comm == "ce" and w.nnodes > 1:
@@ -235,20 +231,15 @@ def _raise_flag(flags: torch.Tensor, index: int) -> None:
         _SymmetricMemory.stream_write_value32(flags.view(torch.uint32), index, 1)
 
 
-_instances: dict = {}
-
-
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",
             config: dict | str | None = None) -> torch.Tensor:
     """all_gather(a_shard) @ b, the gather overlapped with the GEMM. A collective: every rank calls
     it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream (see it for `config`)."""
     gemm.check_operands(a_shard, b, "a_shard", "b")
-    stream = torch.cuda.current_stream() if a_shard.is_cuda else None
-    key = (tuple(a_shard.shape), b.shape[1], a_shard.dtype, comm, repr(config), stream)
-    if key not in _instances:
-        _instances[key] = AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm,
-                                        config=config)
-    return _instances[key](a_shard, b, out)
+    op = _protocol.instance(
+        lambda: AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm, config=config),
+        AllGatherGEMM, tuple(a_shard.shape), b.shape[1], a_shard.dtype, comm, repr(config), device=a_shard.device)
+    return op(a_shard, b, out)
 
 
 @torch.library.custom_op("tridist::ag_gemm", mutates_args=())

@@ -290,16 +290,10 @@ def _check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> N
         raise ValueError(f"this {what} was built for {numel} {dtype} elements; x has {x.numel()} {x.dtype}")
 
 
-_instances: dict = {}
-
-
 def _instance(cls, x: torch.Tensor, method: str):
     check_input(x, "x")
-    stream = torch.cuda.current_stream() if x.is_cuda else None
-    key = (cls, x.numel(), x.dtype, method, stream)
-    if key not in _instances:
-        _instances[key] = cls(x.numel(), x.dtype, method)
-    return _instances[key]
+    return _protocol.instance(lambda: cls(x.numel(), x.dtype, method), cls, x.numel(), x.dtype, method,
+                              device=x.device)
 
 
 def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:

@@ -127,6 +127,19 @@ def matmul_kernel(a_desc, b_desc, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK
         store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, M, N, BLOCK_M, BLOCK_N)
 
 
+def check_sizes(op: str, dtype: torch.dtype, k: int, n: int) -> None:
+    """What an op built for (.., k) x (k, n) operands of `dtype` needs before it allocates anything."""
+    if dtype not in DTYPES:
+        raise ValueError(f"{op} takes {', '.join(map(str, DTYPES))}; got {dtype}")
+    _check_aligned(k, n)
+
+
+def _check_aligned(k: int, n: int) -> None:
+    for name, size in (("K", k), ("N", n)):
+        if size % 8:
+            raise ValueError(f"{name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad {name}")
+
+
 def check_operands(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: str = "b") -> None:
     """a (rows x K) and b (K x N), both 2-D, of one dtype, with K and N multiples of 8."""
     check_input(a, a_name, DTYPES)
@@ -138,9 +151,7 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: 
         raise ValueError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; use one dtype")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"{a_name} has {a.shape[1]} columns but {b_name} has {b.shape[0]} rows")
-    for name, size in (("K", a.shape[1]), ("N", b.shape[1])):
-        if size % 8:
-            raise ValueError(f"{name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad {name}")
+    _check_aligned(a.shape[1], b.shape[1])
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:

@@ -31,7 +31,7 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from . import gemm
+from . import _protocol, gemm
 from ._protocol import Workspace, call_epoch, check_output, finish_call, placement
 
 
@@ -212,15 +212,10 @@ class _GemmReduce:
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, scatter: bool, config: dict | str | None):
         self.world = w = tridist.world()
         name = "gemm_rs" if scatter else "gemm_ar"
-        if dtype not in gemm.DTYPES:
-            raise ValueError(f"{name} takes {', '.join(map(str, gemm.DTYPES))}; got {dtype}")
+        gemm.check_sizes(name, dtype, k, n)
         if scatter and m % w.world_size:
             raise ValueError(f"gemm_rs splits the M = {m} rows of the product over {w.world_size} ranks: make M a "
                              "multiple of the world size")
-        for size_name, size in (("k", k), ("n", n)):
-            if size % 8:
-                raise ValueError(f"{size_name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad "
-                                 f"{size_name}")
         self.name, self.m, self.k, self.n, self.dtype, self.scatter = name, m, k, n, dtype, scatter
         if isinstance(config, dict) and config.get("FLATTEN"):
             raise ValueError(f"{name} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got "
@@ -274,16 +269,10 @@ class GemmAllReduce(_GemmReduce):
         super().__init__(m, k, n, dtype, scatter=False, config=config)
 
 
-_instances: dict = {}
-
-
 def _cached(cls, a: torch.Tensor, b: torch.Tensor, config):
     gemm.check_operands(a, b)
-    stream = torch.cuda.current_stream() if a.is_cuda else None
-    key = (cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), stream)
-    if key not in _instances:
-        _instances[key] = cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config)
-    return _instances[key]
+    return _protocol.instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config), cls,
+                              tuple(a.shape), b.shape[1], a.dtype, repr(config), device=a.device)
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
