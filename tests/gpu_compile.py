@@ -77,7 +77,17 @@ def cases():
          {"SPLITS": 4, "BLOCK": allgather.BLOCK}),
         (allgather.all_gather_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
                                            "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
-                                           "BLOCK": "constexpr"}, {"BLOCK": 1024}),
+                                           "SPLITS": "constexpr", "BLOCK": "constexpr"},
+         {"SPLITS": 4, "BLOCK": allgather.LL_BLOCK}),
+        *[(allgather.all_gather_ce_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
+                                             "flags_ptr": "*i32", "n": "i32", "total": "i32", "row": "i32",
+                                             "chunk": "i32", "chunks": "i32", "COPY_OWN": "constexpr",
+                                             "SPLITS": "constexpr", "BLOCK": "constexpr"},
+           {"COPY_OWN": own, "SPLITS": 64, "BLOCK": allgather.BLOCK}) for own in (True, False)],
+        (allreduce.reduce_ce_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
+                                       "flags_ptr": "*i32", "n": "i32", "m": "i32", "row": "i32", "chunk": "i32",
+                                       "chunks": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"},
+         {"SPLITS": 132, "BLOCK": allreduce.BLOCK}),
         *[(kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64",
                     "calls_ptr": "*i64", "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                     "SPLITS": "constexpr", "BLOCK": "constexpr"}, {"SPLITS": 8, "BLOCK": allreduce.BLOCK})
@@ -140,7 +150,7 @@ def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False)
 
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
-                "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "all_reduce_ll_kernel"}
+                "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "all_reduce_ll_kernel", "reduce_ce_kernel"}
 
 
 def main() -> int:

@@ -1,10 +1,13 @@
 """all_gather, reduce_scatter and all_reduce: every method, several dtypes and shapes, random data,
 poisoned outputs, back-to-back calls with no host synchronisation in between."""
+import contextlib
+
 import pytest
 import torch
 
 import tridist
 from tridist import ops
+from tridist.ops import _protocol
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}  # relative, vs an fp64 sum
@@ -23,12 +26,24 @@ def _poisoned(shape, dtype, device):
     return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
 
 
+@contextlib.contextmanager
+def _small_copy_engine_chunks():
+    """Ops built inside cut their copy-engine transfers in chunks of 64 bytes, so that the small
+    test shapes travel in several chunks."""
+    saved, _protocol.CE_CHUNK_BYTES = _protocol.CE_CHUNK_BYTES, 64
+    try:
+        yield
+    finally:
+        _protocol.CE_CHUNK_BYTES = saved
+
+
 def _all_gather(w, method, dtype, shape, calls):
     if method in ("pull", "ll", "ce") and w.nnodes > 1:
         with pytest.raises(ValueError, match="within one node"):
             ops.AllGather(int(torch.Size(shape).numel()), dtype, method)
         return
-    op = ops.AllGather(int(torch.Size(shape).numel()), dtype, method)
+    with _small_copy_engine_chunks():
+        op = ops.AllGather(int(torch.Size(shape).numel()), dtype, method)
     everyone = [_inputs(w, shape, dtype, call) for call in range(calls)]
     outs = [_poisoned((w.world_size * shape[0], *shape[1:]), dtype, w.device) for _ in range(calls)]
     sources = [e[w.rank].to(w.device) for e in everyone]
@@ -59,9 +74,14 @@ def test_all_gather_auto(world):
     world.run(_all_gather_auto)
 
 
-def _reduce_scatter(w, dtype, rows, calls):
+def _reduce_scatter(w, method, dtype, rows, calls):
     shape = (w.world_size * rows, 3)
-    op = ops.ReduceScatter(shape[0] * shape[1], dtype)
+    if method == "ce" and w.nnodes > 1:
+        with pytest.raises(ValueError, match="within one node"):
+            ops.ReduceScatter(shape[0] * shape[1], dtype, method)
+        return
+    with _small_copy_engine_chunks():
+        op = ops.ReduceScatter(shape[0] * shape[1], dtype, method)
     everyone = [_inputs(w, shape, dtype, call) for call in range(calls)]
     outs = [_poisoned((rows, 3), dtype, w.device) for _ in range(calls)]
     for call in range(calls):
@@ -73,17 +93,19 @@ def _reduce_scatter(w, dtype, rows, calls):
     op.free()
 
 
+@pytest.mark.parametrize("method", ["one_shot", "ce"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reduce_scatter(world, dtype):
-    world.run(_reduce_scatter, dtype=dtype, rows=45, calls=3)
+def test_reduce_scatter(world, method, dtype):
+    world.run(_reduce_scatter, method=method, dtype=dtype, rows=45, calls=3)
 
 
 def _all_reduce(w, method, dtype, numel, calls, in_place):
-    if method == "ll" and w.nnodes > 1:
+    if method in ("ll", "ce") and w.nnodes > 1:
         with pytest.raises(ValueError, match="within one node"):
             ops.AllReduce(numel, dtype, method)
         return
-    op = ops.AllReduce(numel, dtype, method)
+    with _small_copy_engine_chunks():
+        op = ops.AllReduce(numel, dtype, method)
     everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
     outs = []
     for call in range(calls):
@@ -97,15 +119,16 @@ def _all_reduce(w, method, dtype, numel, calls, in_place):
     op.free()
 
 
-@pytest.mark.parametrize("method", ["one_shot", "two_shot", "ll"])
+@pytest.mark.parametrize("method", ["one_shot", "two_shot", "ll", "ce"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce(world, method, dtype):
     # LL moves 4-byte words: an even count of 16-bit elements
     world.run(_all_reduce, method=method, dtype=dtype, numel=302 if method == "ll" else 301, calls=3, in_place=False)
 
 
-def test_all_reduce_in_place(world):
-    world.run(_all_reduce, method="auto", dtype=torch.float32, numel=64, calls=2, in_place=True)
+@pytest.mark.parametrize("method", ["auto", "ce"])
+def test_all_reduce_in_place(world, method):
+    world.run(_all_reduce, method=method, dtype=torch.float32, numel=64, calls=2, in_place=True)
 
 
 def _bad_input(w):
@@ -166,9 +189,10 @@ def _graph_replays(w, replays):
     n = 4096
     cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "pull", "ll", "ce")
              if w.nnodes == 1 or m == "push"]
-    cases += [(ops.ReduceScatter(n, torch.bfloat16), "scatter")]
-    cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot", "ll")
-              if w.nnodes == 1 or m != "ll"]
+    cases += [(ops.ReduceScatter(n, torch.bfloat16, m), "scatter") for m in ("one_shot", "ce")
+              if w.nnodes == 1 or m != "ce"]
+    cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot", "ll", "ce")
+              if w.nnodes == 1 or m not in ("ll", "ce")]
     for op, kind in cases:
         x = torch.zeros(n, dtype=torch.bfloat16, device=w.device)
         out = torch.empty(n * w.world_size if kind == "gather" else n // w.world_size if kind == "scatter" else n,

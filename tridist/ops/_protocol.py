@@ -7,13 +7,19 @@ Two slots suffice without any handshake because every call waits for a flag from
 rank starts call e+2, each peer has started call e+1, so each peer has finished call e, the last
 one that used the slot about to be overwritten.
 
-The calls counter is read by every program when a launch starts and incremented by the last
-program to finish, so all programs of a launch agree on `e`. One op instance must not be used by
-two streams at once; use one instance per stream.
+The calls counter counts finished programs: every program adds 1 as it ends (a relaxed atomic,
+which waits for nothing). An instance always launches the same number of programs P, and launches
+of one stream do not overlap, so when a program reads the counter it holds (e-1) * P plus the
+programs of call e that already ended, fewer than P: every program of a launch computes the same
+`e` = counter // P + 1. One op instance must not be used by two streams at once; use one instance
+per stream.
 """
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
+from torch._C._distributed_c10d import _SymmetricMemory
 
 import tridist
 from tridist.runtime.tensors import check_tensor
@@ -22,19 +28,21 @@ from .. import language as dl
 
 
 @triton.jit
+def _programs():
+    return tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+
+
+@triton.jit
 def call_epoch(calls_ptr):
     """This launch's epoch: 1 + the number of earlier launches of this op instance."""
-    return dl.ld(calls_ptr, scope="gpu", semantic="acquire") + 1
+    return dl.ld(calls_ptr, scope="gpu", semantic="relaxed") // _programs() + 1
 
 
 @triton.jit
 def finish_call(calls_ptr):
-    """The last program of a launch to get here counts the launch (every program must call this)."""
-    done_ptr = calls_ptr + 1
-    finished = dl.atomic_add(done_ptr, 1, scope="gpu", semantic="acq_rel")
-    if finished == tl.num_programs(0) * tl.num_programs(1) - 1:
-        dl.st(done_ptr, 0, scope="gpu", semantic="relaxed")
-        dl.atomic_add(calls_ptr, 1, scope="gpu", semantic="release")
+    """Every program calls this last. Relaxed: the next launch starts after this one has ended, and
+    a launch's end makes its writes visible to the next."""
+    dl.atomic_add(calls_ptr, 1, scope="gpu", semantic="relaxed")
 
 
 class Workspace:
@@ -48,7 +56,7 @@ class Workspace:
         self.dtype = dtype
         self.staging = tridist.symm_empty((2, slot_numel), dtype)
         self.flags = tridist.signals(2 * signals_per_slot).view(2, signals_per_slot)
-        self.calls = torch.zeros(2, dtype=torch.int64, device=w.device)
+        self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     def free(self) -> None:
         tridist.symm_free(self.flags.view(-1))
@@ -140,11 +148,114 @@ def row_stride(numel: int) -> int:
 
 
 def splits_for(numel: int, block: int, programs: int) -> int:
-    """Programs per destination: enough for a few blocks each, at most `programs`."""
-    return max(1, min(programs, triton.cdiv(numel, 4 * block)))
+    """Programs per destination: a block or more each, at most `programs`."""
+    return max(1, min(programs, triton.cdiv(numel, block)))
 
 
 def programs_available(world) -> int:
     if world.device.type == "cuda":
         return torch.cuda.get_device_properties(world.device).multi_processor_count
     return 4  # the emulator: a few programs keep the threads busy without slowing tests down
+
+
+def programs_limit(programs: int | None, world) -> int:
+    """The programs an op may launch: `programs` if given (an op's argument), else one per SM."""
+    if programs is None:
+        return programs_available(world)
+    if not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be a positive int (the most blocks a call launches), got {programs!r}")
+    return programs
+
+
+@triton.jit
+def wait_chunks(flags_ptr, arrived, stop, chunk, pointer):
+    """Before reading elements below `stop` of a row that `CopyEnginePush` fills: waits for the
+    flag of the chunk holding element stop - 1 (`flags_ptr` is the row's first flag) unless a chunk
+    at least that far was seen (`arrived`). Returns the last chunk seen and `pointer`, which later
+    loads must be computed from."""
+    last = ((stop - 1) // chunk).to(tl.int32)
+    if last > arrived:
+        token = dl.wait(flags_ptr + last, 1, scope="sys", semantic="acquire", waitValue=1)
+        pointer = dl.consume_token(pointer, token)
+        arrived = last
+    return arrived, pointer
+
+
+def raise_flag(flags: torch.Tensor, index: int) -> None:
+    """flags[index] = 1 (int32 flags, this rank's or a peer's through `peer_tensor`) in stream order,
+    after the copies queued before it, without a kernel: a stream write (cuStreamWriteValue32),
+    which lands after the writes of the copies before it; a 4-byte memset inside a CUDA-graph
+    capture. In the emulator the copies before it are done already, so a store does."""
+    if not flags.is_cuda:
+        flags[index] = 1
+    elif torch.cuda.is_current_stream_capturing():
+        _SymmetricMemory.memset32(flags.view(torch.uint32), offset=index, val=1, count=1)
+    else:
+        _SymmetricMemory.stream_write_value32(flags.view(torch.uint32), index, 1)
+
+
+CE_CHUNK_BYTES = 8 << 20  # per copy-engine transfer: the copy-out of the last chunk is what shows
+
+
+class CopyEnginePush:
+    """Copy-engine transfers into the peers' symmetric staging, with a flag per chunk (one node).
+
+    `staging` has a row per rank, `row` elements apart: rank r's copy engines write its data into
+    row r of every peer's staging, chunk by chunk, and after each chunk set flag (r, chunk) there to
+    1. A kernel on the current stream waits for the flags of the chunks it reads, so it works on
+    early chunks while later ones are still on the wire. No SM takes part in the transfer.
+
+    One stream writes a row's chunks in order, so a flag that is up says every earlier chunk of
+    the row has landed too (`wait_chunks`). Reuse: the owner zeroes its flags after the call's
+    kernels have read them (`join`); the caller queues a barrier across ranks
+    (`barrier_all_on_stream`) at the start of each call, after which every peer's staging has been
+    read and its flags zeroed.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        w = tridist.world()
+        if w.nnodes > 1:
+            raise ValueError(f"copy-engine methods work within one node; this world has {w.nnodes} nodes")
+        self.world = w
+        self.numel = numel
+        self.chunk = row_stride(max(CE_CHUNK_BYTES // dtype.itemsize, 1))
+        self.chunks = triton.cdiv(numel, self.chunk)
+        self.row = row_stride(numel)
+        self.staging = tridist.symm_empty((w.world_size, self.row), dtype)
+        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32)
+        # A stream per peer, so that the copies to different peers run on different copy engines.
+        self.streams = [torch.cuda.Stream(w.device) for _ in range(w.world_size - 1)] \
+            if w.device.type == "cuda" else []
+
+    def push(self, sources) -> None:
+        """Queue, after what the current stream has queued, `sources[p]` (a 1-D tensor of at most
+        `numel` elements, for every peer p) into row `rank` of p's staging, the next peer first."""
+        w = self.world
+        for step in range(1, w.world_size):
+            peer = (w.rank + step) % w.world_size
+            with self._side_stream(step - 1):
+                remote = tridist.peer_tensor(self.staging, peer)[w.rank]
+                remote_flags = tridist.peer_tensor(self.flags, peer)
+                source = sources[peer]
+                for chunk in range(self.chunks):
+                    start, stop = chunk * self.chunk, min((chunk + 1) * self.chunk, source.numel())
+                    if start < stop:
+                        remote[start:stop].copy_(source[start:stop])
+                    raise_flag(remote_flags, w.rank * self.chunks + chunk)
+
+    def join(self) -> None:
+        """The current stream waits for the transfers; then this rank's flags are zeroed for the next call."""
+        for stream in self.streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        self.flags.zero_()
+
+    def _side_stream(self, index: int):
+        if not self.streams:
+            return contextlib.nullcontext()
+        stream = self.streams[index]
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
+
+    def free(self) -> None:
+        tridist.symm_free(self.flags)
+        tridist.symm_free(self.staging)

@@ -11,8 +11,10 @@ Methods
 - "pull": the program (rank, s) stages slice s of this rank's shard and raises flag (rank, s) on
   every rank of the node; program (p, s) waits for rank p's flag (p, s) here and reads that slice
   of p's staging through symm_at. Reads instead of writes over NVLink; on one node.
-- "ce": the copy engines pull every peer's shard (no SMs); on one node. A barrier before the pulls
-  says every shard is staged, one after says every peer has finished reading.
+- "ce": this rank's copy engines write its shard into row `rank` of every peer's staging, chunk by
+  chunk, each chunk followed by its flag (`CopyEnginePush`); a kernel copies each chunk out to
+  `out` as soon as its flag is up. No SM moves data across NVLink; one node. A barrier at the start
+  of each call says every peer has finished with its staging and flags.
 """
 import torch
 import triton
@@ -23,13 +25,14 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice,
-                        row_stride, split_bounds)
+from ._protocol import (CopyEnginePush, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
+                        push_slice, row_stride, split_bounds, wait_chunks)
 
 METHODS = ("auto", "push", "pull", "ll", "ce")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
 DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 BLOCK = 2048
+LL_BLOCK = 1024  # packets per step
 
 
 @jit
@@ -79,33 +82,61 @@ def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
 
 
 @jit
-def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, BLOCK: tl.constexpr):
-    """x and out are viewed as int32 words; program p exchanges packets with rank p. Staging rows
-    are `row` packets apart."""
+def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, SPLITS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """x and out are viewed as int32 words; program (p, s) exchanges slice s of the shards with rank
+    p. Staging rows are `row` packets apart."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     peer = tl.program_id(0)
+    start, stop = split_bounds(n, tl.program_id(1), SPLITS, BLOCK)
     stage = packets_ptr + (epoch % 2) * slot_numel
     offsets = tl.arange(0, BLOCK)
     if peer == me:
-        copy_slice(x_ptr, out_ptr + me * n, 0, n, BLOCK)
+        copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
     else:
         remote = dl.symm_at(stage + me * row, peer)
-        for offset in range(0, n, BLOCK):
-            mask = offset + offsets < n
+        for offset in range(start, stop, BLOCK):
+            mask = offset + offsets < stop
             dl.ll.send(remote + offset + offsets, tl.load(x_ptr + offset + offsets, mask=mask), epoch, mask)
-        for offset in range(0, n, BLOCK):
-            mask = offset + offsets < n
+        for offset in range(start, stop, BLOCK):
+            mask = offset + offsets < stop
             words = dl.ll.recv(stage + peer * row + offset + offsets, epoch, mask)
             tl.store(out_ptr + peer * n + offset + offsets, words, mask=mask)
     finish_call(calls_ptr)
 
 
+@jit
+def all_gather_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, total, row, chunk, chunks,
+                         COPY_OWN: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[p * n:] gets rank p's part (n elements, fewer for the last ranks if `total` is short):
+    from x for this rank (if COPY_OWN), for the others from staging row p as its chunks land.
+    Program (p, s) copies blocks s, s + SPLITS, ... of part p, so all programs of a row work on a
+    chunk as soon as it is there."""
+    me = dl.rank()
+    peer = tl.program_id(0)
+    length = tl.minimum(tl.maximum(total - peer * n, 0), n)
+    offsets = tl.arange(0, BLOCK)
+    source = staging_ptr + peer * row
+    if peer == me:
+        source = x_ptr
+    arrived = tl.cast(-1, tl.int32)
+    if peer != me or COPY_OWN:
+        for block in range(tl.program_id(1), tl.cdiv(length, BLOCK), SPLITS):
+            start = block * BLOCK
+            stop = tl.minimum(start + BLOCK, length)
+            if peer != me:
+                arrived, source = wait_chunks(flags_ptr + peer * chunks, arrived, stop, chunk, source)
+            mask = start + offsets < stop
+            tl.store(out_ptr + peer * n + start + offsets, tl.load(source + start + offsets, mask=mask), mask=mask)
+
+
 class AllGather:
     """An all-gather of `numel` elements of `dtype` per rank, with its own workspace. Reuse one
-    instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream."""
+    instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream.
+    `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto"):
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
         if method not in METHODS:
             raise _protocol.method_error("all_gather", method, METHODS)
         if dtype not in DTYPES:
@@ -119,19 +150,22 @@ class AllGather:
                              "nodes: use method='push'")
         if self.method == "ll" and nbytes % 4:
             raise ValueError("all_gather method 'll' moves 4-byte words: the shard must be a multiple of 4 bytes")
+        per_peer = max(1, _protocol.programs_limit(programs, w) // w.world_size)
         if self.method == "ll":
             self.words = nbytes // 4
+            self.splits = _protocol.splits_for(self.words, LL_BLOCK, per_peer)
             self.row = row_stride(self.words)
             self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
         elif self.method == "pull":
-            self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // w.world_size))
+            self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
             self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
         elif self.method == "push":
-            self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // w.world_size))
+            self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         else:
-            self.staging = tridist.symm_empty((numel,), dtype)
+            self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
+            self.transfer = CopyEnginePush(numel, dtype)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
@@ -143,39 +177,33 @@ class AllGather:
         if out is None:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
+        grid = (w.world_size, self.splits)
         if self.method == "pull":
             ws = self.workspace
-            all_gather_pull_kernel[(w.world_size, self.splits)](x, out, ws.staging, ws.flags, ws.calls, self.numel,
-                                                                ws.slot_numel, SPLITS=self.splits, BLOCK=BLOCK)
+            all_gather_pull_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, ws.slot_numel,
+                                         SPLITS=self.splits, BLOCK=BLOCK)
         elif self.method == "push":
             ws = self.workspace
-            all_gather_push_kernel[(w.world_size, self.splits)](
-                x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
-                SPLITS=self.splits, BLOCK=BLOCK)
+            all_gather_push_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel,
+                                         w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
         elif self.method == "ll":
             ws = self.workspace
-            all_gather_ll_kernel[(w.world_size,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
-                                                  ws.staging, ws.calls, self.words, self.row, ws.slot_numel,
-                                                  BLOCK=1024)
+            all_gather_ll_kernel[grid](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
+                                       ws.calls, self.words, self.row, ws.slot_numel, SPLITS=self.splits,
+                                       BLOCK=LL_BLOCK)
         else:
-            self._copy_engine(x, out)
+            transfer = self.transfer
+            tridist.barrier_all_on_stream()
+            transfer.push([x.view(-1)] * w.world_size)
+            all_gather_ce_kernel[grid](x, out, transfer.staging, transfer.flags, self.numel, out.numel(),
+                                       transfer.row, transfer.chunk, transfer.chunks, COPY_OWN=True,
+                                       SPLITS=self.splits, BLOCK=BLOCK)
+            transfer.join()
         return out
-
-    def _copy_engine(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        w = self.world
-        flat = out.view(w.world_size, -1)
-        source = x.view(-1) if tridist.is_symmetric(x) else self.staging
-        if source is self.staging:
-            self.staging.copy_(x.view(-1))
-        tridist.barrier_all_on_stream()
-        for step in range(w.world_size):
-            peer = (w.rank + step) % w.world_size  # everyone starts with a different peer
-            flat[peer].copy_(x.view(-1) if peer == w.rank else tridist.peer_tensor(source, peer))
-        tridist.barrier_all_on_stream()
 
     def free(self) -> None:
         if self.method == "ce":
-            tridist.symm_free(self.staging)
+            self.transfer.free()
         else:
             self.workspace.free()
 

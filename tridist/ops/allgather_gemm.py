@@ -136,13 +136,13 @@ class AllGatherGEMM:
         programs = gemm.programs_for(w.device)
         slots = 2 if self.comm == "sm" else 1
         self.gathered = tridist.symm_empty((slots * self.m, k), dtype)
-        self.calls = torch.zeros(2, dtype=torch.int64, device=w.device)
+        self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
             self.comm_programs = comm_programs or max(1, programs // 16)
             self.push_tasks = w.local_world_size + 2 * (w.nnodes - 1)
             self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
             self.push_flags = tridist.signals(2 * w.world_size * self.splits)
-            self.push_calls = torch.zeros(2, dtype=torch.int64, device=w.device)
+            self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
             self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
         else:
             self.flags = torch.zeros(w.world_size, dtype=torch.int32, device=w.device)

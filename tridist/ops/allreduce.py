@@ -14,6 +14,11 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
 - "ll" (all_reduce, one node): one-shot in low-latency packets (`dl.ll`): each 4-byte word of x
   travels with the epoch as its flag, so there is no separate signal and no fence; the words are
   summed in rank order, so every rank gets the same bits. For small messages.
+- "ce" (one node): the copy engines move the data (`CopyEnginePush`), so no SM drives NVLink: each
+  rank's copy engines write chunk p of x into row `rank` of rank p's staging, a flag per piece,
+  and a kernel sums the pieces as they land (reduce-scatter). For all_reduce the copy engines
+  then write each rank's reduced chunk into every peer's second staging, and a kernel copies
+  those into `out` as they land. For large messages.
 """
 import torch
 import triton
@@ -24,12 +29,13 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice,
-                        row_stride, split_bounds)
+from ._protocol import (CopyEnginePush, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
+                        push_slice, row_stride, split_bounds, wait_chunks)
+from .allgather import all_gather_ce_kernel
 
 BLOCK = 2048
-REDUCE_SCATTER_METHODS = ("auto", "one_shot")
-ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll")
+REDUCE_SCATTER_METHODS = ("auto", "one_shot", "ce")
+ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll", "ce")
 LL_BLOCK = 1024  # words per step
 
 
@@ -121,6 +127,36 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
     finish_call(calls_ptr)
 
 
+@jit
+def reduce_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, m, row, chunk, chunks, SPLITS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """out[:len] = the sum over ranks r of x_r[rank * m:][:len] (len = this rank's part of n, m per
+    rank): this rank's term from x, rank r's from staging row r, where r's copy engines write it,
+    block by block as r's chunks land (see `CopyEnginePush`). Summed in rank order, in fp32."""
+    me = dl.rank()
+    world = dl.num_ranks()
+    length = tl.minimum(tl.maximum(n - me * m, 0), m)
+    offsets = tl.arange(0, BLOCK)
+    stage = staging_ptr
+    arrived = tl.cast(-1, tl.int32)
+    for block in range(tl.program_id(0), tl.cdiv(length, BLOCK), SPLITS):
+        start = block * BLOCK
+        stop = tl.minimum(start + BLOCK, length)
+        seen = arrived
+        for peer in range(world):
+            if peer != me:  # every peer's stream writes its chunks in the same order
+                seen, stage = wait_chunks(flags_ptr + peer * chunks, arrived, stop, chunk, stage)
+        arrived = seen
+        mask = start + offsets < stop
+        total = tl.zeros([BLOCK], tl.float32)
+        for peer in range(world):
+            if peer == me:
+                total += tl.load(x_ptr + me * m + start + offsets, mask=mask).to(tl.float32)
+            else:
+                total += tl.load(stage + peer * row + start + offsets, mask=mask).to(tl.float32)
+        tl.store(out_ptr + start + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _halves(words, dtype: tl.constexpr):
     """int32 words holding two 16-bit floats -> (low, high) as fp32."""
@@ -172,24 +208,25 @@ def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
     finish_call(calls_ptr)
 
 
-def _splits(numel: int, world) -> int:
-    return _protocol.splits_for(numel, BLOCK, _protocol.programs_available(world))
-
-
 class ReduceScatter:
-    """Sum-reduce-scatter of `numel` (a multiple of world_size) elements of `dtype` per rank."""
+    """Sum-reduce-scatter of `numel` (a multiple of world_size) elements of `dtype` per rank.
+    `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto"):
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
         if method not in REDUCE_SCATTER_METHODS:
             raise _protocol.method_error("reduce_scatter", method, REDUCE_SCATTER_METHODS)
         self.world = w = tridist.world()
         if numel % w.world_size:
             raise ValueError(f"reduce_scatter needs a multiple of world_size={w.world_size} elements, got {numel}")
-        self.numel, self.dtype, self.method = numel, dtype, "one_shot"
+        self.numel, self.dtype = numel, dtype
+        self.method = choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
         self.chunk = numel // w.world_size
-        self.splits = _splits(self.chunk, w)
-        self.row = row_stride(self.chunk)
-        self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+        self.splits = _protocol.splits_for(self.chunk, BLOCK, _protocol.programs_limit(programs, w))
+        if self.method == "ce":
+            self.transfer = CopyEnginePush(self.chunk, dtype)
+        else:
+            self.row = row_stride(self.chunk)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
@@ -201,52 +238,73 @@ class ReduceScatter:
         if out is None:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
+        if self.method == "ce":
+            transfer = self.transfer
+            tridist.barrier_all_on_stream()
+            transfer.push(x.view(w.world_size, -1))
+            reduce_ce_kernel[(self.splits,)](x, out, transfer.staging, transfer.flags, self.numel, self.chunk,
+                                             transfer.row, transfer.chunk, transfer.chunks, SPLITS=self.splits,
+                                             BLOCK=BLOCK)
+            transfer.join()
+            return out
         ws = self.workspace
         reduce_scatter_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row,
                                               ws.slot_numel, w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
         return out
 
     def free(self) -> None:
-        self.workspace.free()
+        if self.method == "ce":
+            self.transfer.free()
+        else:
+            self.workspace.free()
 
 
 class AllReduce:
-    """Sum-all-reduce of `numel` elements of `dtype` per rank."""
+    """Sum-all-reduce of `numel` elements of `dtype` per rank. `programs` caps the programs
+    (blocks, so SMs) a call's kernels run (default: one per SM)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto"):
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
         if method not in ALL_REDUCE_METHODS:
             raise _protocol.method_error("all_reduce", method, ALL_REDUCE_METHODS)
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         self.method = choose_all_reduce(numel * dtype.itemsize, w) if method == "auto" else method
+        limit = _protocol.programs_limit(programs, w)
+        if self.method in ("ll", "ce") and w.nnodes > 1:
+            raise ValueError(f"all_reduce method {self.method!r} works within one node; this world has {w.nnodes} "
+                             "nodes: use method='one_shot' or 'two_shot'")
         if self.method == "ll":
-            if w.nnodes > 1:
-                raise ValueError(f"all_reduce method 'll' works within one node; this world has {w.nnodes} nodes: "
-                                 "use method='one_shot'")
             if numel * dtype.itemsize % 4:
                 raise ValueError("all_reduce method 'll' moves 4-byte words: x must be a multiple of 4 bytes")
             self.words = numel * dtype.itemsize // 4
-            self.splits = _protocol.splits_for(self.words, LL_BLOCK, _protocol.programs_available(w))
+            self.splits = _protocol.splits_for(self.words, LL_BLOCK, limit)
             self.row = row_stride(self.words)
             self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
         elif self.method == "one_shot":
-            self.splits = _splits(numel, w)
+            self.splits = _protocol.splits_for(numel, BLOCK, limit)
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+        elif self.method == "ce":
+            self.chunk = triton.cdiv(numel, w.world_size)
+            self.splits = _protocol.splits_for(self.chunk, BLOCK, max(1, limit // w.world_size))
+            self.scatter = CopyEnginePush(self.chunk, dtype)
+            self.gather = CopyEnginePush(self.chunk, dtype)
         else:
             self.chunk = triton.cdiv(numel, w.world_size)
-            self.splits = _splits(self.chunk, w)
+            self.splits = _protocol.splits_for(self.chunk, BLOCK, limit)
             self.row = row_stride(self.chunk)
             self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.splits)
             self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
                 2, self.chunk * w.world_size, dtype=dtype, device=w.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.world
         _check_same(x, self.numel, self.dtype, "all-reduce")
         if out is None:
             out = torch.empty_like(x)
         check_output(out, tuple(x.shape), x.dtype)
+        if self.method == "ce":
+            self._copy_engines(x, out)
+            return out
         ws = self.workspace
         if self.method == "ll":
             all_reduce_ll_kernel[(self.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
@@ -256,7 +314,7 @@ class AllReduce:
             return out
         if self.method == "one_shot":
             all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
-                                                       ws.slot_numel, w.local_world_size, SPLITS=self.splits,
+                                                       ws.slot_numel, self.world.local_world_size, SPLITS=self.splits,
                                                        BLOCK=BLOCK)
             return out
         source, target = x, out
@@ -264,23 +322,55 @@ class AllReduce:
             self.padded[0, :self.numel].copy_(x.view(-1))
             source, target = self.padded[0], self.padded[1]
         all_reduce_two_shot_kernel[(self.splits,)](source, target, ws.staging, ws.flags, ws.calls, self.chunk,
-                                                   self.row, ws.slot_numel, w.local_world_size, SPLITS=self.splits,
-                                                   BLOCK=BLOCK)
+                                                   self.row, ws.slot_numel, self.world.local_world_size,
+                                                   SPLITS=self.splits, BLOCK=BLOCK)
         if self.padded is not None:
             out.view(-1).copy_(target[:self.numel])
         return out
 
+    def _copy_engines(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """A reduce-scatter, then an all-gather of the reduced parts, both moved by copy engines.
+        In place (out is x) is safe: a peer's reduced part overwrites x only after the peer has
+        received all of this rank's x that it needed."""
+        w, m, n = self.world, self.chunk, self.numel
+        source, target = x.view(-1), out.view(-1)
+        mine = target[min(w.rank * m, n):min((w.rank + 1) * m, n)]
+        tridist.barrier_all_on_stream()
+        self.scatter.push([source[min(p * m, n):min((p + 1) * m, n)] for p in range(w.world_size)])
+        reduce_ce_kernel[(self.splits,)](source, mine, self.scatter.staging, self.scatter.flags, n, m,
+                                         self.scatter.row, self.scatter.chunk, self.scatter.chunks,
+                                         SPLITS=self.splits, BLOCK=BLOCK)
+        self.gather.push([mine] * w.world_size)
+        all_gather_ce_kernel[(w.world_size, self.splits)](target, target, self.gather.staging, self.gather.flags, m, n,
+                                                          self.gather.row, self.gather.chunk, self.gather.chunks,
+                                                          COPY_OWN=False, SPLITS=self.splits, BLOCK=BLOCK)
+        self.scatter.join()
+        self.gather.join()
+
     def free(self) -> None:
-        self.workspace.free()
+        if self.method == "ce":
+            self.scatter.free()
+            self.gather.free()
+        else:
+            self.workspace.free()
 
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def choose_reduce_scatter(nbytes: int, world) -> str:
+    """The copy engines for large messages on one node (no SM moves data, and the sum overlaps the
+    transfer), one-shot otherwise. Crossover not yet measured: 32 MB is a guess."""
+    return "ce" if world.nnodes == 1 and world.world_size > 1 and nbytes >= 32 << 20 else "one_shot"
+
+
 def choose_all_reduce(nbytes: int, world) -> str:
     """One step while latency dominates, two once each rank would receive too many copies: on
     2 x H200, bf16, one-shot wins up to 4 MB and two-shot from 16 MB
-    (benchmarks/results/allreduce-*-2026-11-22.json)."""
+    (benchmarks/results/allreduce-*-2026-11-22.json). The copy-engine two-shot for large messages
+    on one node: crossover not yet measured, 32 MB is a guess."""
+    if world.nnodes == 1 and world.world_size > 1 and nbytes >= 32 << 20:
+        return "ce"
     return "one_shot" if nbytes * (world.world_size - 1) <= 4 << 20 else "two_shot"
 
 
