@@ -133,11 +133,11 @@ def copy_slice(src_ptr, dst_ptr, start, stop, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def split_bounds(n, split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Part `split` [start, stop) of n elements cut in SPLITS parts. Parts are whole BLOCKs, so
+def split_bounds(n, split, splits, BLOCK: tl.constexpr):
+    """Part `split` [start, stop) of n elements cut in `splits` parts. Parts are whole BLOCKs, so
     that Triton can prove their starts aligned and keeps loads and stores vectorised; the last
     parts may be empty (start == stop == n)."""
-    per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+    per_split = tl.cdiv(tl.cdiv(n, splits), BLOCK) * BLOCK
     start = tl.minimum(split * per_split, n)
     return start, tl.minimum(start + per_split, n)
 

@@ -37,28 +37,28 @@ LL_BLOCK = 1024  # packets per step
 
 @jit
 def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
-                           SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                           splits, BLOCK: tl.constexpr):
     """Staging rows are `row` (n rounded up to 64) elements apart."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     peer = tl.program_id(0)
     split = tl.program_id(1)
-    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    start, stop = split_bounds(n, split, splits, BLOCK)
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (tl.num_programs(0) * SPLITS)
+    flags = flags_ptr + (epoch % 2) * (tl.num_programs(0) * splits)
     if peer == me:
         copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
     else:
-        push_slice(x_ptr, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+        push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
                    BLOCK)
-        token = dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        token = dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
         copy_slice(dl.consume_token(stage + peer * row, token), out_ptr + peer * n, start, stop, BLOCK)
         dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
 @jit
-def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, SPLITS: tl.constexpr,
+def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, splits,
                            BLOCK: tl.constexpr):
     """Staging holds this rank's shard, one per slot."""
     epoch = call_epoch(calls_ptr)
@@ -66,30 +66,30 @@ def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
     world = dl.num_ranks()
     peer = tl.program_id(0)
     split = tl.program_id(1)
-    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    start, stop = split_bounds(n, split, splits, BLOCK)
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (world * SPLITS)
+    flags = flags_ptr + (epoch % 2) * (world * splits)
     if peer == me:
         copy_slice(x_ptr, stage, start, stop, BLOCK)
         copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
         for other in range(world):
             if other != me:
-                dl.notify(flags + me * SPLITS + split, other, signal=epoch, sig_op="set")
+                dl.notify(flags + me * splits + split, other, signal=epoch, sig_op="set")
     else:
-        token = dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        token = dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
         copy_slice(dl.consume_token(dl.symm_at(stage, peer), token), out_ptr + peer * n, start, stop, BLOCK)
     finish_call(calls_ptr)
 
 
 @jit
-def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, SPLITS: tl.constexpr,
+def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, splits,
                          BLOCK: tl.constexpr):
     """x and out are viewed as int32 words; program (p, s) exchanges slice s of the shards with rank
     p. Staging rows are `row` packets apart."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     peer = tl.program_id(0)
-    start, stop = split_bounds(n, tl.program_id(1), SPLITS, BLOCK)
+    start, stop = split_bounds(n, tl.program_id(1), splits, BLOCK)
     stage = packets_ptr + (epoch % 2) * slot_numel
     offsets = tl.arange(0, BLOCK)
     if peer == me:
@@ -108,10 +108,10 @@ def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
 
 @jit
 def all_gather_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, total, row, chunk, chunks,
-                         COPY_OWN: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                         COPY_OWN: tl.constexpr, splits, BLOCK: tl.constexpr):
     """out[p * n:] gets rank p's part (n elements, fewer for the last ranks if `total` is short):
     from x for this rank (if COPY_OWN), for the others from staging row p as its chunks land.
-    Program (p, s) copies blocks s, s + SPLITS, ... of part p, so all programs of a row work on a
+    Program (p, s) copies blocks s, s + splits, ... of part p, so all programs of a row work on a
     chunk as soon as it is there."""
     me = dl.rank()
     peer = tl.program_id(0)
@@ -122,7 +122,7 @@ def all_gather_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, total, row, 
         source = x_ptr
     arrived = tl.cast(-1, tl.int32)
     if peer != me or COPY_OWN:
-        for block in range(tl.program_id(1), tl.cdiv(length, BLOCK), SPLITS):
+        for block in range(tl.program_id(1), tl.cdiv(length, BLOCK), splits):
             start = block * BLOCK
             stop = tl.minimum(start + BLOCK, length)
             if peer != me:
@@ -181,15 +181,15 @@ class AllGather:
         if self.method == "pull":
             ws = self.workspace
             all_gather_pull_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, ws.slot_numel,
-                                         SPLITS=self.splits, BLOCK=BLOCK)
+                                         splits=self.splits, BLOCK=BLOCK)
         elif self.method == "push":
             ws = self.workspace
             all_gather_push_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel,
-                                         w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
+                                         w.local_world_size, splits=self.splits, BLOCK=BLOCK)
         elif self.method == "ll":
             ws = self.workspace
             all_gather_ll_kernel[grid](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
-                                       ws.calls, self.words, self.row, ws.slot_numel, SPLITS=self.splits,
+                                       ws.calls, self.words, self.row, ws.slot_numel, splits=self.splits,
                                        BLOCK=LL_BLOCK)
         else:
             transfer = self.transfer
@@ -197,7 +197,7 @@ class AllGather:
             transfer.push([x.view(-1)] * w.world_size)
             all_gather_ce_kernel[grid](x, out, transfer.staging, transfer.flags, self.numel, out.numel(),
                                        transfer.row, transfer.chunk, transfer.chunks, COPY_OWN=True,
-                                       SPLITS=self.splits, BLOCK=BLOCK)
+                                       splits=self.splits, BLOCK=BLOCK)
             transfer.join()
         return out
 

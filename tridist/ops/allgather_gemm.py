@@ -40,7 +40,7 @@ PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so ea
 
 @jit
 def push_shard_kernel(x_ptr, gathered_ptr, flags_ptr, calls_ptr, n, slot_numel, local_world_size,
-                      SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                      splits, BLOCK: tl.constexpr):
     """Spreads this rank's shard (n elements) in the 2D order: across nodes once per node, then
     along each node. With L ranks per node and N nodes, program (task, split) moves slice `split`:
     - task < L: into `gathered` of local rank `task` of this node (this rank included);
@@ -54,17 +54,17 @@ def push_shard_kernel(x_ptr, gathered_ptr, flags_ptr, calls_ptr, n, slot_numel, 
     split = tl.program_id(1)
     slot = epoch % 2
     stage = gathered_ptr + slot * slot_numel
-    flags = flags_ptr + slot * world * SPLITS
-    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    flags = flags_ptr + slot * world * splits
+    start, stop = split_bounds(n, split, splits, BLOCK)
     if task < local_world_size + nodes - 1:
         peer = node * local_world_size + task
         if task >= local_world_size:
             peer = ((node + 1 + task - local_world_size) % nodes) * local_world_size + local
-        push_slice(x_ptr, stage + me * n, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+        push_slice(x_ptr, stage + me * n, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
                    BLOCK)
     else:
         source = ((node + 1 + task - local_world_size - nodes + 1) % nodes) * local_world_size + local
-        flag = flags + source * SPLITS + split
+        flag = flags + source * splits + split
         token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
         received = dl.consume_token(stage + source * n, token)
         for other in range(local_world_size):
@@ -211,7 +211,7 @@ class AllGatherGEMM:
         with self._fork():
             push_shard_kernel[(self.push_tasks, self.splits)](
                 a_shard, self.gathered, self.push_flags, self.push_calls, a_shard.numel(), self.m * self.k,
-                w.local_world_size, SPLITS=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
+                w.local_world_size, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
 
     def free(self) -> None:
         if self.comm == "sm":

@@ -51,50 +51,50 @@ def _sum_rows(stage_ptr, row_stride, rows, out_ptr, start, stop, BLOCK: tl.const
 
 
 @triton.jit
-def _scatter_and_reduce(x_ptr, chunk_ptr, stage, flags, epoch, m, row, local_world_size, SPLITS: tl.constexpr,
+def _scatter_and_reduce(x_ptr, chunk_ptr, stage, flags, epoch, m, row, local_world_size, splits,
                         BLOCK: tl.constexpr):
     """Reduce-scatter phase: row `rank` of every peer p's stage gets this rank's chunk p (slice s);
     then the rows of this rank's stage, chunk `rank`, are summed into `chunk_ptr`."""
     me = dl.rank()
     world = dl.num_ranks()
     split = tl.program_id(0)
-    start, stop = split_bounds(m, split, SPLITS, BLOCK)
+    start, stop = split_bounds(m, split, splits, BLOCK)
     for step in range(world):
         peer = (me + step) % world
-        push_slice(x_ptr + peer * m, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer,
+        push_slice(x_ptr + peer * m, stage + me * row, start, stop, flags + me * splits + split, epoch, peer,
                    local_world_size, BLOCK)
     for peer in range(world):
-        dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
     _sum_rows(stage, row, world, chunk_ptr, start, stop, BLOCK)
 
 
 @jit
 def reduce_scatter_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel, local_world_size,
-                          SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                          splits, BLOCK: tl.constexpr):
     epoch = call_epoch(calls_ptr)
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (dl.num_ranks() * SPLITS)
-    _scatter_and_reduce(x_ptr, out_ptr, stage, flags, epoch, m, row, local_world_size, SPLITS, BLOCK)
+    flags = flags_ptr + (epoch % 2) * (dl.num_ranks() * splits)
+    _scatter_and_reduce(x_ptr, out_ptr, stage, flags, epoch, m, row, local_world_size, splits, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
 @jit
 def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel,
-                               local_world_size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                               local_world_size, splits, BLOCK: tl.constexpr):
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (world * SPLITS)
+    flags = flags_ptr + (epoch % 2) * (world * splits)
     split = tl.program_id(0)
-    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    start, stop = split_bounds(n, split, splits, BLOCK)
     for step in range(world):
         peer = (me + step) % world
-        push_slice(x_ptr, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+        push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
                    BLOCK)
     for peer in range(world):
-        dl.wait(flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
     _sum_rows(stage, row, world, out_ptr, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
@@ -102,33 +102,33 @@ def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
 
 @jit
 def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
-                               local_world_size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                               local_world_size, splits, BLOCK: tl.constexpr):
     """x and out have world_size * m elements (padded by the host). The slot holds world rows
     (`row` apart) for the reduce-scatter, then world rows for the gather of reduced chunks."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (2 * world * SPLITS)
+    flags = flags_ptr + (epoch % 2) * (2 * world * splits)
     gathered = stage + world * row
-    _scatter_and_reduce(x_ptr, gathered + me * row, stage, flags, epoch, m, row, local_world_size, SPLITS, BLOCK)
+    _scatter_and_reduce(x_ptr, gathered + me * row, stage, flags, epoch, m, row, local_world_size, splits, BLOCK)
     split = tl.program_id(0)
-    start, stop = split_bounds(m, split, SPLITS, BLOCK)
-    gather_flags = flags + world * SPLITS
+    start, stop = split_bounds(m, split, splits, BLOCK)
+    gather_flags = flags + world * splits
     for step in range(1, world):
         peer = (me + step) % world
-        push_slice(gathered + me * row, gathered + me * row, start, stop, gather_flags + me * SPLITS + split, epoch,
+        push_slice(gathered + me * row, gathered + me * row, start, stop, gather_flags + me * splits + split, epoch,
                    peer, local_world_size, BLOCK)
     for peer in range(world):
         if peer != me:
-            dl.wait(gather_flags + peer * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+            dl.wait(gather_flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
         copy_slice(gathered + peer * row, out_ptr + peer * m, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
 @jit
-def reduce_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, m, row, chunk, chunks, SPLITS: tl.constexpr,
+def reduce_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, m, row, chunk, chunks, splits,
                      BLOCK: tl.constexpr):
     """out[:len] = the sum over ranks r of x_r[rank * m:][:len] (len = this rank's part of n, m per
     rank): this rank's term from x, rank r's from staging row r, where r's copy engines write it,
@@ -139,7 +139,7 @@ def reduce_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, m, row, chunk, c
     offsets = tl.arange(0, BLOCK)
     stage = staging_ptr
     arrived = tl.cast(-1, tl.int32)
-    for block in range(tl.program_id(0), tl.cdiv(length, BLOCK), SPLITS):
+    for block in range(tl.program_id(0), tl.cdiv(length, BLOCK), splits):
         start = block * BLOCK
         stop = tl.minimum(start + BLOCK, length)
         seen = arrived
@@ -172,7 +172,7 @@ def _bits16(values, dtype: tl.constexpr):
 
 @jit
 def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, DTYPE: tl.constexpr,
-                         SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                         splits, BLOCK: tl.constexpr):
     """x and out are viewed as n int32 words, each one fp32 or two 16-bit floats of DTYPE; program s
     sends its slice of words to row `rank` of every rank's packets (itself included), then sums the
     slice over the rows in rank order."""
@@ -180,7 +180,7 @@ def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
     me = dl.rank()
     world = dl.num_ranks()
     stage = packets_ptr + (epoch % 2) * slot_numel
-    start, stop = split_bounds(n, tl.program_id(0), SPLITS, BLOCK)
+    start, stop = split_bounds(n, tl.program_id(0), splits, BLOCK)
     offsets = tl.arange(0, BLOCK)
     for offset in range(start, stop, BLOCK):
         mask = offset + offsets < stop
@@ -243,13 +243,13 @@ class ReduceScatter:
             tridist.barrier_all_on_stream()
             transfer.push(x.view(w.world_size, -1))
             reduce_ce_kernel[(self.splits,)](x, out, transfer.staging, transfer.flags, self.numel, self.chunk,
-                                             transfer.row, transfer.chunk, transfer.chunks, SPLITS=self.splits,
+                                             transfer.row, transfer.chunk, transfer.chunks, splits=self.splits,
                                              BLOCK=BLOCK)
             transfer.join()
             return out
         ws = self.workspace
         reduce_scatter_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row,
-                                              ws.slot_numel, w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
+                                              ws.slot_numel, w.local_world_size, splits=self.splits, BLOCK=BLOCK)
         return out
 
     def free(self) -> None:
@@ -309,12 +309,12 @@ class AllReduce:
         if self.method == "ll":
             all_reduce_ll_kernel[(self.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
                                                  ws.staging, ws.calls, self.words, self.row, ws.slot_numel,
-                                                 DTYPE=_TRITON_DTYPES[self.dtype], SPLITS=self.splits,
+                                                 DTYPE=_TRITON_DTYPES[self.dtype], splits=self.splits,
                                                  BLOCK=LL_BLOCK)
             return out
         if self.method == "one_shot":
             all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
-                                                       ws.slot_numel, self.world.local_world_size, SPLITS=self.splits,
+                                                       ws.slot_numel, self.world.local_world_size, splits=self.splits,
                                                        BLOCK=BLOCK)
             return out
         source, target = x, out
@@ -323,7 +323,7 @@ class AllReduce:
             source, target = self.padded[0], self.padded[1]
         all_reduce_two_shot_kernel[(self.splits,)](source, target, ws.staging, ws.flags, ws.calls, self.chunk,
                                                    self.row, ws.slot_numel, self.world.local_world_size,
-                                                   SPLITS=self.splits, BLOCK=BLOCK)
+                                                   splits=self.splits, BLOCK=BLOCK)
         if self.padded is not None:
             out.view(-1).copy_(target[:self.numel])
         return out
@@ -339,11 +339,11 @@ class AllReduce:
         self.scatter.push([source[min(p * m, n):min((p + 1) * m, n)] for p in range(w.world_size)])
         reduce_ce_kernel[(self.splits,)](source, mine, self.scatter.staging, self.scatter.flags, n, m,
                                          self.scatter.row, self.scatter.chunk, self.scatter.chunks,
-                                         SPLITS=self.splits, BLOCK=BLOCK)
+                                         splits=self.splits, BLOCK=BLOCK)
         self.gather.push([mine] * w.world_size)
         all_gather_ce_kernel[(w.world_size, self.splits)](target, target, self.gather.staging, self.gather.flags, m, n,
                                                           self.gather.row, self.gather.chunk, self.gather.chunks,
-                                                          COPY_OWN=False, SPLITS=self.splits, BLOCK=BLOCK)
+                                                          COPY_OWN=False, splits=self.splits, BLOCK=BLOCK)
         self.scatter.join()
         self.gather.join()
 
