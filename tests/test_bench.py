@@ -1,11 +1,14 @@
 """The benchmark kernels, checked without timing (the timing needs GPUs), and `sleep_async`."""
+import json
+import os
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tridist
-from tridist.bench import primitives
+from tridist.bench import overlap, primitives, results, torch_fused
 
 
 def _primitives(w):
@@ -39,3 +42,58 @@ def _sleep_async(w):
 
 def test_sleep_async(world):
     world.run(_sleep_async)
+
+
+# `tridist bench torch_fused` needs GPUs to measure anything; on the CPU it must still import (without
+# starting tridist), check its arguments and say why it stops.
+
+def test_torch_fused_arguments():
+    shapes = torch_fused.parse_args([]).shapes  # by default those of ag_gemm and gemm_rs, each once
+    assert set(shapes) == set(overlap.SHAPES["ag_gemm"]) | set(overlap.SHAPES["gemm_rs"])
+    assert len(shapes) == len(set(shapes))
+    args = torch_fused.parse_args(["--shapes", "1024x8192x4096, 64X32X16", "--out", "elsewhere"])
+    assert args.shapes == [(1024, 8192, 4096), (64, 32, 16)] and args.out == "elsewhere"
+
+
+@pytest.mark.parametrize("shapes", ["1024x8192", "8x8x0", "8x8xK", "8x8x8,"])
+def test_torch_fused_refuses_bad_shapes(shapes, capsys):
+    with pytest.raises(SystemExit) as stop:
+        torch_fused.parse_args(["--shapes", shapes])
+    assert stop.value.code == 2 and "three positive integers" in capsys.readouterr().err
+
+
+def test_torch_fused_without_gpus_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    with pytest.raises(SystemExit, match="no CUDA GPUs"):
+        torch_fused.main(["--shapes", "1024x8192x8192"])
+    assert not dist.is_initialized()
+    with pytest.raises(tridist.NotInitializedError):
+        tridist.world()
+
+
+def test_overlap_takes_torch_fused_numbers_of_this_device_today(tmp_path):
+    folder = str(tmp_path)
+    assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16") == ({}, None)
+    rows = [{"shape": "8x8x8", "torch fused ag_gemm us": 10.0, "torch fused gemm_rs us": 20.0},
+            {"shape": "16x8x8", "torch fused gemm_rs us": 40.0}]  # ag_gemm failed at 16x8x8
+    path = results.save("torch_fused", rows, folder, {"world_size": 2, "dtype": "bfloat16"})
+    us, source = overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")
+    assert us == {"8x8x8": 10.0} and "separate process" in source
+    assert overlap._torch_fused_us("gemm_rs", folder, 2, "bfloat16")[0] == {"8x8x8": 20.0, "16x8x8": 40.0}
+    assert overlap._torch_fused_us("gemm_ar", folder, 2, "bfloat16") == ({}, None)
+    # other ranks or another dtype are not comparable
+    assert overlap._torch_fused_us("ag_gemm", folder, 4, "bfloat16") == ({}, None)
+    assert overlap._torch_fused_us("ag_gemm", folder, 2, "float16") == ({}, None)
+    with open(path) as f:
+        saved = json.load(f)
+
+    def write(name: str, ag_gemm_us: float, date: str, seconds_later: int) -> None:
+        with open(tmp_path / name, "w") as f:
+            json.dump({**saved, "date": date, "rows": [{"shape": "8x8x8", "torch fused ag_gemm us": ag_gemm_us}]}, f)
+        when = os.path.getmtime(path) + seconds_later  # explicit: a file system may keep coarse times
+        os.utime(tmp_path / name, (when, when))
+
+    write("torch_fused-again.json", 11.0, saved["date"], 1)  # the newest of this day wins
+    assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")[0] == {"8x8x8": 11.0}
+    write("torch_fused-other-day.json", 1.0, "2000-01-01", 2)  # newer still, but another day's
+    assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")[0] == {"8x8x8": 11.0}

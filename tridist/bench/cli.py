@@ -1,11 +1,15 @@
-"""`tridist bench NAME [options]`: starts the ranks itself when run outside a launcher."""
+"""`tridist bench NAME [options]`: starts the ranks itself when run outside a launcher.
+
+Every benchmark's `main` initialises what it needs itself: `torch_fused` must never start tridist
+(see its module), so nothing here does either."""
 import os
 import sys
 
 BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.bench.collectives",
               "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives",
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
-              "gemm_ar": "tridist.bench.overlap"}
+              "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused"}
+SINGLE = ("primitives", "torch_fused")  # modules with one benchmark: their `main` takes no benchmark name
 
 
 def main(argv: list[str]) -> int:
@@ -25,4 +29,4 @@ def main(argv: list[str]) -> int:
     import importlib
 
     module = importlib.import_module(BENCHMARKS[name])
-    return module.main(rest if name == "primitives" else [name, *rest])
+    return module.main(rest if name in SINGLE else [name, *rest])

@@ -2,6 +2,10 @@
 one step after the other (NCCL + cuBLAS) and against PyTorch's fused symmetric-memory ops, in the
 same run, after checking tridist's result against the sequential one.
 
+PyTorch's fused ops cannot run in this process (they refuse the NVSHMEM backend tridist puts
+PyTorch's symmetric memory on): `tridist bench torch_fused` measures them in a process of its own,
+and the "torch fused us" column here is read from the newest JSON it saved for this device today.
+
 Shapes are (M, N, K) of the whole layer, tensor-parallel over the ranks:
 - ag_gemm: column-parallel; a_shard is M/world x K, b is K x N/world, out M x N/world.
 - gemm_rs, gemm_ar: row-parallel; a is M x K/world, b is K/world x N; out M/world x N (rs) or M x N.
@@ -9,7 +13,7 @@ Shapes are (M, N, K) of the whole layer, tensor-parallel over the ranks:
 The "GEMM alone" column is cuBLAS on the rank's local shape: the floor an overlapped op aims at.
 """
 import argparse
-import sys
+import os
 
 import torch
 import torch.distributed as dist
@@ -18,8 +22,8 @@ import tridist
 from tridist import ops
 from tridist.ops import gemm
 
-from .results import save, table
-from .timing import slowest, time_us
+from .results import latest, save, table
+from .timing import op_us, slowest
 
 SHAPES = {
     "ag_gemm": [(1024, 8192, 8192), (4096, 8192, 8192), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 28672, 8192)],
@@ -27,66 +31,48 @@ SHAPES = {
     "gemm_ar": [(32, 8192, 8192), (128, 8192, 8192), (128, 28672, 8192)],
 }
 SHAPES["gemm"] = SHAPES["ag_gemm"]
-GRAPH_LIMIT_US = 1000.0  # shorter ops are timed again as CUDA-graph replays
+TOLERANCE = 2e-2  # largest |error| / largest |expected| accepted for bf16/fp16 against NCCL + cuBLAS
+TORCH_FUSED = "torch_fused"  # the results name `tridist bench torch_fused` saves under
 
 
-def _shape(spec: str) -> tuple[int, int, int]:
-    m, n, k = (int(v) for v in spec.lower().split("x"))
-    return m, n, k
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'MxNxK,MxNxK' -> [(M, N, K), ...]; an argparse `type`, so a bad list fails with its reason."""
+    shapes = []
+    for spec in text.split(","):
+        parts = spec.strip().lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"shape {spec.strip()!r}: write M x N x K as three positive integers, "
+                                             "e.g. 8192x8192x8192")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
 
 
-def _time(fn) -> float:
-    """Slowest rank's median; quick ops again inside a CUDA graph, where launches cost nothing."""
-    us = slowest(time_us(fn, inner=5, repetitions=10, warmup=3))
-    if us < GRAPH_LIMIT_US:
-        us = slowest(time_us(fn, inner=20, repetitions=15, warmup=3, graph=True))
-    return us
-
-
-def _torch_fused(name: str, a, b):
-    """PyTorch's fused symmetric-memory op for `name`, or None where it cannot run here."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    group = dist.group.WORLD.group_name
-    try:
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group)
-        if name == "ag_gemm":
-            fn = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group)  # noqa: E731
-        elif name == "gemm_rs":
-            fn = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group)  # noqa: E731
-        else:
-            return None
-        fn()
-        torch.cuda.synchronize()
-        return fn
-    except Exception as error:  # noqa: BLE001 - reported as a missing column, not a failure
-        print(f"(PyTorch fused {name} unavailable: {type(error).__name__}: {error})", file=sys.stderr)
-        return None
-
-
-def _operands(name: str, m: int, n: int, k: int, dtype):
-    w = tridist.world()
-    p = w.world_size
+def operands(name: str, m: int, n: int, k: int, dtype, world_size: int, device):
+    """This rank's inputs for layer shape (M, N, K) split over `world_size` ranks (see the top)."""
+    split = {"ag_gemm": "MN", "gemm": "MN", "gemm_rs": "MK", "gemm_ar": "K"}[name]
+    if any(dict(zip("MNK", (m, n, k)))[size] % world_size for size in split):
+        raise ValueError(f"{name} {m}x{n}x{k}: {' and '.join(split)} must be divisible by the {world_size} ranks")
+    p = world_size
     if name in ("ag_gemm", "gemm"):
-        a = torch.randn(m // p, k, device=w.device).to(dtype)
-        b = torch.randn(k, n // p, device=w.device).to(dtype)
+        a = torch.randn(m // p, k, device=device).to(dtype)
+        b = torch.randn(k, n // p, device=device).to(dtype)
     else:
-        a = torch.randn(m, k // p, device=w.device).to(dtype)
-        b = torch.randn(k // p, n, device=w.device).to(dtype)
+        a = torch.randn(m, k // p, device=device).to(dtype)
+        b = torch.randn(k // p, n, device=device).to(dtype)
     return a / k ** 0.25, b / k ** 0.25  # sums of K products stay near 1
 
 
-def _sequential(name: str, a, b):
-    w = tridist.world()
+def sequential(name: str, a, b):
+    """The same op as NCCL and cuBLAS one after the other: the reference and the baseline."""
+    world_size = dist.get_world_size()
     if name == "ag_gemm":
-        gathered = torch.empty(a.shape[0] * w.world_size, a.shape[1], dtype=a.dtype, device=a.device)
+        gathered = torch.empty(a.shape[0] * world_size, a.shape[1], dtype=a.dtype, device=a.device)
 
         def run():
             dist.all_gather_into_tensor(gathered, a)
             return gathered @ b
     elif name == "gemm_rs":
-        out = torch.empty(a.shape[0] // w.world_size, b.shape[1], dtype=a.dtype, device=a.device)
+        out = torch.empty(a.shape[0] // world_size, b.shape[1], dtype=a.dtype, device=a.device)
 
         def run():
             dist.reduce_scatter_tensor(out, a @ b)
@@ -104,36 +90,41 @@ def _local_gemm_us(name: str, a, b, config: dict | None = None) -> float:
     if name == "ag_gemm":
         a = torch.randn(a.shape[0] * tridist.world().world_size, a.shape[1], device=a.device).to(a.dtype)
     if config is None:
-        return _time(lambda: a @ b)
+        return op_us(lambda: a @ b)
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    return _time(lambda: gemm.matmul(a, b, out=out, config=config))
+    return op_us(lambda: gemm.matmul(a, b, out=out, config=config))
+
+
+def check(name: str, result, a, b, expected) -> None:
+    """Raises on every rank when any rank's `result` is further than TOLERANCE from `expected`."""
+    error = slowest(((result.float() - expected).abs().max() / expected.abs().max()).item())
+    if error > TOLERANCE:
+        raise AssertionError(f"{name} {tuple(a.shape)} x {tuple(b.shape)}: relative error {error:.2e} against "
+                             "NCCL + cuBLAS")
 
 
 def _checked(name: str, op, a, b, expected) -> float:
     """Microseconds per call of `op`, once its result matches `expected`."""
-    result = op(a, b)
-    torch.cuda.synchronize()
-    error = slowest(((result.float() - expected).abs().max() / expected.abs().max()).item())
-    if error > 2e-2:
-        raise AssertionError(f"{name} {tuple(a.shape)} x {tuple(b.shape)}: relative error {error:.2e} against "
-                             "NCCL + cuBLAS")
-    return _time(lambda: op(a, b))
+    check(name, op(a, b), a, b, expected)
+    return op_us(lambda: op(a, b))
 
 
-def run_overlap(name: str, shapes, dtype, config) -> list[dict]:
+def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None) -> list[dict]:
     """Each shape: tridist (for ag_gemm with copy-engine and with SM communication), the
-    sequential NCCL + cuBLAS, PyTorch fused where it runs, and the local GEMMs alone."""
+    sequential NCCL + cuBLAS, PyTorch fused where `torch_fused` (shape -> us) has it, and the
+    local GEMMs alone."""
     w = tridist.world()
+    torch_fused = torch_fused or {}
     rows = []
     for m, n, k in shapes:
-        a, b = _operands(name, m, n, k, dtype)
+        a, b = operands(name, m, n, k, dtype, w.world_size, w.device)
         sizes = (a.shape[0], a.shape[1], b.shape[1], dtype)
         variants = {"ag_gemm": {"": lambda: ops.AllGatherGEMM(*sizes, comm="ce", config=config),
                                 " sm": lambda: ops.AllGatherGEMM(*sizes, comm="sm", config=config)},
                     "gemm_rs": {"": lambda: ops.GemmReduceScatter(*sizes, config=config)},
                     "gemm_ar": {"": lambda: ops.GemmAllReduce(*sizes, config=config)}}[name]
-        sequential = _sequential(name, a, b)
-        expected = sequential().float()
+        baseline = sequential(name, a, b)
+        expected = baseline().float()
         row = {"shape": f"{m}x{n}x{k}"}
         for suffix, build in variants.items():
             op = build()
@@ -144,14 +135,13 @@ def run_overlap(name: str, shapes, dtype, config) -> list[dict]:
                 row["tridist in place us"] = _checked(name, op, op.input_buffer(), b, expected)
             tridist.barrier_all()
             op.free()
-        row["sequential us"] = _time(sequential)
-        fused = _torch_fused(name, a, b)
-        if fused is not None:
-            row["torch fused us"] = _time(fused)
+        row["sequential us"] = op_us(baseline)
+        if row["shape"] in torch_fused:
+            row["torch fused us"] = torch_fused[row["shape"]]
         row["GEMM alone us"] = _local_gemm_us(name, a, b)
         row["tridist GEMM alone us"] = _local_gemm_us(name, a, b, _config_of(row["config"]))
         row["vs sequential"] = row["sequential us"] / row["tridist us"]
-        if fused is not None:
+        if "torch fused us" in row:
             row["vs torch fused"] = row["torch fused us"] / row["tridist us"]
         row["/ GEMM alone"] = row["tridist us"] / row["GEMM alone us"]
         if "tridist in place us" in row:
@@ -161,6 +151,27 @@ def run_overlap(name: str, shapes, dtype, config) -> list[dict]:
             print(f"  {name} {row['shape']}: {row['tridist us']:.1f} us, sequential {row['sequential us']:.1f} us",
                   flush=True)
     return rows
+
+
+def torch_fused_column(name: str) -> str:
+    """The column of `tridist bench torch_fused`'s JSON that holds PyTorch's fused op for `name`."""
+    return f"torch fused {name} us"
+
+
+def _torch_fused_us(name: str, folder: str, world_size: int, dtype: str) -> tuple[dict, str | None]:
+    """PyTorch's fused op for `name`, microseconds per shape, from the newest torch_fused JSON of
+    this device today on as many ranks in `dtype`, and a sentence saying where they come from."""
+    if name not in ("ag_gemm", "gemm_rs"):
+        return {}, None
+    found = latest(TORCH_FUSED, folder, world_size=world_size, dtype=dtype)
+    if found is None:
+        return {}, None
+    path, data = found
+    column = torch_fused_column(name)
+    us = {row["shape"]: row[column] for row in data["rows"] if row.get(column) is not None}
+    return us, (f"from {os.path.basename(path)}: measured by tridist.bench.torch_fused in a separate process of "
+                "the same run (same device and day; that process never starts tridist, so PyTorch's symmetric "
+                "memory stays on its CUDA backend)")
 
 
 def _config_name(config: dict) -> str:
@@ -180,14 +191,14 @@ def run_gemm(shapes, dtype) -> list[dict]:
         a = torch.randn(m, k, device=w.device).to(dtype)
         b = torch.randn(k, n // w.world_size, device=w.device).to(dtype)
         flops = 2 * m * k * b.shape[1]
-        cublas_us = _time(lambda: a @ b)
+        cublas_us = op_us(lambda: a @ b)
         expected = (a @ b).float()
         for config in gemm.configs(w.device):
             out = gemm.matmul(a, b, config=config)
             error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
-            if error > 2e-2:
+            if error > TOLERANCE:
                 raise AssertionError(f"matmul {m}x{b.shape[1]}x{k} {config}: relative error {error:.2e}")
-            us = _time(lambda: gemm.matmul(a, b, out=out, config=config))
+            us = op_us(lambda: gemm.matmul(a, b, out=out, config=config))
             rows.append({"shape": f"{m}x{b.shape[1]}x{k}", "config": _config_name(config), "tridist us": us,
                          "cuBLAS us": cublas_us, "TFLOP/s": flops / us / 1e6, "vs cuBLAS": cublas_us / us})
             if w.rank == 0:
@@ -223,21 +234,30 @@ def plot(name: str, rows: list[dict], path: str, world_size: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tridist bench <gemm|ag_gemm|gemm_rs|gemm_ar>")
     parser.add_argument("op", choices=list(SHAPES))
-    parser.add_argument("--shapes", default=None, help="MxNxK of the whole layer, comma separated")
+    parser.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK of the whole layer, comma separated")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--tune", action="store_true", help="tune each op's GEMM config first (tridist.tune)")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results")
+    parser.add_argument("--out", default="benchmarks/results",
+                        help="folder for JSON results (and where `tridist bench torch_fused` left its own)")
     args = parser.parse_args(argv)
     w = tridist.init()
     if w.backend != "nvshmem":
         raise SystemExit("the GEMM benchmarks time GPUs against cuBLAS and NCCL; run them on a GPU box")
-    shapes = [_shape(s) for s in args.shapes.split(",")] if args.shapes else SHAPES[args.op]
+    shapes = args.shapes or SHAPES[args.op]
     dtype = getattr(torch, args.dtype)
     config = "tune" if args.tune else None
-    rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype, config)
+    torch_fused, source = _torch_fused_us(args.op, args.out, w.world_size, args.dtype)
+    rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype, config, torch_fused)
     if w.rank == 0:
         print(table(rows, list(rows[0]) if args.op == "gemm" else _columns(rows)))
-        path = save(args.op, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype, "tuned": args.tune})
+        extra = {"world_size": w.world_size, "dtype": args.dtype, "tuned": args.tune}
+        if source:
+            extra["torch fused us"] = source
+            print(f"torch fused us: {source}")
+        elif args.op in ("ag_gemm", "gemm_rs"):
+            print(f"(no {TORCH_FUSED} results of {w.world_size} ranks in {args.dtype} for this device today in "
+                  f"{args.out}: run `tridist bench torch_fused` first for the 'torch fused us' column)")
+        path = save(args.op, rows, args.out, extra)
         plot(args.op, rows, path.replace(".json", ".png"), w.world_size)
         print(f"saved {path}")
     tridist.finalize()

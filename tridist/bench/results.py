@@ -1,5 +1,6 @@
 """Benchmark results: printed as a table, saved as JSON with the device, the date and the versions."""
 import datetime
+import glob
 import json
 import os
 import platform
@@ -36,3 +37,24 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
     with open(path, "w") as f:
         json.dump({"benchmark": name, **env, **(extra or {}), "rows": rows}, f, indent=1)
     return path
+
+
+def latest(name: str, folder: str, **fields) -> tuple[str, dict] | None:
+    """(path, contents) of the newest JSON that `save(name, ...)` left in `folder` on this device
+    today with these `fields` (e.g. world_size=2), or None: numbers measured elsewhere, another day
+    or on other ranks are not comparable with this run's."""
+    env = environment()
+    wanted = {"benchmark": name, "date": env["date"], "device": env.get("device"), "gpus": env.get("gpus"), **fields}
+    found = []
+    for path in glob.glob(os.path.join(folder, f"{name}-*.json")):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue  # a file being written, or not ours: not a result to compare with
+        if all(data.get(key) == value for key, value in wanted.items()):
+            found.append((os.path.getmtime(path), path, data))
+    if not found:
+        return None
+    _, path, data = max(found, key=lambda entry: entry[0])
+    return path, data
