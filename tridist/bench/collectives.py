@@ -19,9 +19,12 @@ from .results import save, table
 from .timing import slowest, time_us
 
 OPS = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}
-METHODS = {"allgather": ("push", "pull", "ll", "ce"), "reducescatter": ("one_shot",),
-           "allreduce": ("one_shot", "two_shot", "ll")}
-LL_ALL_REDUCE_LIMIT = 1 << 20  # its packets take 4x the message per rank and peer: small messages only
+CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
+METHODS = {"allgather": ("auto", "push", "pull", "ll", "ce"), "reducescatter": ("auto", "one_shot", "ce"),
+           "allreduce": ("auto", "one_shot", "two_shot", "ll", "ce")}
+# Sizes each method is timed at: LL packets double the bytes on the wire (small messages only); the
+# copy-engine methods pay a barrier and a copy launch per chunk (large messages only).
+LIMITS = {"ll": (0, 1 << 20), "ce": (1 << 20, 1 << 62)}
 GRAPH_LIMIT = 1 << 20
 
 
@@ -63,11 +66,14 @@ def _symm_mem_all_reduce(x):
         return None
 
 
-def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype) -> list[dict]:
+def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, programs: list):
+    """One row per size: NCCL, each method at each programs cap (None: the op's default), PyTorch;
+    and the methods that gave a wrong result (left out of the rows)."""
     w = tridist.world()
     n = w.world_size
     rows = []
     torch_symm = None
+    failures = []
     for nbytes in sizes:
         numel = nbytes // dtype.itemsize
         if name == "allgather":
@@ -87,36 +93,56 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype) -> 
         row["NCCL us"] = nccl_us
         best = None
         for method in methods:
-            if name == "allreduce" and method == "ll" and nbytes > LL_ALL_REDUCE_LIMIT:
+            low, high = LIMITS.get(method, (0, 1 << 62))
+            if not low <= nbytes <= high:
                 continue
-            op = getattr(ops, {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}[
-                name])(x.numel(), dtype, method)
-            result = torch.full_like(out, float("nan"))
-            op(x, result)
-            torch.cuda.synchronize()
-            if name == "allgather":
-                ok = torch.equal(result, reference)
-            else:
-                ok = torch.allclose(result.float(), reference.float(), rtol=2e-2, atol=2e-2)
-            if not slowest(0.0 if ok else 1.0) == 0.0:
-                raise AssertionError(f"{name} {method} gave a wrong result at {nbytes} bytes")
-            us = slowest(time_us(lambda: op(x, result), graph=graph))
-            row[f"{method} us"] = us
-            best = us if best is None else min(best, us)
-            op.free()
+            for cap in programs:
+                result = torch.full_like(out, float("nan"))
+                try:
+                    op = getattr(ops, CLASSES[name])(x.numel(), dtype, method, programs=cap)
+                    op(x, result)
+                    torch.cuda.synchronize()
+                except Exception as error:  # noqa: BLE001 - one broken method must not hide the others' numbers
+                    print(f"FAILED: {name} {method} (programs={cap}) at {nbytes} bytes: {error}", file=sys.stderr)
+                    failures.append(f"{method}/{cap}@{nbytes}")
+                    continue
+                if name == "allgather":
+                    ok = torch.equal(result, reference)
+                else:
+                    ok = torch.allclose(result.float(), reference.float(), rtol=2e-2, atol=2e-2)
+                if slowest(0.0 if ok else 1.0) != 0.0:
+                    # Reported and left out of the table; the other methods still run.
+                    print(f"WRONG RESULT: {name} {method} (programs={cap}) at {nbytes} bytes", file=sys.stderr)
+                    failures.append(f"{method}/{cap}@{nbytes}")
+                    op.free()
+                    continue
+                us = slowest(time_us(lambda: op(x, result), graph=graph))
+                row[column(method, cap)] = us
+                if method == "auto":
+                    row["auto picks"] = op.method
+                else:
+                    best = us if best is None else min(best, us)
+                op.free()
         if name == "allreduce" and nbytes <= 16 << 20:
             torch_symm = _symm_mem_all_reduce(x)
             for label, fn in (torch_symm or {}).items():
                 row[f"{label} us"] = slowest(time_us(fn, graph=graph))
         factor = 2 if name == "allreduce" else 1
-        row["best us"] = best
-        row["speedup vs NCCL"] = nccl_us / best
-        row["busbw GB/s"] = factor * nbytes * (n - 1) / n / best / 1e3
         row["NCCL busbw GB/s"] = factor * nbytes * (n - 1) / n / nccl_us / 1e3
+        if "auto us" in row:
+            row["auto vs NCCL"] = nccl_us / row["auto us"]
+        if best is not None:
+            row["best us"] = best
+            row["speedup vs NCCL"] = nccl_us / best
+            row["busbw GB/s"] = factor * nbytes * (n - 1) / n / best / 1e3
         rows.append(row)
         if w.rank == 0:
-            print(f"  {name} {nbytes} bytes: best {best:.2f} us, NCCL {nccl_us:.2f} us", flush=True)
-    return rows
+            print(f"  {name} {nbytes} bytes: best {best} us, NCCL {nccl_us:.2f} us", flush=True)
+    return rows, failures
+
+
+def column(method: str, programs) -> str:
+    return f"{method} us" if programs is None else f"{method}/{programs} us"
 
 
 def plot(name: str, rows: list[dict], path: str) -> None:
@@ -147,23 +173,33 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="4K..256M", help="'4K..256M' (powers of 4) or a list '4K,1M'")
     parser.add_argument("--method", default=None, help="one method (default: all of them)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--programs", default="default",
+                        help="programs caps to time each method at, e.g. 'default,16,64' (default: the op's own)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON and PNG results")
     args = parser.parse_args(argv)
+    try:
+        programs = [None if p == "default" else int(p) for p in args.programs.split(",")]
+    except ValueError:
+        parser.error(f"--programs takes 'default' and positive ints separated by commas, got {args.programs!r}")
     w = tridist.init()
     if w.backend != "nvshmem":
         raise SystemExit("the collective benchmarks time GPUs against NCCL; run them on a GPU box")
     methods = [args.method] if args.method else list(METHODS[args.op])
-    rows = run(args.op, sizes_between(args.sizes), methods, getattr(torch, args.dtype))
+    rows, failures = run(args.op, sizes_between(args.sizes), methods, getattr(torch, args.dtype), programs)
     if w.rank == 0:
-        columns = ["bytes", "NCCL us", *[f"{m} us" for m in methods]]
-        columns += [c for c in rows[0] if c.startswith("torch")]
-        columns += ["speedup vs NCCL", "busbw GB/s", "NCCL busbw GB/s"]
+        columns = ["bytes", "NCCL us", *[column(m, p) for m in methods for p in programs]]
+        columns += sorted({c for r in rows for c in r if c.startswith("torch")})
+        columns += ["auto picks", "auto vs NCCL", "speedup vs NCCL", "busbw GB/s", "NCCL busbw GB/s"]
         print(table(rows, columns))
-        path = save(args.op, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype})
+        name = args.op if programs == [None] else f"{args.op}-programs"  # a sweep does not replace the main table
+        path = save(name, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype,
+                                           "programs": args.programs})
         plot(args.op, rows, path.replace(".json", ".png"))
         print(f"saved {path}")
+        if failures:
+            print(f"{args.op}: WRONG RESULTS (left out of the table): {', '.join(failures)}", file=sys.stderr)
     tridist.finalize()
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
