@@ -131,6 +131,23 @@ def test_all_reduce_in_place(world, method):
     world.run(_all_reduce, method=method, dtype=torch.float32, numel=64, calls=2, in_place=True)
 
 
+def _reuse_after_free(w):
+    """An op built where a freed one lived must not take the packets that one left for its own."""
+    n = 256
+    for round_ in range(3):  # each round's op lives where the last one did, and calls with its epochs
+        op = ops.AllReduce(n, torch.float32, "ll")
+        x = torch.full((n,), float(round_ * 10 + w.rank), device=w.device)
+        expected = torch.full((n,), float(sum(round_ * 10 + r for r in range(w.world_size))))
+        assert torch.equal(op(x).cpu(), expected), f"round {round_}"
+        tridist.barrier_all()
+        op.free()
+
+
+def test_reuse_after_free(world):
+    if world.nnodes is None:
+        world.run(_reuse_after_free)
+
+
 def _bad_input(w):
     x = torch.zeros(8, device=w.device)
     with pytest.raises(ValueError, match="dtype"):

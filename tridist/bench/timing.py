@@ -1,7 +1,10 @@
 """Timing across ranks: CUDA events, warm-up, many repetitions, the median, the slowest rank.
 
-Every repetition starts from a host barrier so that all ranks launch together; small operations are
-captured `inner` times in a CUDA graph so that launch overhead is not what gets measured.
+Every repetition starts from a host barrier and then a one-element NCCL all-reduce queued just
+before the start event, so that the GPUs, not only the hosts, start together: a rank whose host
+launched late would otherwise make its peers' first call wait, and that wait would be counted (it
+moved small-message figures by up to 1.5 us between runs). Small operations are captured `inner`
+times in a CUDA graph so that launch overhead is not what gets measured.
 
 Only torch.distributed is used here, never tridist's runtime: `tridist.bench.torch_fused` times
 PyTorch's fused ops with these same functions in a process where tridist is never initialised.
@@ -56,10 +59,12 @@ def op_us(fn) -> float:
 
 
 def _start_together() -> None:
-    """Returns once this rank's queued GPU work has finished and every rank has got here."""
+    """Returns once this rank's queued GPU work has finished and every rank has got here, with an
+    all-reduce queued that every GPU leaves at about the same time."""
     torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
+        dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
 
 
 def slowest(value: float) -> float:

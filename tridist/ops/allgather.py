@@ -210,11 +210,11 @@ class AllGather:
 
 def choose_method(total_bytes: int, world) -> str:
     """Crossovers measured on 2 x H200, bf16 (benchmarks/results/allgather-*-2026-11-22.json): LL
-    packets are fastest up to 16 KB (4.2 us at 4 KB), SM push from 64 KB to 16 MB, the copy
-    engines from 64 MB. Across nodes only push moves data."""
+    packets were fastest up to 1 MB (3.96 us at 4 KB, 7.84 us at 1 MB), SM push from 4 MB to 16 MB,
+    the copy engines at 256 MB. Across nodes only push moves data."""
     if world.nnodes > 1:
         return "push"
-    if total_bytes <= 16 << 10:
+    if total_bytes <= 1 << 20:
         return "ll"
     if total_bytes <= 32 << 20:
         return "push"

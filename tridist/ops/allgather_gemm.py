@@ -24,7 +24,6 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-from torch._C._distributed_c10d import _SymmetricMemory
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tridist
@@ -204,7 +203,7 @@ class AllGatherGEMM:
                 shard = (w.rank + step) % w.world_size
                 rows = slice(shard * self.m_shard, (shard + 1) * self.m_shard)
                 self.gathered[rows].copy_(tridist.peer_tensor(self.gathered, shard)[rows])
-                _raise_flag(self.flags, shard)
+                _protocol.raise_flag(self.flags, shard)
 
     def _push_shard(self, a_shard: torch.Tensor) -> None:
         w = self.world
@@ -217,18 +216,6 @@ class AllGatherGEMM:
         if self.comm == "sm":
             tridist.symm_free(self.push_flags)
         tridist.symm_free(self.gathered)
-
-
-def _raise_flag(flags: torch.Tensor, index: int) -> None:
-    """flags[index] = 1 in stream order, after the copies queued before it, without a kernel: the
-    GEMM holds every SM while it waits for this flag. A stream write (cuStreamWriteValue32) where
-    it can be; a 4-byte memset inside a CUDA-graph capture."""
-    if not flags.is_cuda:
-        flags[index] = 1
-    elif torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(flags.view(torch.uint32), offset=index, val=1, count=1)
-    else:
-        _SymmetricMemory.stream_write_value32(flags.view(torch.uint32), index, 1)
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",

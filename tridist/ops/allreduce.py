@@ -12,8 +12,8 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
   every peer (flags in the second half of the slot's signals). Each rank receives 2 (n-1)/n of the
   data instead of (n-1) x: best for large messages.
 - "ll" (all_reduce, one node): one-shot in low-latency packets (`dl.ll`): each 4-byte word of x
-  travels with the epoch as its flag, so there is no separate signal and no fence; the words are
-  summed in rank order, so every rank gets the same bits. For small messages.
+  travels to every peer with the epoch as its flag, so there is no separate signal and no fence;
+  the words are summed in rank order, so every rank gets the same bits. For small messages.
 - "ce" (one node): the copy engines move the data (`CopyEnginePush`), so no SM drives NVLink: each
   rank's copy engines write chunk p of x into row `rank` of rank p's staging, a flag per piece,
   and a kernel sums the pieces as they land (reduce-scatter). For all_reduce the copy engines
@@ -174,26 +174,28 @@ def _bits16(values, dtype: tl.constexpr):
 def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, DTYPE: tl.constexpr,
                          splits, BLOCK: tl.constexpr):
     """x and out are viewed as n int32 words, each one fp32 or two 16-bit floats of DTYPE; program s
-    sends its slice of words to row `rank` of every rank's packets (itself included), then sums the
-    slice over the rows in rank order."""
+    sends its slice of words to row `rank` of every peer's packets, then sums the slice over the
+    ranks in rank order (its own words straight from x), so every rank gets the same bits."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     stage = packets_ptr + (epoch % 2) * slot_numel
     start, stop = split_bounds(n, tl.program_id(0), splits, BLOCK)
     offsets = tl.arange(0, BLOCK)
+    for step in range(1, world):
+        remote = dl.symm_at(stage + me * row, (me + step) % world)
+        for offset in range(start, stop, BLOCK):
+            mask = offset + offsets < stop
+            dl.ll.send(remote + offset + offsets, tl.load(x_ptr + offset + offsets, mask=mask), epoch, mask)
     for offset in range(start, stop, BLOCK):
         mask = offset + offsets < stop
-        words = tl.load(x_ptr + offset + offsets, mask=mask)
-        for step in range(world):
-            peer = (me + step) % world
-            dl.ll.send(dl.symm_at(stage + me * row, peer) + offset + offsets, words, epoch, mask)
-    for offset in range(start, stop, BLOCK):
-        mask = offset + offsets < stop
+        own = tl.load(x_ptr + offset + offsets, mask=mask)
         low = tl.zeros([BLOCK], tl.float32)
         high = tl.zeros([BLOCK], tl.float32)
         for peer in range(world):
-            words = dl.ll.recv(stage + peer * row + offset + offsets, epoch, mask)
+            words = own
+            if peer != me:
+                words = dl.ll.recv(stage + peer * row + offset + offsets, epoch, mask)
             if DTYPE == tl.float32:
                 low += tl.cast(words, tl.float32, bitcast=True)
             else:
@@ -359,19 +361,26 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:
-    """The copy engines for large messages on one node (no SM moves data, and the sum overlaps the
-    transfer), one-shot otherwise. Crossover not yet measured: 32 MB is a guess."""
-    return "ce" if world.nnodes == 1 and world.world_size > 1 and nbytes >= 32 << 20 else "one_shot"
+    """One-shot while latency dominates; from 16 MB on one node the copy engines, which move the
+    data without SMs while the sum of the chunks that have landed goes on. On 2 x H200, bf16,
+    one-shot beat NCCL from 16 KB to 4 MB and lost to it from 16 MB
+    (benchmarks/results/reducescatter-*-2026-11-22.json)."""
+    if world.nnodes == 1 and world.world_size > 1 and nbytes >= 16 << 20:
+        return "ce"
+    return "one_shot"
 
 
 def choose_all_reduce(nbytes: int, world) -> str:
-    """One step while latency dominates, two once each rank would receive too many copies: on
-    2 x H200, bf16, one-shot wins up to 4 MB and two-shot from 16 MB
-    (benchmarks/results/allreduce-*-2026-11-22.json). The copy-engine two-shot for large messages
-    on one node: crossover not yet measured, 32 MB is a guess."""
-    if world.nnodes == 1 and world.world_size > 1 and nbytes >= 32 << 20:
-        return "ce"
-    return "one_shot" if nbytes * (world.world_size - 1) <= 4 << 20 else "two_shot"
+    """By what each rank sends: LL packets (twice the bytes, no signal round trip) up to 1 MB, one
+    shot up to 4 MB, then two shots, on the copy engines on one node. On 2 x H200, bf16: LL was
+    fastest up to 1 MB (6.4-11.6 us), one-shot at 4 MB, the SM two-shot lost to NCCL from 16 MB
+    (benchmarks/results/allreduce-*-2026-11-22.json)."""
+    sent = nbytes * (world.world_size - 1)
+    if world.nnodes == 1 and sent <= 1 << 20:
+        return "ll"
+    if sent <= 4 << 20:
+        return "one_shot"
+    return "ce" if world.nnodes == 1 else "two_shot"
 
 
 def _check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> None:
