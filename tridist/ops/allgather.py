@@ -13,6 +13,19 @@ Methods
   of p's staging through symm_at. Reads instead of writes over NVLink; on one node.
 - "ce": the copy engines pull every peer's shard (no SMs); on one node. A barrier before the pulls
   says every shard is staged, one after says every peer has finished reading.
+- "2d" (for several nodes): each shard crosses to every other node once. The rank puts its shard
+  (with the signal attached) to the rank with its local index on every other node, and stores it
+  into the staging of every rank of its own node; a rank forwards each shard it received from
+  another node to the other ranks of its node once that shard's flag has arrived. Flag (p, s) on a
+  rank says slice s of rank p's shard is in its staging, raised once per call by whoever wrote
+  it; copy-out programs wait for it and copy the row into `out`. On one node this is "push" with
+  the pushes and copy-outs in separate programs. `ag_gemm` (comm="sm") runs the same kernel's
+  spreading programs only: its GEMM reads the staging itself.
+- "ring": program s passes slice s around the ring: it pushes its own slice to rank+1, then
+  world-1 times waits for the slice of the next source along the ring (rank-1, rank-2, ...) under
+  flag (source, s), forwards it to rank+1 (unless rank+1 is that source) and copies it to `out`.
+  Each rank sends and receives (n-1)/n of the output once, whatever the topology; the slices move
+  independently, so the steps overlap.
 """
 import torch
 import triton
@@ -23,10 +36,10 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, push_slice,
-                        row_stride, split_bounds)
+from ._protocol import (Workspace, call_epoch, check_input, check_output, copy_slice, finish_call, placement,
+                        push_slice, row_stride, split_bounds)
 
-METHODS = ("auto", "push", "pull", "ll", "ce")
+METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
 DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 BLOCK = 2048
@@ -101,6 +114,76 @@ def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
     finish_call(calls_ptr)
 
 
+@jit
+def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
+                         SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (task, split) moves slice `split`. With L ranks per node and N nodes, the first
+    `spread_tasks` = L + 2 (N - 1) tasks spread this rank's shard into row `rank` of every rank's
+    staging (rows `row` apart):
+    - task < L: to local rank `task` of this node (this rank included);
+    - task = L + j, j < N - 1: to the rank with this local index on node (node + 1 + j) % N;
+    - task = L + N - 1 + j: waits until the shard of the rank with this local index on node
+      (node + 1 + j) % N has arrived here, then forwards it to the other ranks of this node.
+    Task `spread_tasks` + p, where the grid has it, copies row p into `out` once it is here."""
+    epoch = call_epoch(calls_ptr)
+    me, world, nodes, node, local = placement(local_world_size)
+    task = tl.program_id(0)
+    split = tl.program_id(1)
+    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (world * SPLITS)
+    direct = local_world_size + nodes - 1
+    spreading = direct + nodes - 1
+    if task < direct:
+        peer = node * local_world_size + task
+        if task >= local_world_size:
+            peer = ((node + 1 + task - local_world_size) % nodes) * local_world_size + local
+        push_slice(x_ptr, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
+                   BLOCK)
+    elif task < spreading:
+        source = ((node + 1 + task - direct) % nodes) * local_world_size + local
+        flag = flags + source * SPLITS + split
+        token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        received = dl.consume_token(stage + source * row, token)
+        for other in range(local_world_size):
+            if other != local:
+                push_slice(received, stage + source * row, start, stop, flag, epoch, node * local_world_size + other,
+                           local_world_size, BLOCK)
+    else:
+        source = task - spreading
+        token = dl.wait(flags + source * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        copy_slice(dl.consume_token(stage + source * row, token), out_ptr + source * n, start, stop, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def all_gather_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
+                           SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program s carries slice s of every shard one hop along the ring; staging rows are `row` apart."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    successor = (me + 1) % world
+    split = tl.program_id(0)
+    start, stop = split_bounds(n, split, SPLITS, BLOCK)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (world * SPLITS)
+    push_slice(x_ptr, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, successor, local_world_size,
+               BLOCK)
+    copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
+    for step in range(1, world):
+        source = (me + world - step) % world
+        flag = flags + source * SPLITS + split
+        token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        received = dl.consume_token(stage + source * row, token)
+        if source != successor:  # forward first: the rest of the ring waits for it
+            push_slice(received, stage + source * row, start, stop, flag, epoch, successor, local_world_size, BLOCK)
+        copy_slice(received, out_ptr + source * n, start, stop, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
 class AllGather:
     """An all-gather of `numel` elements of `dtype` per rank, with its own workspace. Reuse one
     instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream."""
@@ -130,6 +213,14 @@ class AllGather:
             self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // w.world_size))
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+        elif self.method in ("2d", "ring"):
+            # 2d: spreading and copy-out programs for each slice; ring: a program per slice
+            columns = spread_tasks(w) + w.world_size if self.method == "2d" else 1
+            self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // columns))
+            self.grid = (columns, self.splits) if self.method == "2d" else (self.splits,)
+            self.kernel = all_gather_2d_kernel if self.method == "2d" else all_gather_ring_kernel
+            self.row = row_stride(numel)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         else:
             self.staging = tridist.symm_empty((numel,), dtype)
 
@@ -152,6 +243,10 @@ class AllGather:
             all_gather_push_kernel[(w.world_size, self.splits)](
                 x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
                 SPLITS=self.splits, BLOCK=BLOCK)
+        elif self.method in ("2d", "ring"):
+            ws = self.workspace
+            self.kernel[self.grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel,
+                                   w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
         elif self.method == "ll":
             ws = self.workspace
             all_gather_ll_kernel[(w.world_size,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
@@ -180,12 +275,19 @@ class AllGather:
             self.workspace.free()
 
 
+def spread_tasks(world) -> int:
+    """Spreading programs per slice in `all_gather_2d_kernel`: one per rank of the node, one put and
+    one forward per other node."""
+    return world.local_world_size + 2 * (world.nnodes - 1)
+
+
 def choose_method(total_bytes: int, world) -> str:
     """Crossovers measured on 2 x H200, bf16 (benchmarks/results/allgather-*-2026-11-22.json): LL
     packets are fastest up to 16 KB (4.2 us at 4 KB), SM push from 64 KB to 16 MB, the copy
-    engines from 64 MB. Across nodes only push moves data."""
+    engines from 64 MB. Across nodes "2d" sends each shard over the network once per node, where
+    push sends it once per rank (not measured across nodes yet)."""
     if world.nnodes > 1:
-        return "push"
+        return "2d"
     if total_bytes <= 16 << 10:
         return "ll"
     if total_bytes <= 32 << 20:
