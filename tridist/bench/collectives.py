@@ -19,7 +19,7 @@ from .results import save, table
 from .timing import slowest, time_us
 
 OPS = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}
-METHODS = {"allgather": ("push", "pull", "ll", "ce"), "reducescatter": ("one_shot",),
+METHODS = {"allgather": ("push", "pull", "ll", "ce", "2d", "ring"), "reducescatter": ("one_shot", "2d", "ring"),
            "allreduce": ("one_shot", "two_shot", "ll")}
 LL_ALL_REDUCE_LIMIT = 1 << 20  # its packets take 4x the message per rank and peer: small messages only
 GRAPH_LIMIT = 1 << 20
