@@ -67,12 +67,16 @@ def cases():
                                                "local_world_size": "i32", "SPLITS": "constexpr", "BLOCK": "constexpr"},
            {"SPLITS": 4, "BLOCK": allgather.BLOCK}) for t in ("*bf16", "*fp32", "*u8")],
         # all_gather "2d" and "ring"; "2d" also as ag_gemm's comm="sm" launches it
-        *[(kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64",
-                    "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
-                    "SPLITS": "constexpr", "BLOCK": "constexpr"}, {"SPLITS": 4, "BLOCK": block}, {"num_warps": warps})
-          for kernel, block, warps in ((allgather.all_gather_2d_kernel, allgather.BLOCK, 4),
-                                       (allgather.all_gather_2d_kernel, allgather_gemm.PUSH_BLOCK, 8),
-                                       (allgather.all_gather_ring_kernel, allgather.BLOCK, 4))],
+        *[(allgather.all_gather_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
+                                             "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
+                                             "slot_numel": "i32", "local_world_size": "i32",
+                                             "COPY_OUT": "constexpr", "SPLITS": "constexpr", "BLOCK": "constexpr"},
+           {"COPY_OUT": copy_out, "SPLITS": 4, "BLOCK": block}, {"num_warps": warps})
+          for copy_out, block, warps in ((True, allgather.BLOCK, 4), (False, allgather_gemm.PUSH_BLOCK, 8))],
+        (allgather.all_gather_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
+                                             "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
+                                             "slot_numel": "i32", "local_world_size": "i32", "SPLITS": "constexpr",
+                                             "BLOCK": "constexpr"}, {"SPLITS": 4, "BLOCK": allgather.BLOCK}),
         (allgather.all_gather_pull_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
                                              "SPLITS": "constexpr", "BLOCK": "constexpr"},

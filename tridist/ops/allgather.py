@@ -18,9 +18,9 @@ Methods
   into the staging of every rank of its own node; a rank forwards each shard it received from
   another node to the other ranks of its node once that shard's flag has arrived. Flag (p, s) on a
   rank says slice s of rank p's shard is in its staging, raised once per call by whoever wrote
-  it; copy-out programs wait for it and copy the row into `out`. On one node this is "push" with
-  the pushes and copy-outs in separate programs. `ag_gemm` (comm="sm") runs the same kernel's
-  spreading programs only: its GEMM reads the staging itself.
+  it; then each program waits for a few of those flags and copies those rows into `out`. On one
+  node this is "push" with the copy-outs spread differently. `ag_gemm` (comm="sm") runs the same
+  kernel without the copy-out: its GEMM reads the staging itself.
 - "ring": program s passes slice s around the ring: it pushes its own slice to rank+1, then
   world-1 times waits for the slice of the next source along the ring (rank-1, rank-2, ...) under
   flag (source, s), forwards it to rank+1 (unless rank+1 is that source) and copies it to `out`.
@@ -116,15 +116,15 @@ def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
 
 @jit
 def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
-                         SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (task, split) moves slice `split`. With L ranks per node and N nodes, the first
-    `spread_tasks` = L + 2 (N - 1) tasks spread this rank's shard into row `rank` of every rank's
+                         COPY_OUT: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (task, split) moves slice `split`. With L ranks per node and N nodes, the grid's
+    L + 2 (N - 1) tasks (`spread_tasks`) spread this rank's shard into row `rank` of every rank's
     staging (rows `row` apart):
     - task < L: to local rank `task` of this node (this rank included);
     - task = L + j, j < N - 1: to the rank with this local index on node (node + 1 + j) % N;
     - task = L + N - 1 + j: waits until the shard of the rank with this local index on node
       (node + 1 + j) % N has arrived here, then forwards it to the other ranks of this node.
-    Task `spread_tasks` + p, where the grid has it, copies row p into `out` once it is here."""
+    With COPY_OUT, task t then copies rows t, t + L + 2 (N - 1), ... into `out` as they arrive."""
     epoch = call_epoch(calls_ptr)
     me, world, nodes, node, local = placement(local_world_size)
     task = tl.program_id(0)
@@ -133,14 +133,13 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
     stage = staging_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * (world * SPLITS)
     direct = local_world_size + nodes - 1
-    spreading = direct + nodes - 1
     if task < direct:
         peer = node * local_world_size + task
         if task >= local_world_size:
             peer = ((node + 1 + task - local_world_size) % nodes) * local_world_size + local
         push_slice(x_ptr, stage + me * row, start, stop, flags + me * SPLITS + split, epoch, peer, local_world_size,
                    BLOCK)
-    elif task < spreading:
+    else:
         source = ((node + 1 + task - direct) % nodes) * local_world_size + local
         flag = flags + source * SPLITS + split
         token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
@@ -149,10 +148,10 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
             if other != local:
                 push_slice(received, stage + source * row, start, stop, flag, epoch, node * local_world_size + other,
                            local_world_size, BLOCK)
-    else:
-        source = task - spreading
-        token = dl.wait(flags + source * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        copy_slice(dl.consume_token(stage + source * row, token), out_ptr + source * n, start, stop, BLOCK)
+    if COPY_OUT:
+        for source in range(task, world, tl.num_programs(0)):
+            token = dl.wait(flags + source * SPLITS + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+            copy_slice(dl.consume_token(stage + source * row, token), out_ptr + source * n, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -214,11 +213,8 @@ class AllGather:
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         elif self.method in ("2d", "ring"):
-            # 2d: spreading and copy-out programs for each slice; ring: a program per slice
-            columns = spread_tasks(w) + w.world_size if self.method == "2d" else 1
-            self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // columns))
-            self.grid = (columns, self.splits) if self.method == "2d" else (self.splits,)
-            self.kernel = all_gather_2d_kernel if self.method == "2d" else all_gather_ring_kernel
+            tasks = spread_tasks(w) if self.method == "2d" else 1  # programs per slice
+            self.splits = _protocol.splits_for(numel, BLOCK, max(1, _protocol.programs_available(w) // tasks))
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         else:
@@ -243,10 +239,15 @@ class AllGather:
             all_gather_push_kernel[(w.world_size, self.splits)](
                 x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
                 SPLITS=self.splits, BLOCK=BLOCK)
-        elif self.method in ("2d", "ring"):
+        elif self.method == "2d":
             ws = self.workspace
-            self.kernel[self.grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel,
-                                   w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
+            all_gather_2d_kernel[(spread_tasks(w), self.splits)](
+                x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
+                COPY_OUT=True, SPLITS=self.splits, BLOCK=BLOCK)
+        elif self.method == "ring":
+            ws = self.workspace
+            all_gather_ring_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
+                                                   ws.slot_numel, w.local_world_size, SPLITS=self.splits, BLOCK=BLOCK)
         elif self.method == "ll":
             ws = self.workspace
             all_gather_ll_kernel[(w.world_size,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),

@@ -15,8 +15,8 @@ Protocol
   no peer still reads this rank's shard.
 - comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
   peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
-  it along its node with stores through symm_at): the spreading programs of all_gather's "2d"
-  kernel, `allgather.all_gather_2d_kernel`, without its copy-out. They raise flag (slot, rank)
+  it along its node with stores through symm_at): all_gather's "2d" kernel,
+  `allgather.all_gather_2d_kernel`, without its copy-out. They raise flag (slot, rank)
   everywhere to the call epoch; the GEMM runs on the remaining SMs, so both
   are resident at once. Two slots and call epochs (see `_protocol.py`), no barriers.
 """
@@ -174,11 +174,11 @@ class AllGatherGEMM:
         w = self.world
         with self._fork():
             # Shards lie back to back in `gathered` (row = shard size), as the GEMM's TMA reads them;
-            # the grid holds no copy-out programs, so `out` (here `gathered`) is never written.
+            # without the copy-out, `out` (here `gathered`) is never written.
             n = a_shard.numel()
             allgather.all_gather_2d_kernel[(self.push_tasks, self.splits)](
                 a_shard, self.gathered, self.gathered, self.push_flags, self.push_calls, n, n, self.m * self.k,
-                w.local_world_size, SPLITS=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
+                w.local_world_size, COPY_OUT=False, SPLITS=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
 
     def free(self) -> None:
         if self.comm == "sm":
