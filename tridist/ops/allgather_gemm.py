@@ -15,10 +15,10 @@ Protocol
   no peer still reads this rank's shard.
 - comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
   peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
-  it along its node with stores through symm_at): all_gather's "2d" kernel,
-  `allgather.all_gather_2d_kernel`, without its copy-out. They raise flag (slot, rank)
-  everywhere to the call epoch; the GEMM runs on the remaining SMs, so both
-  are resident at once. Two slots and call epochs (see `_protocol.py`), no barriers.
+  it along its node with stores through symm_at) and raise flag (slot, rank) everywhere to the call
+  epoch: all_gather's "2d" kernel (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM
+  runs on the remaining SMs, so both are resident at once. Two slots and call epochs (see
+  `_protocol.py`), no barriers.
 """
 import contextlib
 

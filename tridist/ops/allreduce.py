@@ -21,12 +21,12 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
   for each node n, the L rows (n, *) in fp32: the sum for its own node stays here as node sum a;
   the sum for another node is put (with the signal) to rank (n, l) as that rank's node sum a, flag
   (s, a) of the second block of flags. Last, it sums its N node sums into `out`. Node sums are fp32
-  (a separate symmetric buffer, double-buffered as the workspace), so there is one rounding.
+  (a separate symmetric buffer, double-buffered as the workspace): the result is rounded once.
 - "ring" (reduce_scatter): program s passes slice s of the partial sums around the ring:
   world-1 steps; at step k a rank adds its own part of chunk rank-1-k to the partial it received
   (none at step 0) and pushes it to rank+1 (row k of its received rows, flag (k, s)); after the last
   step the partial of its own chunk has passed every other rank and it adds its own part into
-  `out`. Partials travel in fp32 (twice the bytes of a 16-bit input), so there is one rounding.
+  `out`. Partials travel in fp32 (twice the bytes of a 16-bit input): the result is rounded once.
 """
 import torch
 import triton
@@ -114,7 +114,7 @@ def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, c
         token = dl.wait(gathered_flags + n * local_world_size, local_world_size, scope="sys", semantic="acquire",
                         waitValue=epoch)
         rows = dl.consume_token(gathered + n * local_world_size * row, token)
-        if n == node:
+        if n == node:  # this node's sum of this rank's chunk stays here
             _sum_rows(rows, row, local_world_size, node_sums + node * row, start, stop, BLOCK)
         else:
             _sum_rows(rows, row, local_world_size, outgoing + n * row, start, stop, BLOCK)
