@@ -54,12 +54,7 @@ def _gemm_cases():
                                                "K": "i32", "local_world_size": "i32", **blocks}, config, options)
               for _ in (() if flat else (1,))],
         ]
-    return cases + [
-        (allgather_gemm.push_shard_kernel, {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "flags_ptr": "*i64",
-                                            "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
-                                            "local_world_size": "i32", "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": allgather_gemm.PUSH_BLOCK}),
-    ]
+    return cases
 
 
 def cases():
@@ -71,6 +66,17 @@ def cases():
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                                "local_world_size": "i32", "splits": "i32", "BLOCK": "constexpr"},
            {"BLOCK": allgather.BLOCK}) for t in ("*bf16", "*fp32", "*u8")],
+        # all_gather "2d" and "ring"; "2d" also as ag_gemm's comm="sm" launches it
+        *[(allgather.all_gather_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
+                                             "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
+                                             "slot_numel": "i32", "local_world_size": "i32",
+                                             "COPY_OUT": "constexpr", "splits": "i32", "BLOCK": "constexpr"},
+           {"COPY_OUT": copy_out, "BLOCK": block}, {"num_warps": warps})
+          for copy_out, block, warps in ((True, allgather.BLOCK, 4), (False, allgather_gemm.PUSH_BLOCK, 8))],
+        (allgather.all_gather_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
+                                             "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
+                                             "slot_numel": "i32", "local_world_size": "i32", "splits": "i32",
+                                             "BLOCK": "constexpr"}, {"BLOCK": allgather.BLOCK}),
         (allgather.all_gather_pull_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
                                              "splits": "i32", "BLOCK": "constexpr"},
@@ -92,6 +98,17 @@ def cases():
                     "calls_ptr": "*i64", "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                     "splits": "i32", "BLOCK": "constexpr"}, {"BLOCK": allreduce.BLOCK})
           for kernel in (allreduce.reduce_scatter_kernel, allreduce.all_reduce_two_shot_kernel)],
+        (allreduce.reduce_scatter_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*fp32",
+                                                 "flags_ptr": "*i64", "calls_ptr": "*i64", "m": "i32", "row": "i32",
+                                                 "slot_numel": "i32", "local_world_size": "i32",
+                                                 "splits": "i32", "BLOCK": "constexpr"},
+         {"BLOCK": allreduce.BLOCK}),
+        (allreduce.reduce_scatter_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
+                                               "sums_ptr": "*fp32", "flags_ptr": "*i64", "calls_ptr": "*i64",
+                                               "m": "i32", "row": "i32", "slot_numel": "i32",
+                                               "local_world_size": "i32", "splits": "i32",
+                                               "BLOCK": "constexpr"},
+         {"BLOCK": allreduce.BLOCK}),
         (allreduce.all_reduce_one_shot_kernel, {"x_ptr": "*fp16", "out_ptr": "*fp16", "staging_ptr": "*fp16",
                                                  "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
                                                  "row": "i32", "slot_numel": "i32", "local_world_size": "i32",

@@ -55,7 +55,7 @@ def _all_gather(w, method, dtype, shape, calls):
     op.free()
 
 
-@pytest.mark.parametrize("method", ["push", "pull", "ll", "ce"])
+@pytest.mark.parametrize("method", ["push", "pull", "ll", "ce", "2d", "ring"])
 def test_all_gather(world, method):
     for dtype, shape in [(torch.float32, (37, 3)), (torch.bfloat16, (64,)), (torch.float16, (2, 130)),
                          (torch.uint8, (4, 12)), (torch.int64, (5,))]:  # raw bytes and integers too
@@ -93,7 +93,7 @@ def _reduce_scatter(w, method, dtype, rows, calls):
     op.free()
 
 
-@pytest.mark.parametrize("method", ["one_shot", "ce"])
+@pytest.mark.parametrize("method", ["one_shot", "ce", "2d", "ring"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reduce_scatter(world, method, dtype):
     world.run(_reduce_scatter, method=method, dtype=dtype, rows=45, calls=3)
@@ -204,9 +204,9 @@ def _graph_replays(w, replays):
     """Every method captured once in a CUDA graph and replayed `replays` times back to back with new
     inputs; every 50th replay is checked."""
     n = 4096
-    cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "pull", "ll", "ce")
-             if w.nnodes == 1 or m == "push"]
-    cases += [(ops.ReduceScatter(n, torch.bfloat16, m), "scatter") for m in ("one_shot", "ce")
+    cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "pull", "ll", "ce", "2d", "ring")
+             if w.nnodes == 1 or m in ("push", "2d", "ring")]
+    cases += [(ops.ReduceScatter(n, torch.bfloat16, m), "scatter") for m in ("one_shot", "ce", "2d", "ring")
               if w.nnodes == 1 or m != "ce"]
     cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot", "ll", "ce")
               if w.nnodes == 1 or m not in ("ll", "ce")]
@@ -239,32 +239,39 @@ def test_cuda_graph_replays(world):
     world.run(_graph_replays, replays=1000)
 
 
-def _two_streams(w, calls):
-    """Two instances used at once from two streams, with no synchronisation between them."""
-    n = 1 << 14
-    a, b = ops.AllReduce(n, torch.float32), ops.AllGather(n, torch.float32)
+def _two_streams(w, calls, gather, scatter):
+    """Instances used at once from two streams, with no synchronisation between them: an all-reduce
+    and a reduce-scatter (method `scatter`) on one, an all-gather (method `gather`) on the other."""
+    n = 3 << 13  # a multiple of every world size up to 8 but 5 and 7
+    a, b = ops.AllReduce(n, torch.float32), ops.AllGather(n, torch.float32, gather)
+    c = ops.ReduceScatter(n, torch.float32, scatter)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     xs = [torch.full((n,), float(w.rank + i), device=w.device) for i in range(calls)]
     reduced = [torch.empty(n, device=w.device) for _ in range(calls)]
+    scattered = [torch.empty(n // w.world_size, device=w.device) for _ in range(calls)]
     gathered = [torch.empty(n * w.world_size, device=w.device) for _ in range(calls)]
     for stream in streams:
         stream.wait_stream(torch.cuda.current_stream())
     for i in range(calls):
         with torch.cuda.stream(streams[0]):
             a(xs[i], reduced[i])
+            c(xs[i], scattered[i])
         with torch.cuda.stream(streams[1]):
             b(xs[i], gathered[i])
     torch.cuda.synchronize()
     for i in range(calls):
-        assert torch.equal(reduced[i].cpu(), torch.full((n,), float(sum(r + i for r in range(w.world_size)))))
+        total = float(sum(r + i for r in range(w.world_size)))
+        assert torch.equal(reduced[i].cpu(), torch.full((n,), total))
+        assert torch.equal(scattered[i].cpu(), torch.full((n // w.world_size,), total))
         expected = torch.cat([torch.full((n,), float(r + i)) for r in range(w.world_size)])
         assert torch.equal(gathered[i].cpu(), expected)
     tridist.barrier_all()
-    a.free()
-    b.free()
+    for op in (a, b, c):
+        op.free()
 
 
-def test_two_streams(world):
+@pytest.mark.parametrize("gather, scatter", [("auto", "auto"), ("2d", "2d"), ("ring", "ring")])
+def test_two_streams(world, gather, scatter):
     if world.backend == "emulator":
         return  # streams need GPUs
-    world.run(_two_streams, calls=20)
+    world.run(_two_streams, calls=20, gather=gather, scatter=scatter)

@@ -20,7 +20,8 @@ from .timing import slowest, time_us
 
 OPS = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}
 CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
-METHODS = {"allgather": ("auto", "push", "pull", "ll", "ce"), "reducescatter": ("auto", "one_shot", "ce"),
+METHODS = {"allgather": ("auto", "push", "pull", "ll", "ce", "2d", "ring"),
+           "reducescatter": ("auto", "one_shot", "ce", "2d", "ring"),
            "allreduce": ("auto", "one_shot", "two_shot", "ll", "ce")}
 # Sizes each method is timed at: LL packets double the bytes on the wire (small messages only); the
 # copy-engine methods pay a barrier and a copy launch per chunk (large messages only).

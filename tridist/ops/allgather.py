@@ -15,6 +15,19 @@ Methods
   chunk, each chunk followed by its flag (`CopyEnginePush`); a kernel copies each chunk out to
   `out` as soon as its flag is up. No SM moves data across NVLink; one node. A barrier at the start
   of each call says every peer has finished with its staging and flags.
+- "2d" (for several nodes): each shard crosses to every other node once. The rank puts its shard
+  (with the signal attached) to the rank with its local index on every other node, and stores it
+  into the staging of every rank of its own node; a rank forwards each shard it received from
+  another node to the other ranks of its node once that shard's flag has arrived. Flag (p, s) on a
+  rank says slice s of rank p's shard is in its staging, raised once per call by whoever wrote
+  it; then each program waits for a few of those flags and copies those rows into `out`. On one
+  node this is "push" with the copy-outs spread differently. `ag_gemm` (comm="sm") runs the same
+  kernel without the copy-out: its GEMM reads the staging itself.
+- "ring": program s passes slice s around the ring: it pushes its own slice to rank+1, then
+  world-1 times waits for the slice of the next source along the ring (rank-1, rank-2, ...) under
+  flag (source, s), forwards it to rank+1 (unless rank+1 is that source) and copies it to `out`.
+  Each rank sends and receives (n-1)/n of the output once, whatever the topology; the slices move
+  independently, so the steps overlap.
 """
 import torch
 import triton
@@ -26,9 +39,9 @@ from tridist.runtime.jit import jit
 
 from . import _protocol
 from ._protocol import (CopyEnginePush, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
-                        push_slice, row_stride, split_bounds, wait_chunks)
+                        placement, push_slice, row_stride, split_bounds, wait_chunks)
 
-METHODS = ("auto", "push", "pull", "ll", "ce")
+METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
 DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 BLOCK = 2048
@@ -131,6 +144,75 @@ def all_gather_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, total, row, 
             tl.store(out_ptr + peer * n + start + offsets, tl.load(source + start + offsets, mask=mask), mask=mask)
 
 
+@jit
+def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
+                         COPY_OUT: tl.constexpr, splits, BLOCK: tl.constexpr):
+    """Program (task, split) moves slice `split`. With L ranks per node and N nodes, the grid's
+    L + 2 (N - 1) tasks (`spread_tasks`) spread this rank's shard into row `rank` of every rank's
+    staging (rows `row` apart):
+    - task < L: to local rank `task` of this node (this rank included);
+    - task = L + j, j < N - 1: to the rank with this local index on node (node + 1 + j) % N;
+    - task = L + N - 1 + j: waits until the shard of the rank with this local index on node
+      (node + 1 + j) % N has arrived here, then forwards it to the other ranks of this node.
+    With COPY_OUT, task t then copies rows t, t + L + 2 (N - 1), ... into `out` as they arrive."""
+    epoch = call_epoch(calls_ptr)
+    me, world, nodes, node, local = placement(local_world_size)
+    task = tl.program_id(0)
+    split = tl.program_id(1)
+    start, stop = split_bounds(n, split, splits, BLOCK)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (world * splits)
+    direct = local_world_size + nodes - 1
+    if task < direct:
+        peer = node * local_world_size + task
+        if task >= local_world_size:
+            peer = ((node + 1 + task - local_world_size) % nodes) * local_world_size + local
+        push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
+                   BLOCK)
+    else:
+        source = ((node + 1 + task - direct) % nodes) * local_world_size + local
+        flag = flags + source * splits + split
+        token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        received = dl.consume_token(stage + source * row, token)
+        for other in range(local_world_size):
+            if other != local:
+                push_slice(received, stage + source * row, start, stop, flag, epoch, node * local_world_size + other,
+                           local_world_size, BLOCK)
+    if COPY_OUT:
+        for source in range(task, world, tl.num_programs(0)):
+            token = dl.wait(flags + source * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+            copy_slice(dl.consume_token(stage + source * row, token), out_ptr + source * n, start, stop, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def all_gather_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
+                           splits, BLOCK: tl.constexpr):
+    """Program s carries slice s of every shard one hop along the ring; staging rows are `row` apart."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    successor = (me + 1) % world
+    split = tl.program_id(0)
+    start, stop = split_bounds(n, split, splits, BLOCK)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * (world * splits)
+    push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, successor, local_world_size,
+               BLOCK)
+    copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
+    for step in range(1, world):
+        source = (me + world - step) % world
+        flag = flags + source * splits + split
+        token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        received = dl.consume_token(stage + source * row, token)
+        if source != successor:  # forward first: the rest of the ring waits for it
+            push_slice(received, stage + source * row, start, stop, flag, epoch, successor, local_world_size, BLOCK)
+        copy_slice(received, out_ptr + source * n, start, stop, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
 class AllGather:
     """An all-gather of `numel` elements of `dtype` per rank, with its own workspace. Reuse one
     instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream.
@@ -147,10 +229,11 @@ class AllGather:
         self.method = choose_method(nbytes * w.world_size, w) if method == "auto" else method
         if self.method in ("pull", "ll", "ce") and w.nnodes > 1:
             raise ValueError(f"all_gather method {self.method!r} works within one node; this world has {w.nnodes} "
-                             "nodes: use method='push'")
+                             "nodes: use method='2d' or 'push'")
         if self.method == "ll" and nbytes % 4:
             raise ValueError("all_gather method 'll' moves 4-byte words: the shard must be a multiple of 4 bytes")
-        per_peer = max(1, _protocol.programs_limit(programs, w) // w.world_size)
+        limit = _protocol.programs_limit(programs, w)
+        per_peer = max(1, limit // w.world_size)
         if self.method == "ll":
             self.words = nbytes // 4
             self.splits = _protocol.splits_for(self.words, LL_BLOCK, per_peer)
@@ -161,6 +244,11 @@ class AllGather:
             self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
         elif self.method == "push":
             self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
+            self.row = row_stride(numel)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+        elif self.method in ("2d", "ring"):
+            tasks = spread_tasks(w) if self.method == "2d" else 1  # programs per slice
+            self.splits = _protocol.splits_for(numel, BLOCK, max(1, limit // tasks))
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         else:
@@ -186,6 +274,15 @@ class AllGather:
             ws = self.workspace
             all_gather_push_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel,
                                          w.local_world_size, splits=self.splits, BLOCK=BLOCK)
+        elif self.method == "2d":
+            ws = self.workspace
+            all_gather_2d_kernel[(spread_tasks(w), self.splits)](
+                x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
+                COPY_OUT=True, splits=self.splits, BLOCK=BLOCK)
+        elif self.method == "ring":
+            ws = self.workspace
+            all_gather_ring_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
+                                                   ws.slot_numel, w.local_world_size, splits=self.splits, BLOCK=BLOCK)
         elif self.method == "ll":
             ws = self.workspace
             all_gather_ll_kernel[grid](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
@@ -208,12 +305,19 @@ class AllGather:
             self.workspace.free()
 
 
+def spread_tasks(world) -> int:
+    """Spreading programs per slice in `all_gather_2d_kernel`: one per rank of the node, one put and
+    one forward per other node."""
+    return world.local_world_size + 2 * (world.nnodes - 1)
+
+
 def choose_method(total_bytes: int, world) -> str:
     """Crossovers measured on 2 x H200, bf16 (benchmarks/results/allgather-*-2026-11-22.json): LL
     packets were fastest up to 1 MB (3.96 us at 4 KB, 7.84 us at 1 MB), SM push from 4 MB to 16 MB,
-    the copy engines at 256 MB. Across nodes only push moves data."""
+    the copy engines at 256 MB. Across nodes "2d" sends each shard over the network once per node,
+    where push sends it once per rank (not measured across nodes yet)."""
     if world.nnodes > 1:
-        return "push"
+        return "2d"
     if total_bytes <= 1 << 20:
         return "ll"
     if total_bytes <= 32 << 20:

@@ -13,11 +13,12 @@ Protocol
   after each pull the stream sets the shard's flag with a 4-byte memset: no SM is taken from the
   GEMM. One slot: a barrier before the pulls says every shard is staged, one after the GEMM says
   no peer still reads this rank's shard.
-- comm="sm" (any topology): a kernel of a few programs on the side stream spreads this rank's
-  shard into every peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other
-  node, which forwards it along its node with stores through symm_at; see `push_shard_kernel`) and
-  raises flag (slot, rank) everywhere to the call epoch; the GEMM runs on the remaining SMs, so both
-  are resident at once. Two slots and call epochs (see `_protocol.py`), no barriers.
+- comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
+  peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
+  it along its node with stores through symm_at) and raise flag (slot, rank) everywhere to the call
+  epoch: all_gather's "2d" kernel (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM
+  runs on the remaining SMs, so both are resident at once. Two slots and call epochs (see
+  `_protocol.py`), no barriers.
 """
 import contextlib
 
@@ -30,48 +31,11 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from . import _protocol, gemm
-from ._protocol import call_epoch, check_output, finish_call, placement, push_slice, split_bounds
+from . import _protocol, allgather, gemm
+from ._protocol import call_epoch, check_output, finish_call
 
 COMMS = ("auto", "ce", "sm")
 PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
-
-
-@jit
-def push_shard_kernel(x_ptr, gathered_ptr, flags_ptr, calls_ptr, n, slot_numel, local_world_size,
-                      splits, BLOCK: tl.constexpr):
-    """Spreads this rank's shard (n elements) in the 2D order: across nodes once per node, then
-    along each node. With L ranks per node and N nodes, program (task, split) moves slice `split`:
-    - task < L: into `gathered` of local rank `task` of this node (this rank included);
-    - task = L + j, j < N - 1: to the rank with this local rank on node (node + 1 + j) % N;
-    - task = L + N - 1 + j: waits until the shard of the rank with this local rank on node
-      (node + 1 + j) % N has arrived here, then forwards it to the other ranks of this node.
-    So each shard crosses to a node once, and every flag (slot, source) is raised once per rank."""
-    epoch = call_epoch(calls_ptr)
-    me, world, nodes, node, local = placement(local_world_size)
-    task = tl.program_id(0)
-    split = tl.program_id(1)
-    slot = epoch % 2
-    stage = gathered_ptr + slot * slot_numel
-    flags = flags_ptr + slot * world * splits
-    start, stop = split_bounds(n, split, splits, BLOCK)
-    if task < local_world_size + nodes - 1:
-        peer = node * local_world_size + task
-        if task >= local_world_size:
-            peer = ((node + 1 + task - local_world_size) % nodes) * local_world_size + local
-        push_slice(x_ptr, stage + me * n, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
-                   BLOCK)
-    else:
-        source = ((node + 1 + task - local_world_size - nodes + 1) % nodes) * local_world_size + local
-        flag = flags + source * splits + split
-        token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        received = dl.consume_token(stage + source * n, token)
-        for other in range(local_world_size):
-            if other != local:
-                push_slice(received, stage + source * n, start, stop, flag, epoch, node * local_world_size + other,
-                           local_world_size, BLOCK)
-    dl.shmem.quiet()
-    finish_call(calls_ptr)
 
 
 @jit
@@ -138,7 +102,7 @@ class AllGatherGEMM:
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
             self.comm_programs = comm_programs or max(1, programs // 16)
-            self.push_tasks = w.local_world_size + 2 * (w.nnodes - 1)
+            self.push_tasks = allgather.spread_tasks(w)
             self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
             self.push_flags = tridist.signals(2 * w.world_size * self.splits)
             self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
@@ -208,9 +172,12 @@ class AllGatherGEMM:
     def _push_shard(self, a_shard: torch.Tensor) -> None:
         w = self.world
         with self._fork():
-            push_shard_kernel[(self.push_tasks, self.splits)](
-                a_shard, self.gathered, self.push_flags, self.push_calls, a_shard.numel(), self.m * self.k,
-                w.local_world_size, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
+            # Shards lie back to back in `gathered` (row = shard size), as the GEMM's TMA reads them;
+            # without the copy-out, `out` (here `gathered`) is never written.
+            n = a_shard.numel()
+            allgather.all_gather_2d_kernel[(self.push_tasks, self.splits)](
+                a_shard, self.gathered, self.gathered, self.push_flags, self.push_calls, n, n, self.m * self.k,
+                w.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
 
     def free(self) -> None:
         if self.comm == "sm":

@@ -19,6 +19,19 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
   and a kernel sums the pieces as they land (reduce-scatter). For all_reduce the copy engines
   then write each rank's reduced chunk into every peer's second staging, and a kernel copies
   those into `out` as they land. For large messages.
+- "2d" (reduce_scatter, for several nodes): two levels, so that each chunk crosses to a node once.
+  With L ranks per node, rank (node a, local index l) owns chunk a*L + l. First, within the node,
+  every rank pushes to local rank l the chunks owned by the ranks with local index l on every node
+  (row (n, j) of l's staging: local rank j's chunk n*L + l; flag (s, n, j)). Then rank (a, l) sums,
+  for each node n, the L rows (n, *) in fp32: the sum for its own node stays here as node sum a;
+  the sum for another node is put (with the signal) to rank (n, l) as that rank's node sum a, flag
+  (s, a) of the second block of flags. Last, it sums its N node sums into `out`. Node sums are fp32
+  (a separate symmetric buffer, double-buffered as the workspace): the result is rounded once.
+- "ring" (reduce_scatter): program s passes slice s of the partial sums around the ring:
+  world-1 steps; at step k a rank adds its own part of chunk rank-1-k to the partial it received
+  (none at step 0) and pushes it to rank+1 (row k of its received rows, flag (k, s)); after the last
+  step the partial of its own chunk has passed every other rank and it adds its own part into
+  `out`. Partials travel in fp32 (twice the bytes of a 16-bit input): the result is rounded once.
 """
 import torch
 import triton
@@ -30,11 +43,11 @@ from tridist.runtime.jit import jit
 
 from . import _protocol
 from ._protocol import (CopyEnginePush, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
-                        push_slice, row_stride, split_bounds, wait_chunks)
+                        placement, push_slice, row_stride, split_bounds, wait_chunks)
 from .allgather import all_gather_ce_kernel
 
 BLOCK = 2048
-REDUCE_SCATTER_METHODS = ("auto", "one_shot", "ce")
+REDUCE_SCATTER_METHODS = ("auto", "one_shot", "ce", "2d", "ring")
 ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll", "ce")
 LL_BLOCK = 1024  # words per step
 
@@ -75,6 +88,90 @@ def reduce_scatter_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, 
     stage = staging_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * (dl.num_ranks() * splits)
     _scatter_and_reduce(x_ptr, out_ptr, stage, flags, epoch, m, row, local_world_size, splits, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
+                             local_world_size, splits, BLOCK: tl.constexpr):
+    """A slot of `staging` (x's dtype) holds world rows (n, j), a slot of `sums` (fp32) the N node
+    sums of this rank's chunk, then N rows from which this rank puts its node's sums to the other
+    nodes. Rows are `row` apart. Flags per slot: (split, n, j) for the rows, then (split, n) for
+    the node sums."""
+    epoch = call_epoch(calls_ptr)
+    me, world, nodes, node, local = placement(local_world_size)
+    split = tl.program_id(0)
+    start, stop = split_bounds(m, split, splits, BLOCK)
+    slot = epoch % 2
+    gathered = staging_ptr + slot * slot_numel
+    node_sums = sums_ptr + slot * (2 * nodes * row)
+    outgoing = node_sums + nodes * row
+    gathered_flags = flags_ptr + slot * ((world + nodes) * splits) + split * world
+    sum_flags = flags_ptr + slot * ((world + nodes) * splits) + world * splits + split * nodes
+    for step in range(local_world_size):
+        j = (local + step) % local_world_size
+        for n in range(nodes):
+            push_slice(x_ptr + (n * local_world_size + j) * m, gathered + (n * local_world_size + local) * row, start,
+                       stop, gathered_flags + n * local_world_size + local, epoch, node * local_world_size + j,
+                       local_world_size, BLOCK)
+    for step in range(nodes):  # the other nodes first, so that their puts are on their way early
+        n = (node + 1 + step) % nodes
+        token = dl.wait(gathered_flags + n * local_world_size, local_world_size, scope="sys", semantic="acquire",
+                        waitValue=epoch)
+        rows = dl.consume_token(gathered + n * local_world_size * row, token)
+        if n == node:  # this node's sum of this rank's chunk stays here
+            _sum_rows(rows, row, local_world_size, node_sums + node * row, start, stop, BLOCK)
+        else:
+            _sum_rows(rows, row, local_world_size, outgoing + n * row, start, stop, BLOCK)
+            push_slice(outgoing + n * row, node_sums + node * row, start, stop, sum_flags + node, epoch,
+                       n * local_world_size + local, local_world_size, BLOCK)
+    for n in range(nodes):
+        if n != node:
+            dl.wait(sum_flags + n, 1, scope="sys", semantic="acquire", waitValue=epoch)
+    _sum_rows(node_sums, row, nodes, out_ptr, start, stop, BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@triton.jit
+def _add_slice(x_ptr, partial_ptr, with_partial, dst_ptr, start, stop, BLOCK: tl.constexpr):
+    """dst[start:stop] = x + partial (x alone unless `with_partial`), summed in fp32."""
+    offsets = tl.arange(0, BLOCK)
+    for offset in range(start, stop, BLOCK):
+        mask = offset + offsets < stop
+        total = tl.load(x_ptr + offset + offsets, mask=mask).to(tl.float32)
+        if with_partial:
+            total += tl.load(partial_ptr + offset + offsets, mask=mask).to(tl.float32)
+        tl.store(dst_ptr + offset + offsets, total.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def reduce_scatter_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
+                               local_world_size, splits, BLOCK: tl.constexpr):
+    """A slot of `staging` (fp32) holds world-1 received partials, then the world-1 this rank
+    sends, `row` apart; flag (step, split) says received partial `step` is here."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    successor = (me + 1) % world
+    split = tl.program_id(0)
+    start, stop = split_bounds(m, split, splits, BLOCK)
+    received = staging_ptr + (epoch % 2) * slot_numel
+    sent = received + (world - 1) * row
+    flags = flags_ptr + (epoch % 2) * (world * splits)
+    for step in range(world):
+        partial = received + (step - 1) * row
+        if step > 0:
+            token = dl.wait(flags + (step - 1) * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+            partial = dl.consume_token(partial, token)
+        if step < world - 1:
+            chunk = (me + world - 1 - step) % world
+            _add_slice(x_ptr + chunk * m, partial, step > 0, sent + step * row, start, stop, BLOCK)
+            push_slice(sent + step * row, received + step * row, start, stop, flags + step * splits + split, epoch,
+                       successor, local_world_size, BLOCK)
+        else:  # the partial of this rank's chunk has been through every other rank
+            _add_slice(x_ptr + me * m, partial, step > 0, out_ptr, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -224,10 +321,16 @@ class ReduceScatter:
         self.method = choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
         self.chunk = numel // w.world_size
         self.splits = _protocol.splits_for(self.chunk, BLOCK, _protocol.programs_limit(programs, w))
+        self.row = row_stride(self.chunk)
         if self.method == "ce":
             self.transfer = CopyEnginePush(self.chunk, dtype)
+        elif self.method == "ring":  # fp32 partials: world-1 received and world-1 sent rows
+            self.workspace = Workspace(2 * max(1, w.world_size - 1) * self.row, torch.float32,
+                                       w.world_size * self.splits)
+        elif self.method == "2d":  # flags for the rows, then for the node sums
+            self.workspace = Workspace(w.world_size * self.row, dtype, (w.world_size + w.nnodes) * self.splits)
+            self.sums = tridist.symm_empty((2, 2 * w.nnodes * self.row), torch.float32)
         else:
-            self.row = row_stride(self.chunk)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,15 +353,23 @@ class ReduceScatter:
             transfer.join()
             return out
         ws = self.workspace
-        reduce_scatter_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row,
-                                              ws.slot_numel, w.local_world_size, splits=self.splits, BLOCK=BLOCK)
+        if self.method == "2d":
+            reduce_scatter_2d_kernel[(self.splits,)](x, out, ws.staging, self.sums, ws.flags, ws.calls, self.chunk,
+                                                     self.row, ws.slot_numel, w.local_world_size, splits=self.splits,
+                                                     BLOCK=BLOCK)
+            return out
+        kernel = reduce_scatter_ring_kernel if self.method == "ring" else reduce_scatter_kernel
+        kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row, ws.slot_numel,
+                               w.local_world_size, splits=self.splits, BLOCK=BLOCK)
         return out
 
     def free(self) -> None:
         if self.method == "ce":
             self.transfer.free()
-        else:
-            self.workspace.free()
+            return
+        if self.method == "2d":
+            tridist.symm_free(self.sums)
+        self.workspace.free()
 
 
 class AllReduce:
@@ -364,8 +475,11 @@ def choose_reduce_scatter(nbytes: int, world) -> str:
     """One-shot while latency dominates; from 16 MB on one node the copy engines, which move the
     data without SMs while the sum of the chunks that have landed goes on. On 2 x H200, bf16,
     one-shot beat NCCL from 16 KB to 4 MB and lost to it from 16 MB
-    (benchmarks/results/reducescatter-*-2026-11-22.json)."""
-    if world.nnodes == 1 and world.world_size > 1 and nbytes >= 16 << 20:
+    (benchmarks/results/reducescatter-*-2026-11-22.json). Across nodes "2d" puts each node's sum
+    over the network once (not measured across nodes yet)."""
+    if world.nnodes > 1:
+        return "2d"
+    if world.world_size > 1 and nbytes >= 16 << 20:
         return "ce"
     return "one_shot"
 
