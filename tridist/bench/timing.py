@@ -1,10 +1,12 @@
 """Timing across ranks: CUDA events, warm-up, many repetitions, the median, the slowest rank.
 
-Every repetition starts from a host barrier and then a one-element NCCL all-reduce queued just
-before the start event, so that the GPUs, not only the hosts, start together: a rank whose host
-launched late would otherwise make its peers' first call wait, and that wait would be counted (it
-moved small-message figures by up to 1.5 us between runs). Small operations are captured `inner`
-times in a CUDA graph so that launch overhead is not what gets measured.
+Every repetition starts from a host barrier, then queues a busy-wait of the GPU, a one-element
+NCCL all-reduce and the start event ahead of the timed calls: the busy-wait gives every host time
+to queue the calls before its GPU reaches them, and the all-reduce lets the GPUs leave together, so
+a rank whose host was late does not make its peers' first call wait inside the timing. (Without
+the busy-wait, the same kernel timed twice in one run differed by up to 1.2 us at 4 KB.) Small
+operations are captured `inner` times in a CUDA graph so that launch overhead is not what gets
+measured.
 
 Only torch.distributed is used here, never tridist's runtime: `tridist.bench.torch_fused` times
 PyTorch's fused ops with these same functions in a process where tridist is never initialised.
@@ -58,12 +60,16 @@ def op_us(fn) -> float:
     return us
 
 
+HEAD_START_CYCLES = 1_000_000  # about 0.5 ms of GPU clock: longer than a host takes to queue a repetition
+
+
 def _start_together() -> None:
-    """Returns once this rank's queued GPU work has finished and every rank has got here, with an
-    all-reduce queued that every GPU leaves at about the same time."""
+    """Returns once this rank's queued GPU work has finished and every rank has got here, with a
+    busy-wait and an all-reduce queued that every GPU leaves at about the same time."""
     torch.cuda.synchronize()
     if dist.is_initialized():
         dist.barrier()
+        torch.cuda._sleep(HEAD_START_CYCLES)
         dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
 
 

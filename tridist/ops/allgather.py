@@ -313,14 +313,15 @@ def spread_tasks(world) -> int:
 
 def choose_method(total_bytes: int, world) -> str:
     """Crossovers measured on 2 x H200, bf16 (benchmarks/results/allgather-*-2026-11-22.json): LL
-    packets were fastest up to 1 MB (3.96 us at 4 KB, 7.84 us at 1 MB), SM push from 4 MB to 16 MB,
-    the copy engines at 256 MB. Across nodes "2d" sends each shard over the network once per node,
-    where push sends it once per rank (not measured across nodes yet)."""
+    packets were fastest up to 1 MB (3.5 us at 4 KB, 8.2 us at 1 MB), SM push from 4 MB to 64 MB
+    (180 us at 64 MB, copy engines 222 us), the copy engines at 256 MB (506 us, push 681 us).
+    Across nodes "2d" sends each shard over the network once per node, where push sends it once
+    per rank (not measured across nodes yet)."""
     if world.nnodes > 1:
         return "2d"
     if total_bytes <= 1 << 20:
         return "ll"
-    if total_bytes <= 32 << 20:
+    if total_bytes <= 64 << 20:
         return "push"
     return "ce"
 

@@ -472,29 +472,34 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:
-    """One-shot while latency dominates; from 16 MB on one node the copy engines, which move the
-    data without SMs while the sum of the chunks that have landed goes on. On 2 x H200, bf16,
-    one-shot beat NCCL from 16 KB to 4 MB and lost to it from 16 MB
-    (benchmarks/results/reducescatter-*-2026-11-22.json). Across nodes "2d" puts each node's sum
-    over the network once (not measured across nodes yet)."""
+    """From the run on 2 x H200, bf16 (benchmarks/results/reducescatter-*-2026-11-22.json): with
+    two ranks the ring (one hop: each rank adds its part to what its peer sent) was fastest up to
+    1 MB (6.5-10.8 us, one-shot 7.8-12.1 us); one-shot from 4 MB to 64 MB; the copy engines at
+    256 MB (516 us, one-shot 881 us), not at 16 or 64 MB. With more ranks the ring takes world-1
+    hops, so one-shot stays the small-message method. Across nodes "2d" puts each node's sum over
+    the network once (not measured across nodes yet)."""
     if world.nnodes > 1:
         return "2d"
-    if world.world_size > 1 and nbytes >= 16 << 20:
+    if world.world_size == 2 and nbytes <= 1 << 20:
+        return "ring"
+    if world.world_size > 1 and nbytes >= 128 << 20:
         return "ce"
     return "one_shot"
 
 
 def choose_all_reduce(nbytes: int, world) -> str:
-    """By what each rank sends: LL packets (twice the bytes, no signal round trip) up to 1 MB, one
-    shot up to 4 MB, then two shots, on the copy engines on one node. On 2 x H200, bf16: LL was
-    fastest up to 1 MB (6.4-11.6 us), one-shot at 4 MB, the SM two-shot lost to NCCL from 16 MB
-    (benchmarks/results/allreduce-*-2026-11-22.json)."""
+    """By what each rank sends, from the run on 2 x H200, bf16
+    (benchmarks/results/allreduce-*-2026-11-22.json): LL packets (twice the bytes, no signal round
+    trip) were fastest up to 1 MB (3.9-11.2 us), one-shot at 4 MB, the SM two-shot at 16 MB (88 us,
+    copy engines 129 us), the copy-engine two-shot from 64 MB (371 us, SM two-shot 393 us)."""
     sent = nbytes * (world.world_size - 1)
     if world.nnodes == 1 and sent <= 1 << 20:
         return "ll"
     if sent <= 4 << 20:
         return "one_shot"
-    return "ce" if world.nnodes == 1 else "two_shot"
+    if world.nnodes == 1 and sent >= 64 << 20:
+        return "ce"
+    return "two_shot"
 
 
 def _check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> None:
