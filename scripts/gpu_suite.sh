@@ -21,7 +21,8 @@ python -m tridist info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/info.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   targets=("$@"); [ ${#targets[@]} -eq 0 ] && targets=(tests)
-  timeout ${TESTS_TIMEOUT:-330} python -m pytest -q --ignore=tests/test_gpu_compile.py "${targets[@]}" 2>&1 | tee "$OUT/tests.log"
+  # -v: when the call's time runs out, the log still says which tests passed
+  timeout ${TESTS_TIMEOUT:-330} python -m pytest -v --ignore=tests/test_gpu_compile.py "${targets[@]}" 2>&1 | tee "$OUT/tests.log"
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
