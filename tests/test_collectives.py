@@ -162,6 +162,8 @@ def _bad_input(w):
         ops.all_gather(x, out=torch.empty(3, device=w.device))
     with pytest.raises(ValueError, match="multiple of the world size|multiple of world_size"):
         ops.reduce_scatter(torch.zeros(w.world_size * 4 + 1, device=w.device))
+    with pytest.raises(ValueError, match="programs must be a positive int"):
+        ops.AllGather(8, torch.float32, "push", programs=0)
     op = ops.AllReduce(8, torch.float32)
     with pytest.raises(ValueError, match="built for 8"):
         op(torch.zeros(9, device=w.device))
