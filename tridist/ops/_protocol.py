@@ -224,25 +224,24 @@ class CopyEnginePush:
         self.row = row_stride(numel)
         self.staging = tridist.symm_empty((w.world_size, self.row), dtype)
         self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32)
+        # What each peer's copy engines write into, in the order `push` visits the peers (next first).
+        self.peers = [(w.rank + step) % w.world_size for step in range(1, w.world_size)]
+        self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.peers]
+        self.remote_flags = [tridist.peer_tensor(self.flags, peer) for peer in self.peers]
         # A stream per peer, so that the copies to different peers run on different copy engines.
-        self.streams = [torch.cuda.Stream(w.device) for _ in range(w.world_size - 1)] \
-            if w.device.type == "cuda" else []
+        self.streams = [torch.cuda.Stream(w.device) for _ in self.peers] if w.device.type == "cuda" else []
 
     def push(self, sources) -> None:
         """Queue, after what the current stream has queued, `sources[p]` (a 1-D tensor of at most
         `numel` elements, for every peer p) into row `rank` of p's staging, the next peer first."""
-        w = self.world
-        for step in range(1, w.world_size):
-            peer = (w.rank + step) % w.world_size
-            with self._side_stream(step - 1):
-                remote = tridist.peer_tensor(self.staging, peer)[w.rank]
-                remote_flags = tridist.peer_tensor(self.flags, peer)
-                source = sources[peer]
+        for index, peer in enumerate(self.peers):
+            with self._side_stream(index):
+                remote, source = self.remote_rows[index], sources[peer]
                 for chunk in range(self.chunks):
                     start, stop = chunk * self.chunk, min((chunk + 1) * self.chunk, source.numel())
                     if start < stop:
                         remote[start:stop].copy_(source[start:stop])
-                    raise_flag(remote_flags, w.rank * self.chunks + chunk)
+                    raise_flag(self.remote_flags[index], self.world.rank * self.chunks + chunk)
 
     def join(self) -> None:
         """The current stream waits for the transfers; then this rank's flags are zeroed for the next call."""
