@@ -2,6 +2,8 @@
 # The whole GPU test suite and the benchmarks in one command, for a lent multi-GPU machine:
 #   bash scripts/gpu_suite.sh [tests|bench|all] [pytest args: default "tests"]
 #   BENCHES="gemm ag_gemm" BENCH_ARGS=--tune bash scripts/gpu_suite.sh bench   (default: every benchmark)
+#   NPROC=2 bash scripts/gpu_suite.sh bench   (benchmark ranks; default: every GPU of the machine)
+#   TRIDIST_TEST_WORLDS=4,2x2 bash scripts/gpu_suite.sh tests   (test worlds; see tests/harness.py)
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
 # gemm_rs is asked for: they read its JSON for their "torch fused us" column.
 # Runs from the repository without installing it (that machine has no network; its image has
@@ -17,6 +19,7 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export TRITON_CACHE_DIR=$PWD/.triton-cache
 if [ -f .triton-cache.tar.gz ]; then tar xzf .triton-cache.tar.gz; fi
 status=0
+nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
 python -m tridist info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/info.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -33,7 +36,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   for bench in $benches; do
     # torch_fused measures the ag_gemm/gemm_rs default shapes and takes none of BENCH_ARGS (e.g. --tune)
     args=${BENCH_ARGS:-}; [ "$bench" = torch_fused ] && args=
-    timeout ${BENCH_TIMEOUT:-240} python -m tridist bench $bench -n 2 --out benchmarks/results $args 2>&1 | tee -a "$OUT/bench.log"
+    timeout ${BENCH_TIMEOUT:-240} python -m tridist bench $bench -n $nproc --out benchmarks/results $args 2>&1 | tee -a "$OUT/bench.log"
     status=$((status | ${PIPESTATUS[0]}))
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results

@@ -42,7 +42,8 @@ def default_worlds() -> list[str]:
     if backend() == "nvshmem":
         import torch
 
-        return ["1", "2", "2x1"] if torch.cuda.device_count() >= 2 else ["1"]
+        gpus = torch.cuda.device_count()
+        return ["1"] + (["2", "2x1"] if gpus >= 2 else []) + (["4", "2x2"] if gpus >= 4 else [])
     return ["1", "2", "3", "4", "2x2", "8", "2x4"]
 
 

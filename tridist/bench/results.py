@@ -15,6 +15,8 @@ def environment() -> dict:
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
         info["gpus"] = torch.cuda.device_count()
+        # ranks that ran the benchmark; name the file after them, not after the GPUs the machine has
+        info["ranks"] = int(os.environ.get("WORLD_SIZE", info["gpus"]))
         info["cuda"] = torch.version.cuda
     return info
 
@@ -33,7 +35,7 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
     env = environment()
     os.makedirs(folder, exist_ok=True)
     device = env.get("device", "cpu").replace(" ", "-").lower()
-    path = os.path.join(folder, f"{name}-{device}x{env.get('gpus', 1)}-{env['date']}.json")
+    path = os.path.join(folder, f"{name}-{device}x{env.get('ranks', 1)}-{env['date']}.json")
     with open(path, "w") as f:
         json.dump({"benchmark": name, **env, **(extra or {}), "rows": rows}, f, indent=1)
     return path
