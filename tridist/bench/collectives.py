@@ -87,8 +87,10 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, pro
             x = torch.randn(numel, device=w.device).to(dtype)
             out = x.clone()
         graph = nbytes <= GRAPH_LIMIT
-        reference = out.clone()
-        _nccl(name, x, reference)()
+        # Sums are checked against NCCL in fp32: NCCL in bf16 rounds at every hop, which differs from
+        # our fp32 accumulation by more than any fair tolerance where the ranks' values cancel.
+        reference = out.float() if name != "allgather" else out.clone()
+        _nccl(name, x if name == "allgather" else x.float(), reference)()
         row = {"bytes": nbytes}
         nccl_us = slowest(time_us(_nccl(name, x, out.clone()), graph=graph))
         row["NCCL us"] = nccl_us
@@ -110,7 +112,7 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, pro
                 if name == "allgather":
                     ok = torch.equal(result, reference)
                 else:
-                    ok = torch.allclose(result.float(), reference.float(), rtol=2e-2, atol=2e-2)
+                    ok = torch.allclose(result.float(), reference, rtol=1e-2, atol=1e-2)
                 if slowest(0.0 if ok else 1.0) != 0.0:
                     # Reported and left out of the table; the other methods still run.
                     print(f"WRONG RESULT: {name} {method} (programs={cap}) at {nbytes} bytes", file=sys.stderr)
