@@ -114,9 +114,10 @@ def cases():
                                                  "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                                                  "splits": "i32", "BLOCK": "constexpr"},
          {"BLOCK": allreduce.BLOCK}),
-        *[(allreduce.all_reduce_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
-                                             "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
-                                             "DTYPE": "constexpr", "splits": "i32", "BLOCK": "constexpr"},
+        *[(allreduce.reduce_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
+                                         "calls_ptr": "*i64", "n": "i32", "peer_stride": "i32", "row": "i32",
+                                         "slot_numel": "i32", "DTYPE": "constexpr", "splits": "i32",
+                                         "BLOCK": "constexpr"},
            {"DTYPE": dtype, "BLOCK": allreduce.LL_BLOCK}) for dtype in (tl.bfloat16, tl.float32)],
         (lang.push_allgather_kernel, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
                                       "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
@@ -167,7 +168,7 @@ def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False)
 
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
-                "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "all_reduce_ll_kernel", "reduce_ce_kernel"}
+                "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "reduce_ll_kernel", "reduce_ce_kernel"}
 
 
 def main() -> int:

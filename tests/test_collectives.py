@@ -76,7 +76,7 @@ def test_all_gather_auto(world):
 
 def _reduce_scatter(w, method, dtype, rows, calls):
     shape = (w.world_size * rows, 3)
-    if method == "ce" and w.nnodes > 1:
+    if method in ("ll", "ce") and w.nnodes > 1:
         with pytest.raises(ValueError, match="within one node"):
             ops.ReduceScatter(shape[0] * shape[1], dtype, method)
         return
@@ -93,10 +93,11 @@ def _reduce_scatter(w, method, dtype, rows, calls):
     op.free()
 
 
-@pytest.mark.parametrize("method", ["one_shot", "ce", "2d", "ring"])
+@pytest.mark.parametrize("method", ["ll", "one_shot", "ce", "2d", "ring"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reduce_scatter(world, method, dtype):
-    world.run(_reduce_scatter, method=method, dtype=dtype, rows=45, calls=3)
+    # LL moves 4-byte words: an even count of 16-bit elements per rank
+    world.run(_reduce_scatter, method=method, dtype=dtype, rows=46 if method == "ll" else 45, calls=3)
 
 
 def _all_reduce(w, method, dtype, numel, calls, in_place):
@@ -164,10 +165,27 @@ def _bad_input(w):
         ops.reduce_scatter(torch.zeros(w.world_size * 4 + 1, device=w.device))
     with pytest.raises(ValueError, match="programs must be a positive int"):
         ops.AllGather(8, torch.float32, "push", programs=0)
+    if w.nnodes == 1:
+        with pytest.raises(ValueError, match="4-byte words"):
+            ops.ReduceScatter(w.world_size * 3, torch.bfloat16, "ll")
     op = ops.AllReduce(8, torch.float32)
     with pytest.raises(ValueError, match="built for 8"):
         op(torch.zeros(9, device=w.device))
     op.free()
+
+
+def _auto_odd_sizes(w):
+    """`auto` never picks LL packets for data that is not whole 4-byte words."""
+    x = torch.arange(3 * w.world_size, dtype=torch.bfloat16, device=w.device) + w.rank
+    everyone = [torch.arange(3 * w.world_size, dtype=torch.float64) + r for r in range(w.world_size)]
+    total = sum(everyone)
+    assert torch.equal(ops.all_gather(x).cpu().double(), torch.cat(everyone))
+    assert torch.equal(ops.all_reduce(x).cpu().double(), total)
+    assert torch.equal(ops.reduce_scatter(x).cpu().double(), total[3 * w.rank:3 * (w.rank + 1)])
+
+
+def test_auto_odd_sizes(world):
+    world.run(_auto_odd_sizes)
 
 
 def test_bad_input_fails_before_launch(world):
@@ -208,8 +226,8 @@ def _graph_replays(w, replays):
     n = 4096
     cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "pull", "ll", "ce", "2d", "ring")
              if w.nnodes == 1 or m in ("push", "2d", "ring")]
-    cases += [(ops.ReduceScatter(n, torch.bfloat16, m), "scatter") for m in ("one_shot", "ce", "2d", "ring")
-              if w.nnodes == 1 or m != "ce"]
+    cases += [(ops.ReduceScatter(n, torch.bfloat16, m), "scatter") for m in ("ll", "one_shot", "ce", "2d", "ring")
+              if w.nnodes == 1 or m not in ("ll", "ce")]
     cases += [(ops.AllReduce(n, torch.bfloat16, m), "reduce") for m in ("one_shot", "two_shot", "ll", "ce")
               if w.nnodes == 1 or m not in ("ll", "ce")]
     for op, kind in cases:

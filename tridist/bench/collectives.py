@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import tridist
 from tridist import ops
+from tridist.ops import allgather, allreduce
 
 from ..runtime.config import parse_bytes
 from .results import save, table
@@ -20,9 +21,8 @@ from .timing import slowest, time_us
 
 OPS = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}
 CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
-METHODS = {"allgather": ("auto", "push", "pull", "ll", "ce", "2d", "ring"),
-           "reducescatter": ("auto", "one_shot", "ce", "2d", "ring"),
-           "allreduce": ("auto", "one_shot", "two_shot", "ll", "ce")}
+METHODS = {"allgather": allgather.METHODS, "reducescatter": allreduce.REDUCE_SCATTER_METHODS,
+           "allreduce": allreduce.ALL_REDUCE_METHODS}
 # Sizes each method is timed at: LL packets double the bytes on the wire (small messages only); the
 # copy-engine methods pay a barrier and a copy launch per chunk (large messages only).
 LIMITS = {"ll": (0, 1 << 20), "ce": (1 << 20, 1 << 62)}

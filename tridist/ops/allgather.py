@@ -312,18 +312,21 @@ def spread_tasks(world) -> int:
 
 
 def choose_method(total_bytes: int, world) -> str:
-    """Crossovers measured on 2 x H200, bf16 (benchmarks/results/allgather-*-2026-11-22.json): LL
-    packets were fastest up to 1 MB (3.5 us at 4 KB, 8.2 us at 1 MB), SM push from 4 MB to 64 MB
-    (180 us at 64 MB, copy engines 222 us), the copy engines at 256 MB (506 us, push 681 us).
-    Across nodes "2d" sends each shard over the network once per node, where push sends it once
-    per rank (not measured across nodes yet)."""
+    """Crossovers measured on H200s joined by NVLink, bf16 (benchmarks/results/allgather-*-2026-11-22.json,
+    2 and 4 ranks): LL packets were fastest up to 1 MB (3.4-3.5 us at 4 KB, 8.2-8.5 us at 1 MB), SM
+    push from 4 MB to 16 MB (17.6-53 us); at 64 MB push and ring ran even with 2 ranks (180, 182 us)
+    and the ring won with 4 (200 us, push 241); at 256 MB the copy engines won with 2 ranks (506 us,
+    ring 681), the ring with 4 (849 us, copy engines 981). Across nodes "2d" sends each shard over
+    the network once per node, where push sends it once per rank (not measured across nodes yet)."""
     if world.nnodes > 1:
         return "2d"
-    if total_bytes <= 1 << 20:
+    if total_bytes <= 1 << 20 and total_bytes % (4 * world.world_size) == 0:
         return "ll"
-    if total_bytes <= 64 << 20:
+    if total_bytes <= 16 << 20:
         return "push"
-    return "ce"
+    if world.world_size == 2 and total_bytes > 64 << 20:
+        return "ce"
+    return "ring"
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:

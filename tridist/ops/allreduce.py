@@ -11,9 +11,10 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
 - "two_shot" (all_reduce): a reduce-scatter as above, then every rank pushes its reduced chunk to
   every peer (flags in the second half of the slot's signals). Each rank receives 2 (n-1)/n of the
   data instead of (n-1) x: best for large messages.
-- "ll" (all_reduce, one node): one-shot in low-latency packets (`dl.ll`): each 4-byte word of x
-  travels to every peer with the epoch as its flag, so there is no separate signal and no fence;
-  the words are summed in rank order, so every rank gets the same bits. For small messages.
+- "ll" (one node): one-shot in low-latency packets (`dl.ll`): each 4-byte word a peer sums travels
+  to it with the epoch as its flag (all of x to every peer for all_reduce, chunk p to rank p for
+  reduce_scatter), so there is no separate signal and no fence; the words are summed in rank
+  order, so every rank gets the same bits. For small messages.
 - "ce" (one node): the copy engines move the data (`CopyEnginePush`), so no SM drives NVLink: each
   rank's copy engines write chunk p of x into row `rank` of rank p's staging, a flag per piece,
   and a kernel sums the pieces as they land (reduce-scatter). For all_reduce the copy engines
@@ -47,7 +48,7 @@ from ._protocol import (CopyEnginePush, Workspace, call_epoch, check_input, chec
 from .allgather import all_gather_ce_kernel
 
 BLOCK = 2048
-REDUCE_SCATTER_METHODS = ("auto", "one_shot", "ce", "2d", "ring")
+REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
 ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll", "ce")
 LL_BLOCK = 1024  # words per step
 
@@ -268,11 +269,13 @@ def _bits16(values, dtype: tl.constexpr):
 
 
 @jit
-def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, DTYPE: tl.constexpr,
-                         splits, BLOCK: tl.constexpr):
-    """x and out are viewed as n int32 words, each one fp32 or two 16-bit floats of DTYPE; program s
-    sends its slice of words to row `rank` of every peer's packets, then sums the slice over the
-    ranks in rank order (its own words straight from x), so every rank gets the same bits."""
+def reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, peer_stride, row, slot_numel, DTYPE: tl.constexpr,
+                     splits, BLOCK: tl.constexpr):
+    """x and out are viewed as int32 words, each one fp32 or two 16-bit floats of DTYPE. Rank p gets
+    the sum over ranks of the n words at x + p * peer_stride: peer_stride is 0 for an all-reduce
+    (every rank sums all of x) and n for a reduce-scatter (rank p sums chunk p). Program s sends
+    its slice of what each peer sums to row `rank` of that peer's packets, then sums its slice over
+    the ranks in rank order (its own words straight from x), so every rank gets the same bits."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -280,13 +283,16 @@ def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
     start, stop = split_bounds(n, tl.program_id(0), splits, BLOCK)
     offsets = tl.arange(0, BLOCK)
     for step in range(1, world):
-        remote = dl.symm_at(stage + me * row, (me + step) % world)
+        peer = (me + step) % world
+        remote = dl.symm_at(stage + me * row, peer)
+        source = x_ptr + peer * peer_stride
         for offset in range(start, stop, BLOCK):
             mask = offset + offsets < stop
-            dl.ll.send(remote + offset + offsets, tl.load(x_ptr + offset + offsets, mask=mask), epoch, mask)
+            dl.ll.send(remote + offset + offsets, tl.load(source + offset + offsets, mask=mask), epoch, mask)
+    mine = x_ptr + me * peer_stride
     for offset in range(start, stop, BLOCK):
         mask = offset + offsets < stop
-        own = tl.load(x_ptr + offset + offsets, mask=mask)
+        own = tl.load(mine + offset + offsets, mask=mask)
         low = tl.zeros([BLOCK], tl.float32)
         high = tl.zeros([BLOCK], tl.float32)
         for peer in range(world):
@@ -307,6 +313,32 @@ def all_reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
     finish_call(calls_ptr)
 
 
+class LowLatencyPackets:
+    """The LL method's state: `words` int32 words summed per rank, and packet rows for every rank."""
+
+    def __init__(self, what: str, numel: int, dtype: torch.dtype, limit: int):
+        w = tridist.world()
+        if w.nnodes > 1:
+            raise ValueError(f"{what} method 'll' works within one node; this world has {w.nnodes} nodes: use "
+                             f"method='auto'")
+        if numel * dtype.itemsize % 4:
+            raise ValueError(f"{what} method 'll' moves 4-byte words: each rank's result must be a multiple of 4 "
+                             f"bytes, got {numel} elements of {dtype}")
+        self.words, self.dtype = numel * dtype.itemsize // 4, dtype
+        self.splits = _protocol.splits_for(self.words, LL_BLOCK, limit)
+        self.row = row_stride(self.words)
+        self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, peer_stride: int) -> None:
+        ws = self.workspace
+        reduce_ll_kernel[(self.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
+                                         ws.calls, self.words, peer_stride, self.row, ws.slot_numel,
+                                         DTYPE=_TRITON_DTYPES[self.dtype], splits=self.splits, BLOCK=LL_BLOCK)
+
+    def free(self) -> None:
+        self.workspace.free()
+
+
 class ReduceScatter:
     """Sum-reduce-scatter of `numel` (a multiple of world_size) elements of `dtype` per rank.
     `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM)."""
@@ -322,7 +354,9 @@ class ReduceScatter:
         self.chunk = numel // w.world_size
         self.splits = _protocol.splits_for(self.chunk, BLOCK, _protocol.programs_limit(programs, w))
         self.row = row_stride(self.chunk)
-        if self.method == "ce":
+        if self.method == "ll":
+            self.packets = LowLatencyPackets("reduce_scatter", self.chunk, dtype, _protocol.programs_limit(programs, w))
+        elif self.method == "ce":
             self.transfer = CopyEnginePush(self.chunk, dtype)
         elif self.method == "ring":  # fp32 partials: world-1 received and world-1 sent rows
             self.workspace = Workspace(2 * max(1, w.world_size - 1) * self.row, torch.float32,
@@ -343,6 +377,9 @@ class ReduceScatter:
         if out is None:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
+        if self.method == "ll":
+            self.packets(x, out, peer_stride=self.packets.words)
+            return out
         if self.method == "ce":
             transfer = self.transfer
             tridist.barrier_all_on_stream()
@@ -364,6 +401,9 @@ class ReduceScatter:
         return out
 
     def free(self) -> None:
+        if self.method == "ll":
+            self.packets.free()
+            return
         if self.method == "ce":
             self.transfer.free()
             return
@@ -383,16 +423,11 @@ class AllReduce:
         self.numel, self.dtype = numel, dtype
         self.method = choose_all_reduce(numel * dtype.itemsize, w) if method == "auto" else method
         limit = _protocol.programs_limit(programs, w)
-        if self.method in ("ll", "ce") and w.nnodes > 1:
-            raise ValueError(f"all_reduce method {self.method!r} works within one node; this world has {w.nnodes} "
-                             "nodes: use method='one_shot' or 'two_shot'")
+        if self.method == "ce" and w.nnodes > 1:
+            raise ValueError(f"all_reduce method 'ce' works within one node; this world has {w.nnodes} nodes: use "
+                             "method='one_shot' or 'two_shot'")
         if self.method == "ll":
-            if numel * dtype.itemsize % 4:
-                raise ValueError("all_reduce method 'll' moves 4-byte words: x must be a multiple of 4 bytes")
-            self.words = numel * dtype.itemsize // 4
-            self.splits = _protocol.splits_for(self.words, LL_BLOCK, limit)
-            self.row = row_stride(self.words)
-            self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
+            self.packets = LowLatencyPackets("all_reduce", numel, dtype, limit)
         elif self.method == "one_shot":
             self.splits = _protocol.splits_for(numel, BLOCK, limit)
             self.row = row_stride(numel)
@@ -418,13 +453,10 @@ class AllReduce:
         if self.method == "ce":
             self._copy_engines(x, out)
             return out
-        ws = self.workspace
         if self.method == "ll":
-            all_reduce_ll_kernel[(self.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32),
-                                                 ws.staging, ws.calls, self.words, self.row, ws.slot_numel,
-                                                 DTYPE=_TRITON_DTYPES[self.dtype], splits=self.splits,
-                                                 BLOCK=LL_BLOCK)
+            self.packets(x, out, peer_stride=0)
             return out
+        ws = self.workspace
         if self.method == "one_shot":
             all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
                                                        ws.slot_numel, self.world.local_world_size, splits=self.splits,
@@ -461,7 +493,9 @@ class AllReduce:
         self.gather.join()
 
     def free(self) -> None:
-        if self.method == "ce":
+        if self.method == "ll":
+            self.packets.free()
+        elif self.method == "ce":
             self.scatter.free()
             self.gather.free()
         else:
@@ -472,32 +506,36 @@ _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:
-    """From the run on 2 x H200, bf16 (benchmarks/results/reducescatter-*-2026-11-22.json): with
-    two ranks the ring (one hop: each rank adds its part to what its peer sent) was fastest up to
-    1 MB (6.5-10.8 us, one-shot 7.8-12.1 us); one-shot from 4 MB to 64 MB; the copy engines at
-    256 MB (516 us, one-shot 881 us), not at 16 or 64 MB. With more ranks the ring takes world-1
-    hops, so one-shot stays the small-message method. Across nodes "2d" puts each node's sum over
-    the network once (not measured across nodes yet)."""
+    """From the runs on H200s joined by NVLink, bf16 (benchmarks/results/reducescatter-*-2026-11-22.json,
+    2 and 4 ranks): one-shot from 4 MB to 64 MB at both world sizes (2 ranks 18-237 us, 4 ranks
+    25-258 us); at 256 MB the copy engines with 2 ranks (516 us, one-shot 881) but one-shot with 4
+    (981 us, copy engines 1111: three peer streams per rank share them). Below 4 MB LL packets:
+    each rank sends (world-1)/world of x, so the limit is the all-reduce's 1 MB sent. Across nodes
+    "2d" puts each node's sum over the network once (not measured across nodes yet)."""
+    n = world.world_size
     if world.nnodes > 1:
         return "2d"
-    if world.world_size == 2 and nbytes <= 1 << 20:
-        return "ring"
-    if world.world_size > 1 and nbytes >= 128 << 20:
+    if n > 1 and nbytes * (n - 1) // n <= 1 << 20 and (nbytes // n) % 4 == 0:
+        return "ll"
+    if n == 2 and nbytes >= 128 << 20:
         return "ce"
     return "one_shot"
 
 
 def choose_all_reduce(nbytes: int, world) -> str:
-    """By what each rank sends, from the run on 2 x H200, bf16
+    """By what each rank sends, from the runs on H200s joined by NVLink, bf16
     (benchmarks/results/allreduce-*-2026-11-22.json): LL packets (twice the bytes, no signal round
-    trip) were fastest up to 1 MB (3.9-11.2 us), one-shot at 4 MB, the SM two-shot at 16 MB (88 us,
-    copy engines 129 us), the copy-engine two-shot from 64 MB (371 us, SM two-shot 393 us)."""
-    sent = nbytes * (world.world_size - 1)
-    if world.nnodes == 1 and sent <= 1 << 20:
+    trip) were fastest up to 1 MB sent (2 ranks: 3.9-11.2 us up to 1 MB; 4 ranks: 5.2-9.4 us up to
+    256 KB), one-shot up to 4 MB sent, then the SM two-shot (2 ranks: 88 us at 16 MB; 4 ranks:
+    42-1878 us from 4 MB to 256 MB). The copy-engine two-shot won from 64 MB with 2 ranks only
+    (371 us, SM two-shot 393); with 4 it took 1173 us at 64 MB where the SM two-shot took 484."""
+    n = world.world_size
+    sent = nbytes * (n - 1)
+    if world.nnodes == 1 and sent <= 1 << 20 and nbytes % 4 == 0:
         return "ll"
     if sent <= 4 << 20:
         return "one_shot"
-    if world.nnodes == 1 and sent >= 64 << 20:
+    if world.nnodes == 1 and n == 2 and sent >= 64 << 20:
         return "ce"
     return "two_shot"
 
