@@ -44,11 +44,14 @@ def configs(device: torch.device, flatten: bool = True) -> list[dict]:
 
 
 def default_config(device: torch.device, m: int, flatten: bool = True) -> dict:
-    """Without tuning: the big tile, or 64 x 128 tiles for a decode batch of up to 64 rows (enough
-    tiles for every SM). Measured on 2 x H200: benchmarks/results/gemm*-2026-11-22.json."""
+    """Without tuning: the big tile, or for a decode batch the tiles `tridist.tune` picked on 2 x H200
+    (64 x 128 up to 64 rows, 128 x 64 up to 128: enough tiles for every SM; benchmarks/NOTES.md).
+    With the big tile, M = 128 runs a tile per 256 columns: 32 programs for N = 8192, and gemm_ar's
+    GEMM alone took 23 us at 4 ranks (K = 2048) where 128 x 64 tiles had taken 22 us at 2 (K = 4096)."""
     candidates = configs(device, flatten)
-    if device.type == "cuda" and m <= 64:
-        return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == (64, 128))
+    if device.type == "cuda" and m <= 128:
+        tile = (64, 128) if m <= 64 else (128, 64)
+        return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == tile)
     return candidates[0]
 
 
