@@ -8,7 +8,9 @@
 # gemm_rs is asked for: they read its JSON for their "torch fused us" column.
 # Runs from the repository without installing it (that machine has no network; its image has
 # torch, triton and the NVSHMEM wheel). Logs, results and the Triton cache (kernels with NVSHMEM
-# linked take seconds each to compile) are written to $OUT, so the next call can carry the cache.
+# linked take seconds each to compile) are written to $OUT. The cache comes back as parts of 15 MB
+# (the device tool returns files of up to 16 MiB): copy $OUT/triton-cache.part-* into
+# .triton-cache-parts/ and carry that folder in the next call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -17,7 +19,9 @@ mkdir -p "$OUT" benchmarks/results
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export TRITON_CACHE_DIR=$PWD/.triton-cache
-if [ -f .triton-cache.tar.gz ]; then tar xzf .triton-cache.tar.gz; fi
+if compgen -G ".triton-cache-parts/triton-cache.part-*" >/dev/null; then
+  cat .triton-cache-parts/triton-cache.part-* | tar xz
+fi
 status=0
 nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
 python -m tridist info 2>&1 | tee "$OUT/info.txt"
@@ -41,5 +45,5 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
 fi
-tar czf "$OUT/triton-cache.tar.gz" .triton-cache 2>/dev/null
+tar cz .triton-cache 2>/dev/null | split -b 15M - "$OUT/triton-cache.part-"
 exit $status
