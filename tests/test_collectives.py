@@ -295,3 +295,27 @@ def test_two_streams(world, gather, scatter):
     if world.backend == "emulator":
         return  # streams need GPUs
     world.run(_two_streams, calls=20, gather=gather, scatter=scatter)
+
+
+@pytest.mark.parametrize("op, nbytes, ranks, nodes, method", [
+    ("all_gather", 4 << 10, 2, 1, "ll"), ("all_gather", 1 << 20, 4, 1, "ll"), ("all_gather", 6, 2, 1, "push"),
+    ("all_gather", 16 << 20, 4, 1, "push"), ("all_gather", 64 << 20, 4, 1, "ring"),
+    ("all_gather", 256 << 20, 2, 1, "ce"), ("all_gather", 256 << 20, 4, 1, "ring"), ("all_gather", 4 << 10, 4, 2, "2d"),
+    ("reduce_scatter", 4 << 10, 2, 1, "ll"), ("reduce_scatter", 1 << 20, 4, 1, "ll"),
+    ("reduce_scatter", 12, 2, 1, "one_shot"),
+    ("reduce_scatter", 4 << 20, 4, 1, "one_shot"), ("reduce_scatter", 256 << 20, 2, 1, "ce"),
+    ("reduce_scatter", 256 << 20, 4, 1, "one_shot"), ("reduce_scatter", 4 << 10, 4, 2, "2d"),
+    ("all_reduce", 4 << 10, 2, 1, "ll"), ("all_reduce", 6, 2, 1, "one_shot"), ("all_reduce", 1 << 20, 4, 1, "one_shot"),
+    ("all_reduce", 4 << 20, 4, 1, "two_shot"), ("all_reduce", 64 << 20, 2, 1, "ce"),
+    ("all_reduce", 64 << 20, 4, 1, "two_shot"), ("all_reduce", 4 << 10, 4, 2, "one_shot"),
+])
+def test_auto_crossovers(op, nbytes, ranks, nodes, method):
+    """What `auto` picks, by size, ranks and nodes: the crossovers measured on 2 and 4 H200s
+    (see the `choose_*` docstrings); host code only."""
+    from types import SimpleNamespace
+
+    from tridist.ops import allgather, allreduce
+
+    choose = {"all_gather": allgather.choose_method, "reduce_scatter": allreduce.choose_reduce_scatter,
+              "all_reduce": allreduce.choose_all_reduce}[op]
+    assert choose(nbytes, SimpleNamespace(world_size=ranks, nnodes=nodes)) == method
