@@ -130,6 +130,17 @@ def test_cuda_graph_replays(world):
 
 
 def _tuned(w, folder):
+    # On a GPU each config compiles for seconds (NVSHMEM linked): three of them (two without FLATTEN
+    # for gemm_rs) show the ranks agreeing as well as all six, in a fraction of the time.
+    all_configs = gemm.GPU_CONFIGS
+    gemm.GPU_CONFIGS = [all_configs[0]] + [c for c in all_configs if not c["FLATTEN"]][-2:]
+    try:
+        _tune_and_check(w, folder)
+    finally:
+        gemm.GPU_CONFIGS = all_configs
+
+
+def _tune_and_check(w, folder):
     os.environ["TRIDIST_TUNE_CACHE"] = folder
     m, k, n, dtype = 8 * w.world_size, 16, 24, torch.bfloat16
     a, b = _random((m, k), dtype, w.rank), _random((k, n), dtype, 10 + w.rank)
