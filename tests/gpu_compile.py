@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tridist.bench import primitives  # noqa: E402
-from tridist.ops import allgather, allgather_gemm, allreduce, gemm, gemm_reduce, sync  # noqa: E402
+from tridist.ops import _protocol, allgather, allgather_gemm, allreduce, gemm, gemm_reduce, sync  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402
@@ -84,7 +84,7 @@ def cases():
         (allgather.all_gather_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
                                            "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                            "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": allgather.LL_BLOCK}),
+         {"BLOCK": _protocol.LL_BLOCK}),
         *[(allgather.all_gather_ce_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i32", "n": "i32", "total": "i32", "row": "i32",
                                              "chunk": "i32", "chunks": "i32", "COPY_OWN": "constexpr",
@@ -118,7 +118,7 @@ def cases():
                                          "calls_ptr": "*i64", "n": "i32", "peer_stride": "i32", "row": "i32",
                                          "slot_numel": "i32", "DTYPE": "constexpr", "splits": "i32",
                                          "BLOCK": "constexpr"},
-           {"DTYPE": dtype, "BLOCK": allreduce.LL_BLOCK}) for dtype in (tl.bfloat16, tl.float32)],
+           {"DTYPE": dtype, "BLOCK": _protocol.LL_BLOCK}) for dtype in (tl.bfloat16, tl.float32)],
         (lang.push_allgather_kernel, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
                                       "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
         (lang.produce_kernel, {"data_ptr": "*i32", "flag_ptr": "*i64", "peer": "i32", "value": "i32", "n": "i32",

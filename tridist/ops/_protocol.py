@@ -65,6 +65,28 @@ class Workspace:
         tridist.symm_free(self.staging)
 
 
+LL_BLOCK = 1024  # packets per step of the low-latency kernels
+
+
+class PacketRows(Workspace):
+    """Staging for the low-latency (LL) methods: per slot, a row of `words` packets for each rank
+    (`dl.ll`: a 4-byte word and its flag in 8 bytes), moved by `splits` programs per row. `what`
+    names the op in the error raised where the data is not whole 4-byte words."""
+
+    def __init__(self, what: str, nbytes: int, programs: int):
+        w = tridist.world()
+        if w.nnodes > 1:
+            raise ValueError(f"{what} method 'll' works within one node; this world has {w.nnodes} nodes: use "
+                             "method='auto'")
+        if nbytes % 4:
+            raise ValueError(f"{what} method 'll' moves 4-byte words: each rank's part must be a multiple of 4 "
+                             f"bytes, got {nbytes}")
+        self.words = nbytes // 4
+        self.splits = splits_for(self.words, LL_BLOCK, programs)
+        self.row = row_stride(self.words)
+        super().__init__(w.world_size * self.row, torch.int64, 1)
+
+
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 

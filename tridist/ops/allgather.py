@@ -30,7 +30,6 @@ Methods
   independently, so the steps overlap.
 """
 import torch
-import triton
 import triton.language as tl
 
 import tridist
@@ -38,14 +37,13 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import (CopyEnginePush, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
+from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
                         placement, push_slice, row_stride, split_bounds, wait_chunks)
 
 METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
 DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 BLOCK = 2048
-LL_BLOCK = 1024  # packets per step
 
 
 @jit
@@ -230,15 +228,11 @@ class AllGather:
         if self.method in ("pull", "ll", "ce") and w.nnodes > 1:
             raise ValueError(f"all_gather method {self.method!r} works within one node; this world has {w.nnodes} "
                              "nodes: use method='2d' or 'push'")
-        if self.method == "ll" and nbytes % 4:
-            raise ValueError("all_gather method 'll' moves 4-byte words: the shard must be a multiple of 4 bytes")
         limit = _protocol.programs_limit(programs, w)
         per_peer = max(1, limit // w.world_size)
         if self.method == "ll":
-            self.words = nbytes // 4
-            self.splits = _protocol.splits_for(self.words, LL_BLOCK, per_peer)
-            self.row = row_stride(self.words)
-            self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
+            self.workspace = PacketRows("all_gather", nbytes, per_peer)
+            self.splits = self.workspace.splits
         elif self.method == "pull":
             self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
             self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
@@ -286,8 +280,7 @@ class AllGather:
         elif self.method == "ll":
             ws = self.workspace
             all_gather_ll_kernel[grid](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
-                                       ws.calls, self.words, self.row, ws.slot_numel, splits=self.splits,
-                                       BLOCK=LL_BLOCK)
+                                       ws.calls, ws.words, ws.row, ws.slot_numel, splits=self.splits, BLOCK=LL_BLOCK)
         else:
             transfer = self.transfer
             tridist.barrier_all_on_stream()

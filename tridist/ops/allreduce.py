@@ -43,14 +43,13 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import (CopyEnginePush, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
+from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
                         placement, push_slice, row_stride, split_bounds, wait_chunks)
 from .allgather import all_gather_ce_kernel
 
 BLOCK = 2048
 REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
 ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll", "ce")
-LL_BLOCK = 1024  # words per step
 
 
 @triton.jit
@@ -313,32 +312,6 @@ def reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, peer_stride, row
     finish_call(calls_ptr)
 
 
-class LowLatencyPackets:
-    """The LL method's state: `words` int32 words summed per rank, and packet rows for every rank."""
-
-    def __init__(self, what: str, numel: int, dtype: torch.dtype, limit: int):
-        w = tridist.world()
-        if w.nnodes > 1:
-            raise ValueError(f"{what} method 'll' works within one node; this world has {w.nnodes} nodes: use "
-                             f"method='auto'")
-        if numel * dtype.itemsize % 4:
-            raise ValueError(f"{what} method 'll' moves 4-byte words: each rank's result must be a multiple of 4 "
-                             f"bytes, got {numel} elements of {dtype}")
-        self.words, self.dtype = numel * dtype.itemsize // 4, dtype
-        self.splits = _protocol.splits_for(self.words, LL_BLOCK, limit)
-        self.row = row_stride(self.words)
-        self.workspace = Workspace(w.world_size * self.row, torch.int64, 1)
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, peer_stride: int) -> None:
-        ws = self.workspace
-        reduce_ll_kernel[(self.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
-                                         ws.calls, self.words, peer_stride, self.row, ws.slot_numel,
-                                         DTYPE=_TRITON_DTYPES[self.dtype], splits=self.splits, BLOCK=LL_BLOCK)
-
-    def free(self) -> None:
-        self.workspace.free()
-
-
 class ReduceScatter:
     """Sum-reduce-scatter of `numel` (a multiple of world_size) elements of `dtype` per rank.
     `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM)."""
@@ -355,7 +328,8 @@ class ReduceScatter:
         self.splits = _protocol.splits_for(self.chunk, BLOCK, _protocol.programs_limit(programs, w))
         self.row = row_stride(self.chunk)
         if self.method == "ll":
-            self.packets = LowLatencyPackets("reduce_scatter", self.chunk, dtype, _protocol.programs_limit(programs, w))
+            self.workspace = PacketRows("reduce_scatter", self.chunk * dtype.itemsize,
+                                        _protocol.programs_limit(programs, w))
         elif self.method == "ce":
             self.transfer = CopyEnginePush(self.chunk, dtype)
         elif self.method == "ring":  # fp32 partials: world-1 received and world-1 sent rows
@@ -378,7 +352,7 @@ class ReduceScatter:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
         if self.method == "ll":
-            self.packets(x, out, peer_stride=self.packets.words)
+            _reduce_packets(self.workspace, x, out, peer_stride=self.workspace.words)
             return out
         if self.method == "ce":
             transfer = self.transfer
@@ -401,9 +375,6 @@ class ReduceScatter:
         return out
 
     def free(self) -> None:
-        if self.method == "ll":
-            self.packets.free()
-            return
         if self.method == "ce":
             self.transfer.free()
             return
@@ -427,7 +398,7 @@ class AllReduce:
             raise ValueError(f"all_reduce method 'ce' works within one node; this world has {w.nnodes} nodes: use "
                              "method='one_shot' or 'two_shot'")
         if self.method == "ll":
-            self.packets = LowLatencyPackets("all_reduce", numel, dtype, limit)
+            self.workspace = PacketRows("all_reduce", numel * dtype.itemsize, limit)
         elif self.method == "one_shot":
             self.splits = _protocol.splits_for(numel, BLOCK, limit)
             self.row = row_stride(numel)
@@ -454,7 +425,7 @@ class AllReduce:
             self._copy_engines(x, out)
             return out
         if self.method == "ll":
-            self.packets(x, out, peer_stride=0)
+            _reduce_packets(self.workspace, x, out, peer_stride=0)
             return out
         ws = self.workspace
         if self.method == "one_shot":
@@ -493,9 +464,7 @@ class AllReduce:
         self.gather.join()
 
     def free(self) -> None:
-        if self.method == "ll":
-            self.packets.free()
-        elif self.method == "ce":
+        if self.method == "ce":
             self.scatter.free()
             self.gather.free()
         else:
@@ -503,6 +472,12 @@ class AllReduce:
 
 
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, peer_stride: int) -> None:
+    reduce_ll_kernel[(packets.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), packets.staging,
+                                        packets.calls, packets.words, peer_stride, packets.row, packets.slot_numel,
+                                        DTYPE=_TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK)
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:

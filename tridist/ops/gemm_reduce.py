@@ -165,7 +165,6 @@ def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, 
     gathered = _tile(received, world * per_shard, BLOCK_M, BLOCK_N)
     received_flags = flags_ptr + slot * 2 * world * per_shard
     gathered_flags = received_flags + world * per_shard
-    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     for tile in range(tl.program_id(0), world * per_shard, tl.num_programs(0)):
         shard = (me + 1 + tile // per_shard) % world
         t = tile % per_shard

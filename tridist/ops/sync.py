@@ -1,6 +1,5 @@
 """Synchronisation a host queues on a stream: a barrier across ranks, and a timed busy-wait."""
 import torch
-import triton
 import triton.language as tl
 
 from .. import language as dl
