@@ -49,6 +49,11 @@ def _gemm_cases():
                                                 "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr",
                                                 **blocks},
                {"SCATTER": scatter, **config}, options) for scatter in (() if flat else (True, False))],
+            *[(gemm_reduce.gemm_ar_ll_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*i32", "own_ptr": "*bf16",
+                                               "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                               "K": "i32", "row": "i32", "slot_numel": "i32", "DTYPE": "constexpr",
+                                               "STEP": "constexpr", **blocks},
+               {"DTYPE": tl.bfloat16, "STEP": 2048, **config}, options) for _ in (() if flat else (1,))],
             *[(gemm_reduce.gemm_rs_2d_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
                                                "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
                                                "K": "i32", "local_world_size": "i32", **blocks}, config, options)
@@ -168,7 +173,8 @@ def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False)
 
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
-                "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "reduce_ll_kernel", "reduce_ce_kernel"}
+                "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "reduce_ll_kernel", "reduce_ce_kernel",
+                "gemm_ar_ll_kernel"}
 
 
 def main() -> int:

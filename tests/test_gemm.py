@@ -69,9 +69,13 @@ def test_ag_gemm(world, comm):
         world.run(_ag_gemm, comm=comm, dtype=dtype, m_shard=m_shard, k=k, n=n, calls=3)
 
 
-def _gemm_reduce(w, scatter, dtype, rows, k, n, calls):
+def _gemm_reduce(w, scatter, dtype, rows, k, n, calls, method=None):
     m = rows * w.world_size if scatter else rows
-    op = (ops.GemmReduceScatter if scatter else ops.GemmAllReduce)(m, k, n, dtype)
+    if method == "ll" and w.nnodes > 1:
+        with pytest.raises(ValueError, match="within one node"):
+            ops.GemmAllReduce(m, k, n, dtype, method)
+        return
+    op = ops.GemmReduceScatter(m, k, n, dtype) if scatter else ops.GemmAllReduce(m, k, n, dtype, method)
     every_a = [[_random((m, k), dtype, 100 * call + r) for r in range(w.world_size)] for call in range(calls)]
     every_b = [[_random((k, n), dtype, 1000 * call + 7 * r) for r in range(w.world_size)] for call in range(calls)]
     outs = [_poisoned((rows, n), dtype, w.device) for _ in range(calls)]
@@ -89,10 +93,11 @@ def _gemm_reduce(w, scatter, dtype, rows, k, n, calls):
     op.free()
 
 
-@pytest.mark.parametrize("scatter", [True, False], ids=["gemm_rs", "gemm_ar"])
-def test_gemm_reduce(world, scatter):
+@pytest.mark.parametrize("scatter, method", [(True, None), (False, "one_shot"), (False, "ll")],
+                         ids=["gemm_rs", "gemm_ar", "gemm_ar-ll"])
+def test_gemm_reduce(world, scatter, method):
     for dtype, (rows, k, n) in [(torch.bfloat16, (20, 24, 40)), (torch.float16, (3, 16, 8))]:
-        world.run(_gemm_reduce, scatter=scatter, dtype=dtype, rows=rows, k=k, n=n, calls=3)
+        world.run(_gemm_reduce, scatter=scatter, dtype=dtype, rows=rows, k=k, n=n, calls=3, method=method)
 
 
 def _graph_replays(w, replays):
@@ -101,7 +106,9 @@ def _graph_replays(w, replays):
     dtype, m, k, n = torch.bfloat16, 256, 128, 256
     cases = [ops.AllGatherGEMM(m // w.world_size, k, n, dtype, comm) for comm in ("ce", "sm")
              if w.nnodes == 1 or comm == "sm"]
-    cases += [ops.GemmReduceScatter(m, k, n, dtype), ops.GemmAllReduce(64, k, n, dtype)]
+    cases += [ops.GemmReduceScatter(m, k, n, dtype)]
+    cases += [ops.GemmAllReduce(64, k, n, dtype, method) for method in ("one_shot", "ll")
+              if w.nnodes == 1 or method != "ll"]
     for op in cases:
         rows = op.m_shard if isinstance(op, ops.AllGatherGEMM) else op.m
         base = _random((rows, k), dtype, w.rank).to(w.device)
@@ -219,6 +226,8 @@ def _bad_input(w):
         ops.ag_gemm(a.float(), torch.zeros((8, 8), device=w.device))
     with pytest.raises(ValueError, match="contiguous"):
         ops.ag_gemm(torch.zeros((8, 4), dtype=torch.bfloat16, device=w.device).t(), a[:4])
+    with pytest.raises(ValueError, match="unknown method"):
+        ops.gemm_ar(a, torch.zeros((8, 8), dtype=torch.bfloat16, device=w.device), method="two_shot")
     if w.world_size > 1:
         with pytest.raises(ValueError, match="multiple of the world size"):
             ops.gemm_rs(torch.zeros((w.world_size + 1, 8), dtype=torch.bfloat16, device=w.device),

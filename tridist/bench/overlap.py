@@ -110,7 +110,8 @@ def _checked(name: str, op, a, b, expected) -> float:
 
 
 def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None) -> list[dict]:
-    """Each shape: tridist (for ag_gemm with copy-engine and with SM communication), the
+    """Each shape: tridist (ag_gemm with copy-engine and with SM communication, gemm_ar one-shot
+    and in LL packets), the
     sequential NCCL + cuBLAS, PyTorch fused where `torch_fused` (shape -> us) has it, and the
     local GEMMs alone."""
     w = tridist.world()
@@ -122,7 +123,8 @@ def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = Non
         variants = {"ag_gemm": {"": lambda: ops.AllGatherGEMM(*sizes, comm="ce", config=config),
                                 " sm": lambda: ops.AllGatherGEMM(*sizes, comm="sm", config=config)},
                     "gemm_rs": {"": lambda: ops.GemmReduceScatter(*sizes, config=config)},
-                    "gemm_ar": {"": lambda: ops.GemmAllReduce(*sizes, config=config)}}[name]
+                    "gemm_ar": {"": lambda: ops.GemmAllReduce(*sizes, "one_shot", config=config),
+                                " ll": lambda: ops.GemmAllReduce(*sizes, "ll", config=config)}}[name]
         baseline = sequential(name, a, b)
         expected = baseline().float()
         row = {"shape": f"{m}x{n}x{k}"}

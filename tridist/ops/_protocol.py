@@ -68,6 +68,22 @@ class Workspace:
 LL_BLOCK = 1024  # packets per step of the low-latency kernels
 
 
+@triton.jit
+def unpack_halves(words, dtype: tl.constexpr):
+    """int32 words, each holding two 16-bit floats of `dtype` (the lower address low) -> (low, high) in fp32."""
+    low = tl.cast((words & 0xFFFF).to(tl.int16), dtype, bitcast=True).to(tl.float32)
+    high = tl.cast(((words >> 16) & 0xFFFF).to(tl.int16), dtype, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def pack_halves(low, high, dtype: tl.constexpr):
+    """The inverse of `unpack_halves`: fp32 (low, high), rounded to `dtype`, -> int32 words."""
+    low_bits = tl.cast(low.to(dtype), tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    high_bits = tl.cast(high.to(dtype), tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return low_bits | (high_bits << 16)
+
+
 class PacketRows(Workspace):
     """Staging for the low-latency (LL) methods: per slot, a row of `words` packets for each rank
     (`dl.ll`: a 4-byte word and its flag in 8 bytes), moved by `splits` programs per row. `what`

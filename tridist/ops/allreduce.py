@@ -43,8 +43,9 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
-                        placement, push_slice, row_stride, split_bounds, wait_chunks)
+from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output,
+                        copy_slice, finish_call, pack_halves, placement, push_slice, row_stride, split_bounds,
+                        unpack_halves, wait_chunks)
 from .allgather import all_gather_ce_kernel
 
 BLOCK = 2048
@@ -254,19 +255,6 @@ def reduce_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, m, row, chunk, c
         tl.store(out_ptr + start + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _halves(words, dtype: tl.constexpr):
-    """int32 words holding two 16-bit floats -> (low, high) as fp32."""
-    low = tl.cast((words & 0xFFFF).to(tl.int16), dtype, bitcast=True).to(tl.float32)
-    high = tl.cast(((words >> 16) & 0xFFFF).to(tl.int16), dtype, bitcast=True).to(tl.float32)
-    return low, high
-
-
-@triton.jit
-def _bits16(values, dtype: tl.constexpr):
-    return tl.cast(values.to(dtype), tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-
-
 @jit
 def reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, peer_stride, row, slot_numel, DTYPE: tl.constexpr,
                      splits, BLOCK: tl.constexpr):
@@ -301,13 +289,13 @@ def reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, peer_stride, row
             if DTYPE == tl.float32:
                 low += tl.cast(words, tl.float32, bitcast=True)
             else:
-                peer_low, peer_high = _halves(words, DTYPE)
+                peer_low, peer_high = unpack_halves(words, DTYPE)
                 low += peer_low
                 high += peer_high
         if DTYPE == tl.float32:
             total = tl.cast(low, tl.int32, bitcast=True)
         else:
-            total = _bits16(low, DTYPE) | (_bits16(high, DTYPE) << 16)
+            total = pack_halves(low, high, DTYPE)
         tl.store(out_ptr + offset + offsets, total, mask=mask)
     finish_call(calls_ptr)
 

@@ -15,6 +15,10 @@ Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
   added to the fp32 accumulator of this rank's own part and stored once.
 - gemm_ar: every rank computes every tile and sends it to every peer; a second pass over the same
   tiles sums the partials of ranks 0, 1, ... in that order, so every rank ends with the same bits.
+  method="ll" (`gemm_ar_ll_kernel`, one node) sends the tiles as low-latency packets (`dl.ll`):
+  each 4-byte word of two outputs travels with the call epoch as its flag, so no release of a flag
+  waits for the tile's stores to drain and the reader polls the data itself. Twice the bytes: for
+  decode-sized M, where latency dominates.
 - gemm_rs across nodes (`gemm_rs_2d_kernel`) reduces in two steps so that each tile crosses to a
   node once: partial tiles for a rank on another node go to this node's rank with the same local
   index (its "counterpart"), which sums them and puts the node's sum to the owner; the owner adds
@@ -32,13 +36,16 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol, gemm
-from ._protocol import Workspace, call_epoch, check_output, finish_call, placement
+from ._protocol import (PacketRows, Workspace, call_epoch, check_output, finish_call, pack_halves, placement,
+                        unpack_halves)
+
+GEMM_AR_METHODS = ("auto", "one_shot", "ll")
 
 
 @triton.jit
 def _tile(tiles, index, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The address of tile `index` of a block of contiguous BLOCK_M x BLOCK_N tiles."""
-    return tiles + index.to(tl.int64) * (BLOCK_M * BLOCK_N)
+    return tiles + tl.cast(index, tl.int64) * (BLOCK_M * BLOCK_N)
 
 
 @triton.jit
@@ -207,8 +214,63 @@ def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, 
     finish_call(calls_ptr)
 
 
+@jit
+def gemm_ar_ll_kernel(a_desc, b_desc, out_ptr, own_ptr, packets_ptr, calls_ptr, M, N, K, row, slot_numel,
+                      DTYPE: tl.constexpr, STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """gemm_ar in packets. out is viewed as M x N/2 int32 words (two outputs each); `own` holds this
+    rank's tiles, BLOCK_M x BLOCK_N contiguous each, read back as words; row `src` of a packet slot
+    holds rank src's tiles as words, tile t at t * BLOCK_M * BLOCK_N / 2. A program sends each of
+    its tiles as soon as it is computed, then sums the same tiles over the ranks in rank order."""
+    tl.static_assert(not FLATTEN, "gemm_ar_ll_kernel takes configs with FLATTEN=False")
+    TILE_WORDS: tl.constexpr = BLOCK_M * BLOCK_N // 2
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    stage = packets_ptr + (epoch % 2) * slot_numel
+    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    words = tl.arange(0, STEP)
+    every = words < STEP
+    for t in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+        tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        acc = gemm.tile_product(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        mine = _tile(own_ptr, t, BLOCK_M, BLOCK_N)
+        tl.store(mine + offsets, acc.to(own_ptr.dtype.element_ty))
+        tl.debug_barrier()  # the words are read back by other threads than stored them
+        mine_words = mine.to(tl.pointer_type(tl.int32))
+        for step in range(1, world):
+            remote = dl.symm_at(stage + me * row + t * TILE_WORDS, (me + step) % world)
+            for start in range(0, TILE_WORDS, STEP):
+                dl.ll.send(remote + start + words, tl.load(mine_words + start + words), epoch, every)
+    for t in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+        tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        mine_words = _tile(own_ptr, t, BLOCK_M, BLOCK_N).to(tl.pointer_type(tl.int32))
+        for start in range(0, TILE_WORDS, STEP):
+            low = tl.zeros([STEP], tl.float32)
+            high = tl.zeros([STEP], tl.float32)
+            for src in range(world):
+                if src == me:
+                    part = tl.load(mine_words + start + words)
+                else:
+                    part = dl.ll.recv(stage + src * row + t * TILE_WORDS + start + words, epoch, every)
+                part_low, part_high = unpack_halves(part, DTYPE)
+                low += part_low
+                high += part_high
+            rows = tm * BLOCK_M + (start + words) // (BLOCK_N // 2)
+            cols = tn * (BLOCK_N // 2) + (start + words) % (BLOCK_N // 2)
+            tl.store(out_ptr + rows.to(tl.int64) * (N // 2) + cols, pack_halves(low, high, DTYPE),
+                     mask=(rows < M) & (cols < N // 2))
+    finish_call(calls_ptr)
+
+
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
 class _GemmReduce:
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, scatter: bool, config: dict | str | None):
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, scatter: bool, config: dict | str | None,
+                 method: str = "one_shot"):
         self.world = w = tridist.world()
         name = "gemm_rs" if scatter else "gemm_ar"
         gemm.check_sizes(name, dtype, k, n)
@@ -220,16 +282,22 @@ class _GemmReduce:
             raise ValueError(f"{name} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got "
                              f"{config}")
         self.rows = m // w.world_size if scatter else m
+        self.method = method
         self.config = gemm.resolve_config(
-            config, name, (m, k, n, str(dtype)), lambda c: type(self)(m, k, n, dtype, config=c),
+            config, name, (m, k, n, str(dtype), method), lambda c: self._with_config(c),
             lambda: (torch.randn(m, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
             w.device, self.rows, flatten=False)
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
+        self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
+        if method == "ll":
+            tile_bytes = block_m * block_n * dtype.itemsize
+            self.workspace = PacketRows(name, self.per_shard * tile_bytes, self.programs)
+            self.own = torch.empty(self.per_shard * block_m * block_n, dtype=dtype, device=w.device)
+            return
         self.two_levels = scatter and w.nnodes > 1  # gemm_rs_2d_kernel, with two regions per slot
         slot_tiles = (2 if self.two_levels else 1) * w.world_size * self.per_shard
         self.workspace = Workspace(slot_tiles * block_m * block_n, dtype, slot_tiles)
-        self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         gemm.check_operands(a, b)
@@ -241,6 +309,13 @@ class _GemmReduce:
         check_output(out, (self.rows, self.n), self.dtype)
         ws = self.workspace
         a_desc, b_desc = gemm.descriptors(a, b, self.config)
+        if self.method == "ll":
+            gemm_ar_ll_kernel[(self.programs,)](
+                a_desc, b_desc, out.view(torch.int32), self.own, ws.staging, ws.calls, self.m, self.n, self.k, ws.row,
+                ws.slot_numel, DTYPE=_TRITON_DTYPES[self.dtype],
+                STEP=min(2048, self.config["BLOCK_M"] * self.config["BLOCK_N"] // 2),
+                **self.config)
+            return out
         args = (a_desc, b_desc, out, ws.staging, ws.flags, ws.calls, self.m, self.n, self.k, self.world.local_world_size)
         if self.two_levels:
             gemm_rs_2d_kernel[(self.programs,)](*args, **self.config)
@@ -259,19 +334,32 @@ class GemmReduceScatter(_GemmReduce):
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | str | None = None):
         super().__init__(m, k, n, dtype, scatter=True, config=config)
 
+    def _with_config(self, config: dict) -> "GemmReduceScatter":
+        return GemmReduceScatter(self.m, self.k, self.n, self.dtype, config=config)
+
 
 class GemmAllReduce(_GemmReduce):
     """all_reduce(a @ b) for a of m x k and b of k x n; made for decode-sized m (up to a few hundred rows).
+    `method`: "one_shot" (tiles and a flag per tile), "ll" (tiles in low-latency packets, one node)
+    or "auto", which takes one_shot until the two have been timed against each other on a GPU.
     `config`: as for `AllGatherGEMM`."""
 
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | str | None = None):
-        super().__init__(m, k, n, dtype, scatter=False, config=config)
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, method: str = "auto",
+                 config: dict | str | None = None):
+        if method not in GEMM_AR_METHODS:
+            raise _protocol.method_error("gemm_ar", method, GEMM_AR_METHODS)
+        super().__init__(m, k, n, dtype, scatter=False, config=config,
+                         method="one_shot" if method == "auto" else method)
+
+    def _with_config(self, config: dict) -> "GemmAllReduce":
+        return GemmAllReduce(self.m, self.k, self.n, self.dtype, self.method, config=config)
 
 
-def _cached(cls, a: torch.Tensor, b: torch.Tensor, config):
+def _cached(cls, a: torch.Tensor, b: torch.Tensor, config, **options):
     gemm.check_operands(a, b)
-    return _protocol.instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config), cls,
-                              tuple(a.shape), b.shape[1], a.dtype, repr(config), device=a.device)
+    return _protocol.instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, **options),
+                              cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), *options.values(),
+                              device=a.device)
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -280,10 +368,11 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return _cached(GemmReduceScatter, a, b, config)(a, b, out)
 
 
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto",
             config: dict | str | None = None) -> torch.Tensor:
-    """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective."""
-    return _cached(GemmAllReduce, a, b, config)(a, b, out)
+    """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective. `method`: see
+    `GemmAllReduce`."""
+    return _cached(GemmAllReduce, a, b, config, method=method)(a, b, out)
 
 
 @torch.library.custom_op("tridist::gemm_rs", mutates_args=())
@@ -298,11 +387,11 @@ def _gemm_rs_shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("tridist::gemm_ar", mutates_args=())
-def gemm_ar_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def gemm_ar_op(a: torch.Tensor, b: torch.Tensor, method: str = "auto") -> torch.Tensor:
     """`gemm_ar` as a PyTorch custom op (`torch.ops.tridist.gemm_ar`), for torch.compile."""
-    return gemm_ar(a, b)
+    return gemm_ar(a, b, method=method)
 
 
 @gemm_ar_op.register_fake
-def _gemm_ar_shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _gemm_ar_shape(a: torch.Tensor, b: torch.Tensor, method: str = "auto") -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]))
