@@ -236,3 +236,15 @@ def _bad_input(w):
 
 def test_bad_input(world):
     world.run(_bad_input)
+
+
+@pytest.mark.parametrize("m, n, flatten, tile", [
+    (1024, 4096, True, (128, 256)),   # 2-rank ag_gemm's local shape: a full wave of big tiles, the measured best
+    (8192, 4096, True, (128, 256)), (8192, 14336, True, (128, 256)), (1024, 8192, False, (128, 256)),
+    (1024, 2048, True, (128, 128)),   # 4-rank ag_gemm: 64 big tiles would leave half of 132 SMs idle
+    (512, 4096, True, (128, 128)),
+])
+def test_pick_tile(m, n, flatten, tile):
+    """The default GEMM tile for an m x n product on 132 SMs (host code only)."""
+    picked = gemm.pick_tile([c for c in gemm.GPU_CONFIGS if flatten or not c["FLATTEN"]], m, n, sms=132)
+    assert (picked["BLOCK_M"], picked["BLOCK_N"]) == tile

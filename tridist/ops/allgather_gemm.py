@@ -95,7 +95,7 @@ class AllGatherGEMM:
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
             lambda: (torch.randn(m_shard, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
-            w.device, self.m)
+            w.device, self.m, n)
         programs = gemm.programs_for(w.device)
         slots = 2 if self.comm == "sm" else 1
         self.gathered = tridist.symm_empty((slots * self.m, k), dtype)

@@ -43,25 +43,45 @@ def configs(device: torch.device, flatten: bool = True) -> list[dict]:
     return [c for c in candidates if flatten or not c["FLATTEN"]]
 
 
-def default_config(device: torch.device, m: int, flatten: bool = True) -> dict:
-    """Without tuning: the big tile, or for a decode batch the tiles `tridist.tune` picked on 2 x H200
-    (64 x 128 up to 64 rows, 128 x 64 up to 128: enough tiles for every SM; benchmarks/NOTES.md).
-    With the big tile, M = 128 runs a tile per 256 columns: 32 programs for N = 8192, and gemm_ar's
-    GEMM alone took 23 us at 4 ranks (K = 2048) where 128 x 64 tiles had taken 22 us at 2 (K = 4096)."""
+# Throughput of a full wave of each tile shape, relative to 128 x 256: the TFLOP/s of the GEMM
+# benchmark on 2 x H200 at 1024 x 4096 x 8192 (gemm-nvidia-h200x2-2026-11-22.json: 769, 652, 487,
+# 608, 359 TFLOP/s).
+TILE_RATES = {(128, 256): 1.0, (128, 128): 0.85, (128, 64): 0.63, (64, 128): 0.79, (64, 64): 0.47}
+
+
+def pick_tile(candidates: list[dict], m: int, n: int, sms: int) -> dict:
+    """Of `candidates` (in order of preference), the one whose output tiles finish first: waves of
+    `sms` tiles at a time, each wave as long as a tile takes at its shape's `TILE_RATES`. A small
+    product with the big tile leaves SMs idle (4-rank ag_gemm at M = 1024: 64 tiles of 128 x 256
+    for 132 SMs, our GEMM 79 us against cuBLAS's 46), where smaller tiles fill them."""
+    def finish(c):
+        tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
+        return triton.cdiv(tiles, sms) * c["BLOCK_M"] * c["BLOCK_N"] / TILE_RATES[(c["BLOCK_M"], c["BLOCK_N"])]
+    return min(candidates, key=finish)  # the first of equals
+
+
+def default_config(device: torch.device, m: int, n: int, flatten: bool = True) -> dict:
+    """Without tuning, for an m x n product. For a decode batch the tiles `tridist.tune` picked on
+    2 x H200 (64 x 128 up to 64 rows, 128 x 64 up to 128; benchmarks/NOTES.md): there the GEMM
+    streams B, so one row of tiles reads it once. With the big tile, M = 128 ran a tile per 256
+    columns, 32 programs for N = 8192, and gemm_ar's GEMM alone took 23 us at 4 ranks (K = 2048)
+    where 128 x 64 tiles had taken 22 us at 2 (K = 4096). Otherwise `pick_tile`."""
     candidates = configs(device, flatten)
-    if device.type == "cuda" and m <= 128:
+    if device.type != "cuda":
+        return candidates[0]
+    if m <= 128:
         tile = (64, 128) if m <= 64 else (128, 64)
         return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == tile)
-    return candidates[0]
+    return pick_tile(candidates, m, n, programs_for(device))
 
 
-def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int,
+def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
                    flatten: bool = True) -> dict:
-    """`config` as given; the default for `m` rows if None; with "tune", the config of `configs`
+    """`config` as given; the default for an m x n product if None; with "tune", the config of `configs`
     under which `make_op(config)(*make_inputs())` is fastest on the slowest rank (`tridist.tune`,
     cached on disk). A collective when tuning."""
     if config is None:
-        return default_config(device, m, flatten)
+        return default_config(device, m, n, flatten)
     if config != "tune":
         return config
     built = []
@@ -169,7 +189,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, co
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
     check_output(out, shape, a.dtype)
-    config = config or default_config(a.device, a.shape[0])
+    config = config or default_config(a.device, a.shape[0], b.shape[1])
     tiles = triton.cdiv(shape[0], config["BLOCK_M"]) * triton.cdiv(shape[1], config["BLOCK_N"])
     a_desc, b_desc = descriptors(a, b, config)
     matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc, b_desc, out, shape[0], shape[1], a.shape[1],

@@ -286,7 +286,7 @@ class _GemmReduce:
         self.config = gemm.resolve_config(
             config, name, (m, k, n, str(dtype), method), lambda c: self._with_config(c),
             lambda: (torch.randn(m, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
-            w.device, self.rows, flatten=False)
+            w.device, m, n, flatten=False)  # every rank computes all m rows
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
         self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
