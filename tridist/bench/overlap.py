@@ -111,9 +111,8 @@ def _checked(name: str, op, a, b, expected) -> float:
 
 def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None) -> list[dict]:
     """Each shape: tridist (ag_gemm with copy-engine and with SM communication, gemm_ar one-shot
-    and in LL packets), the
-    sequential NCCL + cuBLAS, PyTorch fused where `torch_fused` (shape -> us) has it, and the
-    local GEMMs alone."""
+    and in LL packets), the sequential NCCL + cuBLAS, PyTorch fused where `torch_fused` (shape ->
+    us) has it, and the local GEMMs alone."""
     w = tridist.world()
     torch_fused = torch_fused or {}
     rows = []

@@ -37,8 +37,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol
-from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output, copy_slice, finish_call,
-                        placement, push_slice, row_stride, split_bounds, wait_chunks)
+from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output,
+                        copy_slice, finish_call, placement, push_slice, row_stride, split_bounds, wait_chunks)
 
 METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
