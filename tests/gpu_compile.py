@@ -62,6 +62,15 @@ def _gemm_cases():
     return cases
 
 
+def _largest_step(pointer_type: str) -> int:
+    """The largest BLOCK `_protocol.steps_for` gives elements of this type (the most registers)."""
+    return _protocol.STEP_BYTES // {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}[pointer_type]
+
+
+def _step_options(pointer_type: str) -> dict:
+    return {"num_warps": _protocol.warps_for(_largest_step(pointer_type))}
+
+
 def cases():
     """(kernel, signature, constexprs[, compile options])."""
     return [
@@ -70,22 +79,24 @@ def cases():
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                                "local_world_size": "i32", "splits": "i32", "BLOCK": "constexpr"},
-           {"BLOCK": allgather.BLOCK}) for t in ("*bf16", "*fp32", "*u8")],
+           {"BLOCK": _largest_step(t)}, _step_options(t)) for t in ("*bf16", "*fp32", "*u8")],
         # all_gather "2d" and "ring"; "2d" also as ag_gemm's comm="sm" launches it
         *[(allgather.all_gather_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
                                              "slot_numel": "i32", "local_world_size": "i32",
                                              "COPY_OUT": "constexpr", "splits": "i32", "BLOCK": "constexpr"},
            {"COPY_OUT": copy_out, "BLOCK": block}, {"num_warps": warps})
-          for copy_out, block, warps in ((True, allgather.BLOCK, 4), (False, allgather_gemm.PUSH_BLOCK, 8))],
+          for copy_out, block, warps in ((True, _largest_step("*bf16"), _step_options("*bf16")["num_warps"]),
+                                         (False, allgather_gemm.PUSH_BLOCK, 8))],
         (allgather.all_gather_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
                                              "slot_numel": "i32", "local_world_size": "i32", "splits": "i32",
-                                             "BLOCK": "constexpr"}, {"BLOCK": allgather.BLOCK}),
+                                             "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")},
+         _step_options("*bf16")),
         (allgather.all_gather_pull_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
                                              "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": allgather.BLOCK}),
+         {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
         (allgather.all_gather_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
                                            "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                            "splits": "i32", "BLOCK": "constexpr"},
@@ -94,31 +105,31 @@ def cases():
                                              "flags_ptr": "*i32", "n": "i32", "total": "i32", "row": "i32",
                                              "chunk": "i32", "chunks": "i32", "COPY_OWN": "constexpr",
                                              "splits": "i32", "BLOCK": "constexpr"},
-           {"COPY_OWN": own, "BLOCK": allgather.BLOCK}) for own in (True, False)],
+           {"COPY_OWN": own, "BLOCK": _largest_step("*bf16")}, _step_options("*bf16")) for own in (True, False)],
         (allreduce.reduce_ce_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                        "flags_ptr": "*i32", "n": "i32", "m": "i32", "row": "i32", "chunk": "i32",
                                        "chunks": "i32", "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": allreduce.BLOCK}),
+         {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
         *[(kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64",
                     "calls_ptr": "*i64", "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
-                    "splits": "i32", "BLOCK": "constexpr"}, {"BLOCK": allreduce.BLOCK})
+                    "splits": "i32", "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16"))
           for kernel in (allreduce.reduce_scatter_kernel, allreduce.all_reduce_two_shot_kernel)],
         (allreduce.reduce_scatter_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*fp32",
                                                  "flags_ptr": "*i64", "calls_ptr": "*i64", "m": "i32", "row": "i32",
                                                  "slot_numel": "i32", "local_world_size": "i32",
                                                  "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": allreduce.BLOCK}),
+         {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
         (allreduce.reduce_scatter_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                                "sums_ptr": "*fp32", "flags_ptr": "*i64", "calls_ptr": "*i64",
                                                "m": "i32", "row": "i32", "slot_numel": "i32",
                                                "local_world_size": "i32", "splits": "i32",
                                                "BLOCK": "constexpr"},
-         {"BLOCK": allreduce.BLOCK}),
+         {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
         (allreduce.all_reduce_one_shot_kernel, {"x_ptr": "*fp16", "out_ptr": "*fp16", "staging_ptr": "*fp16",
                                                  "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
                                                  "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                                                  "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": allreduce.BLOCK}),
+         {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
         *[(allreduce.reduce_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
                                          "calls_ptr": "*i64", "n": "i32", "peer_stride": "i32", "row": "i32",
                                          "slot_numel": "i32", "DTYPE": "constexpr", "splits": "i32",

@@ -132,6 +132,56 @@ def test_all_reduce_in_place(world, method):
     world.run(_all_reduce, method=method, dtype=torch.float32, numel=64, calls=2, in_place=True)
 
 
+def _largest_steps(w, op_name, method):
+    """bf16 with one program per destination: the kernels step through the data in their largest
+    blocks (`_protocol.steps_for`), with a ragged end."""
+    if method in ("pull", "ce") and w.nnodes > 1:
+        return
+    n = w.world_size
+    part = n * _protocol.STEP_BYTES + 1000  # two largest bf16 steps per program, and a ragged end
+    numel = n * part
+    shard = part if op_name == "AllGather" else numel
+    op = getattr(ops, op_name)(shard, torch.bfloat16, method, programs=n)
+    largest = (_protocol.CE_STEP_BYTES if method == "ce" else _protocol.STEP_BYTES) // 2
+    assert op.block == largest, f"{method} steps {op.block} elements"
+    everyone = _inputs(w, (shard,), torch.bfloat16, call=0)
+    for _ in range(2):
+        out = op(everyone[w.rank].to(w.device)).cpu()
+    if op_name == "AllGather":
+        assert torch.equal(out, torch.cat(everyone))
+        tridist.barrier_all()
+        op.free()
+        return
+    reference = sum(x.double() for x in everyone)
+    if op_name == "ReduceScatter":
+        reference = reference[w.rank * part:(w.rank + 1) * part]
+    torch.testing.assert_close(out.double(), reference, rtol=1e-2, atol=1e-2)
+    tridist.barrier_all()
+    op.free()
+
+
+@pytest.mark.parametrize("op_name, method", [
+    ("AllGather", m) for m in ("push", "pull", "ce", "2d", "ring")] + [
+    ("ReduceScatter", m) for m in ("one_shot", "ce", "2d", "ring")] + [
+    ("AllReduce", m) for m in ("one_shot", "two_shot", "ce")])
+def test_largest_steps(world, op_name, method):
+    if world.size > 1 or op_name == "AllGather":
+        world.run(_largest_steps, op_name=op_name, method=method)
+
+
+def test_steps_for():
+    """Steps grow to STEP_BYTES only while every program still gets one; warps keep 32 or fewer
+    elements per thread."""
+    assert _protocol.steps_for(1000, 2, 132) == (2048, 1, 4)
+    assert _protocol.steps_for(132 * 4096 - 1, 2, 132) == (2048, 132, 4)
+    assert _protocol.steps_for(132 * 4096, 2, 132) == (4096, 132, 4)
+    assert _protocol.steps_for(132 * 8192, 2, 132) == (8192, 132, 8)
+    assert _protocol.steps_for(1 << 26, 2, 66) == (8192, 66, 8)
+    assert _protocol.steps_for(1 << 26, 4, 66) == (4096, 66, 4)
+    assert _protocol.steps_for(1 << 26, 1, 66) == (16384, 66, 16)
+    assert _protocol.steps_for(1 << 26, 2, 66, _protocol.CE_STEP_BYTES) == (4096, 66, 4)
+
+
 def _reuse_after_free(w):
     """An op built where a freed one lived must not take the packets that one left for its own."""
     n = 256

@@ -43,7 +43,6 @@ from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_ep
 METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
 DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-BLOCK = 2048
 
 
 @jit
@@ -234,19 +233,21 @@ class AllGather:
             self.workspace = PacketRows("all_gather", nbytes, per_peer)
             self.splits = self.workspace.splits
         elif self.method == "pull":
-            self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
+            self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
         elif self.method == "push":
-            self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
+            self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         elif self.method in ("2d", "ring"):
             tasks = spread_tasks(w) if self.method == "2d" else 1  # programs per slice
-            self.splits = _protocol.splits_for(numel, BLOCK, max(1, limit // tasks))
+            self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
+                                                                      max(1, limit // tasks))
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         else:
-            self.splits = _protocol.splits_for(numel, BLOCK, per_peer)
+            self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer,
+                                                                      _protocol.CE_STEP_BYTES)
             self.transfer = CopyEnginePush(numel, dtype)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,20 +264,21 @@ class AllGather:
         if self.method == "pull":
             ws = self.workspace
             all_gather_pull_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, ws.slot_numel,
-                                         splits=self.splits, BLOCK=BLOCK)
+                                         splits=self.splits, BLOCK=self.block, num_warps=self.warps)
         elif self.method == "push":
             ws = self.workspace
             all_gather_push_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel,
-                                         w.local_world_size, splits=self.splits, BLOCK=BLOCK)
+                                         w.local_world_size, splits=self.splits, BLOCK=self.block, num_warps=self.warps)
         elif self.method == "2d":
             ws = self.workspace
             all_gather_2d_kernel[(spread_tasks(w), self.splits)](
                 x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
-                COPY_OUT=True, splits=self.splits, BLOCK=BLOCK)
+                COPY_OUT=True, splits=self.splits, BLOCK=self.block, num_warps=self.warps)
         elif self.method == "ring":
             ws = self.workspace
             all_gather_ring_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
-                                                   ws.slot_numel, w.local_world_size, splits=self.splits, BLOCK=BLOCK)
+                                                   ws.slot_numel, w.local_world_size, splits=self.splits,
+                                                   BLOCK=self.block, num_warps=self.warps)
         elif self.method == "ll":
             ws = self.workspace
             all_gather_ll_kernel[grid](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
@@ -287,7 +289,7 @@ class AllGather:
             transfer.push([x.view(-1)] * w.world_size)
             all_gather_ce_kernel[grid](x, out, transfer.staging, transfer.flags, self.numel, out.numel(),
                                        transfer.row, transfer.chunk, transfer.chunks, COPY_OWN=True,
-                                       splits=self.splits, BLOCK=BLOCK)
+                                       splits=self.splits, BLOCK=self.block, num_warps=self.warps)
             transfer.join()
         return out
 

@@ -48,7 +48,6 @@ from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_ep
                         unpack_halves, wait_chunks)
 from .allgather import all_gather_ce_kernel
 
-BLOCK = 2048
 REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
 ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll", "ce")
 
@@ -313,11 +312,12 @@ class ReduceScatter:
         self.numel, self.dtype = numel, dtype
         self.method = choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
         self.chunk = numel // w.world_size
-        self.splits = _protocol.splits_for(self.chunk, BLOCK, _protocol.programs_limit(programs, w))
+        limit = _protocol.programs_limit(programs, w)
+        step_bytes = _protocol.CE_STEP_BYTES if self.method == "ce" else _protocol.STEP_BYTES
+        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit, step_bytes)
         self.row = row_stride(self.chunk)
         if self.method == "ll":
-            self.workspace = PacketRows("reduce_scatter", self.chunk * dtype.itemsize,
-                                        _protocol.programs_limit(programs, w))
+            self.workspace = PacketRows("reduce_scatter", self.chunk * dtype.itemsize, limit)
         elif self.method == "ce":
             self.transfer = CopyEnginePush(self.chunk, dtype)
         elif self.method == "ring":  # fp32 partials: world-1 received and world-1 sent rows
@@ -348,18 +348,18 @@ class ReduceScatter:
             transfer.push(x.view(w.world_size, -1))
             reduce_ce_kernel[(self.splits,)](x, out, transfer.staging, transfer.flags, self.numel, self.chunk,
                                              transfer.row, transfer.chunk, transfer.chunks, splits=self.splits,
-                                             BLOCK=BLOCK)
+                                             BLOCK=self.block, num_warps=self.warps)
             transfer.join()
             return out
         ws = self.workspace
         if self.method == "2d":
             reduce_scatter_2d_kernel[(self.splits,)](x, out, ws.staging, self.sums, ws.flags, ws.calls, self.chunk,
                                                      self.row, ws.slot_numel, w.local_world_size, splits=self.splits,
-                                                     BLOCK=BLOCK)
+                                                     BLOCK=self.block, num_warps=self.warps)
             return out
         kernel = reduce_scatter_ring_kernel if self.method == "ring" else reduce_scatter_kernel
         kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row, ws.slot_numel,
-                               w.local_world_size, splits=self.splits, BLOCK=BLOCK)
+                               w.local_world_size, splits=self.splits, BLOCK=self.block, num_warps=self.warps)
         return out
 
     def free(self) -> None:
@@ -388,17 +388,19 @@ class AllReduce:
         if self.method == "ll":
             self.workspace = PacketRows("all_reduce", numel * dtype.itemsize, limit)
         elif self.method == "one_shot":
-            self.splits = _protocol.splits_for(numel, BLOCK, limit)
+            self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, limit)
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         elif self.method == "ce":
             self.chunk = triton.cdiv(numel, w.world_size)
-            self.splits = _protocol.splits_for(self.chunk, BLOCK, max(1, limit // w.world_size))
+            self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
+                                                                      max(1, limit // w.world_size),
+                                                                      _protocol.CE_STEP_BYTES)
             self.scatter = CopyEnginePush(self.chunk, dtype)
             self.gather = CopyEnginePush(self.chunk, dtype)
         else:
             self.chunk = triton.cdiv(numel, w.world_size)
-            self.splits = _protocol.splits_for(self.chunk, BLOCK, limit)
+            self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit)
             self.row = row_stride(self.chunk)
             self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.splits)
             self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
@@ -419,7 +421,7 @@ class AllReduce:
         if self.method == "one_shot":
             all_reduce_one_shot_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,
                                                        ws.slot_numel, self.world.local_world_size, splits=self.splits,
-                                                       BLOCK=BLOCK)
+                                                       BLOCK=self.block, num_warps=self.warps)
             return out
         source, target = x, out
         if self.padded is not None:
@@ -427,7 +429,7 @@ class AllReduce:
             source, target = self.padded[0], self.padded[1]
         all_reduce_two_shot_kernel[(self.splits,)](source, target, ws.staging, ws.flags, ws.calls, self.chunk,
                                                    self.row, ws.slot_numel, self.world.local_world_size,
-                                                   splits=self.splits, BLOCK=BLOCK)
+                                                   splits=self.splits, BLOCK=self.block, num_warps=self.warps)
         if self.padded is not None:
             out.view(-1).copy_(target[:self.numel])
         return out
@@ -443,11 +445,12 @@ class AllReduce:
         self.scatter.push([source[min(p * m, n):min((p + 1) * m, n)] for p in range(w.world_size)])
         reduce_ce_kernel[(self.splits,)](source, mine, self.scatter.staging, self.scatter.flags, n, m,
                                          self.scatter.row, self.scatter.chunk, self.scatter.chunks,
-                                         splits=self.splits, BLOCK=BLOCK)
+                                         splits=self.splits, BLOCK=self.block, num_warps=self.warps)
         self.gather.push([mine] * w.world_size)
         all_gather_ce_kernel[(w.world_size, self.splits)](target, target, self.gather.staging, self.gather.flags, m, n,
                                                           self.gather.row, self.gather.chunk, self.gather.chunks,
-                                                          COPY_OWN=False, splits=self.splits, BLOCK=BLOCK)
+                                                          COPY_OWN=False, splits=self.splits, BLOCK=self.block,
+                                                          num_warps=self.warps)
         self.scatter.join()
         self.gather.join()
 
