@@ -62,23 +62,27 @@ def _gemm_cases():
     return cases
 
 
-def _largest_step(pointer_type: str) -> int:
+_ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
+
+
+def _largest_step(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> int:
     """The largest BLOCK `_protocol.steps_for` gives elements of this type (the most registers)."""
-    return _protocol.STEP_BYTES // {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}[pointer_type]
+    return step_bytes // _ITEMSIZE[pointer_type]
 
 
-def _step_options(pointer_type: str) -> dict:
-    return {"num_warps": _protocol.warps_for(_largest_step(pointer_type))}
+def _step_options(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> dict:
+    return {"num_warps": _protocol.warps_for(_largest_step(pointer_type, step_bytes), _ITEMSIZE[pointer_type])}
 
 
 def cases():
     """(kernel, signature, constexprs[, compile options])."""
+    CE = _protocol.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
     return [
         *_gemm_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
-                                               "local_world_size": "i32", "splits": "i32", "BLOCK": "constexpr"},
+                                               "local_world_size": "i32", "slices": "i32", "BLOCK": "constexpr"},
            {"BLOCK": _largest_step(t)}, _step_options(t)) for t in ("*bf16", "*fp32", "*u8")],
         # all_gather "2d" and "ring"; "2d" also as ag_gemm's comm="sm" launches it
         *[(allgather.all_gather_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
@@ -105,14 +109,15 @@ def cases():
                                              "flags_ptr": "*i32", "n": "i32", "total": "i32", "row": "i32",
                                              "chunk": "i32", "chunks": "i32", "COPY_OWN": "constexpr",
                                              "splits": "i32", "BLOCK": "constexpr"},
-           {"COPY_OWN": own, "BLOCK": _largest_step("*bf16")}, _step_options("*bf16")) for own in (True, False)],
+           {"COPY_OWN": own, "BLOCK": _largest_step("*bf16", CE)}, _step_options("*bf16", CE))
+          for own in (True, False)],
         (allreduce.reduce_ce_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                        "flags_ptr": "*i32", "n": "i32", "m": "i32", "row": "i32", "chunk": "i32",
                                        "chunks": "i32", "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
+         {"BLOCK": _largest_step("*bf16", CE)}, _step_options("*bf16", CE)),
         *[(kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64",
                     "calls_ptr": "*i64", "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
-                    "splits": "i32", "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16"))
+                    "slices": "i32", "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16"))
           for kernel in (allreduce.reduce_scatter_kernel, allreduce.all_reduce_two_shot_kernel)],
         (allreduce.reduce_scatter_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*fp32",
                                                  "flags_ptr": "*i64", "calls_ptr": "*i64", "m": "i32", "row": "i32",

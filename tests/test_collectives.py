@@ -27,14 +27,16 @@ def _poisoned(shape, dtype, device):
 
 
 @contextlib.contextmanager
-def _small_copy_engine_chunks():
-    """Ops built inside cut their copy-engine transfers in chunks of 64 bytes, so that the small
-    test shapes travel in several chunks."""
-    saved, _protocol.CE_CHUNK_BYTES = _protocol.CE_CHUNK_BYTES, 64
+def _small_pieces():
+    """Ops built inside cut their copy-engine transfers in chunks of 64 bytes and their sliced
+    kernels' work in slices of 64 bytes, so that the small test shapes travel in several chunks and
+    each program takes several slices."""
+    saved = _protocol.CE_CHUNK_BYTES, _protocol.SLICE_BYTES
+    _protocol.CE_CHUNK_BYTES = _protocol.SLICE_BYTES = 64
     try:
         yield
     finally:
-        _protocol.CE_CHUNK_BYTES = saved
+        _protocol.CE_CHUNK_BYTES, _protocol.SLICE_BYTES = saved
 
 
 def _all_gather(w, method, dtype, shape, calls):
@@ -42,7 +44,7 @@ def _all_gather(w, method, dtype, shape, calls):
         with pytest.raises(ValueError, match="within one node"):
             ops.AllGather(int(torch.Size(shape).numel()), dtype, method)
         return
-    with _small_copy_engine_chunks():
+    with _small_pieces():
         op = ops.AllGather(int(torch.Size(shape).numel()), dtype, method)
     everyone = [_inputs(w, shape, dtype, call) for call in range(calls)]
     outs = [_poisoned((w.world_size * shape[0], *shape[1:]), dtype, w.device) for _ in range(calls)]
@@ -80,7 +82,7 @@ def _reduce_scatter(w, method, dtype, rows, calls):
         with pytest.raises(ValueError, match="within one node"):
             ops.ReduceScatter(shape[0] * shape[1], dtype, method)
         return
-    with _small_copy_engine_chunks():
+    with _small_pieces():
         op = ops.ReduceScatter(shape[0] * shape[1], dtype, method)
     everyone = [_inputs(w, shape, dtype, call) for call in range(calls)]
     outs = [_poisoned((rows, 3), dtype, w.device) for _ in range(calls)]
@@ -105,7 +107,7 @@ def _all_reduce(w, method, dtype, numel, calls, in_place):
         with pytest.raises(ValueError, match="within one node"):
             ops.AllReduce(numel, dtype, method)
         return
-    with _small_copy_engine_chunks():
+    with _small_pieces():
         op = ops.AllReduce(numel, dtype, method)
     everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
     outs = []
@@ -170,15 +172,15 @@ def test_largest_steps(world, op_name, method):
 
 
 def test_steps_for():
-    """Steps grow to STEP_BYTES only while every program still gets one; warps keep 32 or fewer
-    elements per thread."""
+    """Steps grow to STEP_BYTES only while every program still gets one; warps keep 64 bytes or
+    fewer per thread."""
     assert _protocol.steps_for(1000, 2, 132) == (2048, 1, 4)
     assert _protocol.steps_for(132 * 4096 - 1, 2, 132) == (2048, 132, 4)
     assert _protocol.steps_for(132 * 4096, 2, 132) == (4096, 132, 4)
     assert _protocol.steps_for(132 * 8192, 2, 132) == (8192, 132, 8)
     assert _protocol.steps_for(1 << 26, 2, 66) == (8192, 66, 8)
-    assert _protocol.steps_for(1 << 26, 4, 66) == (4096, 66, 4)
-    assert _protocol.steps_for(1 << 26, 1, 66) == (16384, 66, 16)
+    assert _protocol.steps_for(1 << 26, 4, 66) == (4096, 66, 8)
+    assert _protocol.steps_for(1 << 26, 1, 66) == (16384, 66, 8)
     assert _protocol.steps_for(1 << 26, 2, 66, _protocol.CE_STEP_BYTES) == (4096, 66, 4)
 
 

@@ -210,13 +210,25 @@ def steps_for(numel: int, itemsize: int, programs: int, step_bytes: int = STEP_B
     block = SMALLEST_STEP
     while 2 * block * itemsize <= step_bytes and numel >= 2 * block * programs:
         block *= 2
-    return block, splits_for(numel, block, programs), warps_for(block)
+    return block, splits_for(numel, block, programs), warps_for(block, itemsize)
 
 
-def warps_for(block: int) -> int:
-    """Warps for a step of `block` elements: 32 or fewer per thread. More per thread and Triton's
-    per-element offsets and masks run out of registers (8192 elements on 4 warps: 255 and spills)."""
-    return max(4, block // 1024)
+SLICE_BYTES = 128 << 10
+
+
+def slices_for(numel: int, itemsize: int, splits: int) -> int:
+    """Slices of `numel` elements for kernels whose `splits` programs take them in turn (program s:
+    slices s, s + splits, ...), each slice with its own flag, so that its consumer starts on it while
+    later slices are still on the wire. About SLICE_BYTES each: large enough that the release after
+    each slice (which waits until its remote stores have landed) costs little next to sending it,
+    small enough that the last slice, which nothing overlaps, is short."""
+    return max(splits, triton.cdiv(numel * itemsize, SLICE_BYTES))
+
+
+def warps_for(block: int, itemsize: int) -> int:
+    """Warps for a step of `block` elements: 64 bytes or fewer per thread. More, and Triton's
+    per-element offsets and masks run out of registers (16 KB of bf16 on 4 warps: 255 and spills)."""
+    return max(4, block * itemsize // 2048)
 
 
 def programs_available(world) -> int:

@@ -2,10 +2,12 @@
 order (torch's `all_gather_into_tensor` layout: out is world_size * n elements, rank r's at r*n).
 
 Methods
-- "push": program (p, s) stores slice s of this rank's shard into row `rank` of rank p's staging
-  (through p's pointer on this node, an NVSHMEM put with signal on another node) and raises p's
-  flag (rank, s); it then waits for rank p's flag (p, s) here and copies that slice of row p into
-  `out`. Double-buffered staging and call epochs (see `_protocol.py`) need no handshake.
+- "push": the shard is cut in slices (`slices_for`). Program (p, s) for a peer p stores slices
+  s, s + splits, ... of this rank's shard into row `rank` of rank p's staging (through p's pointer
+  on this node, an NVSHMEM put with signal on another node), raising p's flag (rank, slice) after
+  each; program (rank, s) copies each of those slices of every rank's shard into `out`, this
+  rank's from x, a peer's once its flag is up, so copying out overlaps sending. Double-buffered
+  staging and call epochs (see `_protocol.py`) need no handshake.
 - "ll": the same exchange in low-latency packets: each 4-byte word travels with the epoch as its
   flag, so there are no separate signals; for small messages on one node.
 - "pull": the program (rank, s) stages slice s of this rank's shard and raises flag (rank, s) on
@@ -47,23 +49,29 @@ DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int3
 
 @jit
 def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
-                           splits, BLOCK: tl.constexpr):
-    """Staging rows are `row` (n rounded up to 64) elements apart."""
+                           slices, BLOCK: tl.constexpr):
+    """Program (p, s) for a peer p sends slices s, s + splits, ... of this rank's shard into row
+    `rank` of p's staging, each followed by flag (rank, slice) there; program (rank, s) copies the
+    same slices of this rank's shard into `out`, then of each peer's as its flag arrives. Staging
+    rows are `row` (n rounded up to 64) elements apart."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
+    world = dl.num_ranks()
     peer = tl.program_id(0)
-    split = tl.program_id(1)
-    start, stop = split_bounds(n, split, splits, BLOCK)
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (tl.num_programs(0) * splits)
-    if peer == me:
-        copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
-    else:
-        push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
-                   BLOCK)
-        token = dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        copy_slice(dl.consume_token(stage + peer * row, token), out_ptr + peer * n, start, stop, BLOCK)
-        dl.shmem.quiet()
+    flags = flags_ptr + (epoch % 2) * (world * slices)
+    for j in range(tl.program_id(1), slices, tl.num_programs(1)):
+        start, stop = split_bounds(n, j, slices, BLOCK)
+        if peer == me:
+            copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
+            for step in range(1, world):
+                source = (me + step) % world
+                token = dl.wait(flags + source * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
+                copy_slice(dl.consume_token(stage + source * row, token), out_ptr + source * n, start, stop, BLOCK)
+        else:
+            push_slice(x_ptr, stage + me * row, start, stop, flags + me * slices + j, epoch, peer, local_world_size,
+                       BLOCK)
+    dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
@@ -237,8 +245,9 @@ class AllGather:
             self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
         elif self.method == "push":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
+            self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
             self.row = row_stride(numel)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.slices)
         elif self.method in ("2d", "ring"):
             tasks = spread_tasks(w) if self.method == "2d" else 1  # programs per slice
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
@@ -268,7 +277,7 @@ class AllGather:
         elif self.method == "push":
             ws = self.workspace
             all_gather_push_kernel[grid](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel,
-                                         w.local_world_size, splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+                                         w.local_world_size, self.slices, BLOCK=self.block, num_warps=self.warps)
         elif self.method == "2d":
             ws = self.workspace
             all_gather_2d_kernel[(spread_tasks(w), self.splits)](

@@ -4,13 +4,17 @@ reduce_scatter: x has world_size * m elements; rank r gets out = sum over ranks 
 all_reduce:     x has n elements; every rank gets out = sum over ranks of x.
 
 Methods (both push data, so they work across nodes; see `_protocol.py` for slots and epochs)
-- "one_shot": program (s) pushes slice s of its contribution to every peer (for reduce-scatter
-  only the chunk that peer owns), raises the peer's flag (rank, s), then waits for every peer's
-  flag (p, s) here and sums the rows it received. One step, world_size - 1 copies of the data
-  received per rank: best while latency dominates.
-- "two_shot" (all_reduce): a reduce-scatter as above, then every rank pushes its reduced chunk to
-  every peer (flags in the second half of the slot's signals). Each rank receives 2 (n-1)/n of the
-  data instead of (n-1) x: best for large messages.
+- "one_shot": all_reduce: program (s) pushes slice s of x to every peer, raises the peer's flag
+  (rank, s), then waits for every peer's flag (p, s) here and sums the rows it received. One
+  step, world_size - 1 copies of the data received per rank: best while latency dominates.
+  reduce_scatter: the chunks are cut in slices (`slices_for`); program (p, s) for a peer p pushes
+  slices s, s + splits, ... of chunk p to p, a flag (rank, slice) after each, while program
+  (rank, s) sums those slices of this rank's chunk as every peer's arrive, so the sums overlap
+  the sending.
+- "two_shot" (all_reduce): the sliced reduce-scatter above, then the program that summed a slice
+  pushes it to every peer (flags in the second half of the slot's signals), where the program that
+  sent that peer its chunk copies it out. Each rank receives 2 (n-1)/n of the data instead of
+  (n-1) x: best for large messages.
 - "ll" (one node): one-shot in low-latency packets (`dl.ll`): each 4-byte word a peer sums travels
   to it with the epoch as its flag (all of x to every peer for all_reduce, chunk p to rank p for
   reduce_scatter), so there is no separate signal and no fence; the words are summed in rank
@@ -64,30 +68,54 @@ def _sum_rows(stage_ptr, row_stride, rows, out_ptr, start, stop, BLOCK: tl.const
 
 
 @triton.jit
-def _scatter_and_reduce(x_ptr, chunk_ptr, stage, flags, epoch, m, row, local_world_size, splits,
-                        BLOCK: tl.constexpr):
-    """Reduce-scatter phase: row `rank` of every peer p's stage gets this rank's chunk p (slice s);
-    then the rows of this rank's stage, chunk `rank`, are summed into `chunk_ptr`."""
+def _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK: tl.constexpr):
+    """Program (p, s) for a peer p: slices s, s + splits, ... of chunk p of x (m elements) into row
+    `rank` of p's staging, each followed by p's flag (rank, slice)."""
+    me = dl.rank()
+    peer = tl.program_id(0)
+    for j in range(tl.program_id(1), slices, tl.num_programs(1)):
+        start, stop = split_bounds(m, j, slices, BLOCK)
+        push_slice(x_ptr + peer * m, stage + me * row, start, stop, flags + me * slices + j, epoch, peer,
+                   local_world_size, BLOCK)
+
+
+@triton.jit
+def _sum_slice(own_ptr, stage, row, flags, epoch, slices, j, out_ptr, start, stop, BLOCK: tl.constexpr):
+    """out[start:stop] = the sum over ranks, in rank order, of this rank's term (`own_ptr`) and each
+    peer p's (staging row p, once p's flag (p, j) is up), in fp32."""
     me = dl.rank()
     world = dl.num_ranks()
-    split = tl.program_id(0)
-    start, stop = split_bounds(m, split, splits, BLOCK)
-    for step in range(world):
-        peer = (me + step) % world
-        push_slice(x_ptr + peer * m, stage + me * row, start, stop, flags + me * splits + split, epoch, peer,
-                   local_world_size, BLOCK)
     for peer in range(world):
-        dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-    _sum_rows(stage, row, world, chunk_ptr, start, stop, BLOCK)
+        if peer != me:
+            token = dl.wait(flags + peer * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
+            stage = dl.consume_token(stage, token)
+    offsets = tl.arange(0, BLOCK)
+    for offset in range(start, stop, BLOCK):
+        mask = offset + offsets < stop
+        total = tl.zeros([BLOCK], tl.float32)
+        for peer in range(world):
+            term = stage + peer * row
+            if peer == me:
+                term = own_ptr
+            total += tl.load(term + offset + offsets, mask=mask).to(tl.float32)
+        tl.store(out_ptr + offset + offsets, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
 def reduce_scatter_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel, local_world_size,
-                          splits, BLOCK: tl.constexpr):
+                          slices, BLOCK: tl.constexpr):
+    """Program (p, s) for a peer p sends p's chunk of x (`_send_chunks`); program (rank, s) sums
+    slices s, s + splits, ... of this rank's chunk as they arrive."""
     epoch = call_epoch(calls_ptr)
+    me = dl.rank()
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (dl.num_ranks() * splits)
-    _scatter_and_reduce(x_ptr, out_ptr, stage, flags, epoch, m, row, local_world_size, splits, BLOCK)
+    flags = flags_ptr + (epoch % 2) * (dl.num_ranks() * slices)
+    if tl.program_id(0) == me:
+        for j in range(tl.program_id(1), slices, tl.num_programs(1)):
+            start, stop = split_bounds(m, j, slices, BLOCK)
+            _sum_slice(x_ptr + me * m, stage, row, flags, epoch, slices, j, out_ptr, start, stop, BLOCK)
+    else:
+        _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -199,27 +227,35 @@ def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
 
 @jit
 def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
-                               local_world_size, splits, BLOCK: tl.constexpr):
+                               local_world_size, slices, BLOCK: tl.constexpr):
     """x and out have world_size * m elements (padded by the host). The slot holds world rows
-    (`row` apart) for the reduce-scatter, then world rows for the gather of reduced chunks."""
+    (`row` apart) for the reduce-scatter, then world rows for the gather of reduced chunks, each
+    with a flag per slice. Program (rank, s) sums slices s, s + splits, ... of this rank's chunk into
+    `out` and sends each to every peer; program (p, s) for a peer p sends p its chunk of x
+    (`_send_chunks`), then copies p's reduced slices into `out` as they arrive. In place (out is x)
+    is safe: chunk p of x is overwritten only by the program that sent it, after sending it."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
+    peer = tl.program_id(0)
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (2 * world * splits)
+    flags = flags_ptr + (epoch % 2) * (2 * world * slices)
     gathered = stage + world * row
-    _scatter_and_reduce(x_ptr, gathered + me * row, stage, flags, epoch, m, row, local_world_size, splits, BLOCK)
-    split = tl.program_id(0)
-    start, stop = split_bounds(m, split, splits, BLOCK)
-    gather_flags = flags + world * splits
-    for step in range(1, world):
-        peer = (me + step) % world
-        push_slice(gathered + me * row, gathered + me * row, start, stop, gather_flags + me * splits + split, epoch,
-                   peer, local_world_size, BLOCK)
-    for peer in range(world):
-        if peer != me:
-            dl.wait(gather_flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        copy_slice(gathered + peer * row, out_ptr + peer * m, start, stop, BLOCK)
+    gather_flags = flags + world * slices
+    if peer == me:
+        for j in range(tl.program_id(1), slices, tl.num_programs(1)):
+            start, stop = split_bounds(m, j, slices, BLOCK)
+            _sum_slice(x_ptr + me * m, stage, row, flags, epoch, slices, j, out_ptr + me * m, start, stop, BLOCK)
+            tl.debug_barrier()  # the sum's stores are read back below, maybe by other threads of the program
+            for step in range(1, world):
+                push_slice(out_ptr + me * m, gathered + me * row, start, stop, gather_flags + me * slices + j, epoch,
+                           (me + step) % world, local_world_size, BLOCK)
+    else:
+        _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK)
+        for j in range(tl.program_id(1), slices, tl.num_programs(1)):
+            start, stop = split_bounds(m, j, slices, BLOCK)
+            token = dl.wait(gather_flags + peer * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
+            copy_slice(dl.consume_token(gathered + peer * row, token), out_ptr + peer * m, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -313,6 +349,8 @@ class ReduceScatter:
         self.method = choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
         self.chunk = numel // w.world_size
         limit = _protocol.programs_limit(programs, w)
+        if self.method in ("ce", "one_shot"):  # programs per destination; `ring` and `2d` take all of them
+            limit = max(1, limit // w.world_size)
         step_bytes = _protocol.CE_STEP_BYTES if self.method == "ce" else _protocol.STEP_BYTES
         self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit, step_bytes)
         self.row = row_stride(self.chunk)
@@ -327,7 +365,8 @@ class ReduceScatter:
             self.workspace = Workspace(w.world_size * self.row, dtype, (w.world_size + w.nnodes) * self.splits)
             self.sums = tridist.symm_empty((2, 2 * w.nnodes * self.row), torch.float32)
         else:
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+            self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.slices)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
@@ -357,9 +396,14 @@ class ReduceScatter:
                                                      self.row, ws.slot_numel, w.local_world_size, splits=self.splits,
                                                      BLOCK=self.block, num_warps=self.warps)
             return out
-        kernel = reduce_scatter_ring_kernel if self.method == "ring" else reduce_scatter_kernel
-        kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row, ws.slot_numel,
-                               w.local_world_size, splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+        if self.method == "ring":
+            reduce_scatter_ring_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row,
+                                                       ws.slot_numel, w.local_world_size, splits=self.splits,
+                                                       BLOCK=self.block, num_warps=self.warps)
+        else:
+            reduce_scatter_kernel[(w.world_size, self.splits)](x, out, ws.staging, ws.flags, ws.calls, self.chunk,
+                                                               self.row, ws.slot_numel, w.local_world_size,
+                                                               self.slices, BLOCK=self.block, num_warps=self.warps)
         return out
 
     def free(self) -> None:
@@ -400,9 +444,11 @@ class AllReduce:
             self.gather = CopyEnginePush(self.chunk, dtype)
         else:
             self.chunk = triton.cdiv(numel, w.world_size)
-            self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit)
+            self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
+                                                                      max(1, limit // w.world_size))
+            self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
             self.row = row_stride(self.chunk)
-            self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.splits)
+            self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.slices)
             self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
                 2, self.chunk * w.world_size, dtype=dtype, device=w.device)
 
@@ -427,9 +473,9 @@ class AllReduce:
         if self.padded is not None:
             self.padded[0, :self.numel].copy_(x.view(-1))
             source, target = self.padded[0], self.padded[1]
-        all_reduce_two_shot_kernel[(self.splits,)](source, target, ws.staging, ws.flags, ws.calls, self.chunk,
-                                                   self.row, ws.slot_numel, self.world.local_world_size,
-                                                   splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+        all_reduce_two_shot_kernel[(self.world.world_size, self.splits)](
+            source, target, ws.staging, ws.flags, ws.calls, self.chunk, self.row, ws.slot_numel,
+            self.world.local_world_size, self.slices, BLOCK=self.block, num_warps=self.warps)
         if self.padded is not None:
             out.view(-1).copy_(target[:self.numel])
         return out
