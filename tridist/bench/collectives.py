@@ -6,6 +6,7 @@ buffer. Bus bandwidth: bytes * (n-1)/n / t, twice that for all-reduce. Sizes up 
 as CUDA-graph replays, so launch overhead is not what gets measured.
 """
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 import tridist
 from tridist import ops
-from tridist.ops import allgather, allreduce
+from tridist.ops import _protocol, allgather, allreduce
 
 from ..runtime.config import parse_bytes
 from .results import save, table
@@ -67,9 +68,9 @@ def _symm_mem_all_reduce(x):
         return None
 
 
-def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, programs: list):
-    """One row per size: NCCL, each method at each programs cap (None: the op's default), PyTorch;
-    and the methods that gave a wrong result (left out of the rows)."""
+def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, variants: list):
+    """One row per size: NCCL, each method in each variant (programs cap, slice bytes; None: the
+    op's default), PyTorch; and the methods that gave a wrong result (left out of the rows)."""
     w = tridist.world()
     n = w.world_size
     rows = []
@@ -99,15 +100,17 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, pro
             low, high = LIMITS.get(method, (0, 1 << 62))
             if not low <= nbytes <= high:
                 continue
-            for cap in programs:
+            for cap, slice_bytes in variants:
+                label = column(method, cap, slice_bytes).removesuffix(" us")
                 result = torch.full_like(out, float("nan"))
                 try:
-                    op = getattr(ops, CLASSES[name])(x.numel(), dtype, method, programs=cap)
+                    with _slices_of(slice_bytes):
+                        op = getattr(ops, CLASSES[name])(x.numel(), dtype, method, programs=cap)
                     op(x, result)
                     torch.cuda.synchronize()
                 except Exception as error:  # noqa: BLE001 - one broken method must not hide the others' numbers
-                    print(f"FAILED: {name} {method} (programs={cap}) at {nbytes} bytes: {error}", file=sys.stderr)
-                    failures.append(f"{method}/{cap}@{nbytes}")
+                    print(f"FAILED: {name} {label} at {nbytes} bytes: {error}", file=sys.stderr)
+                    failures.append(f"{label}@{nbytes}")
                     continue
                 if name == "allgather":
                     ok = torch.equal(result, reference)
@@ -115,12 +118,12 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, pro
                     ok = torch.allclose(result.float(), reference, rtol=1e-2, atol=1e-2)
                 if slowest(0.0 if ok else 1.0) != 0.0:
                     # Reported and left out of the table; the other methods still run.
-                    print(f"WRONG RESULT: {name} {method} (programs={cap}) at {nbytes} bytes", file=sys.stderr)
-                    failures.append(f"{method}/{cap}@{nbytes}")
+                    print(f"WRONG RESULT: {name} {label} at {nbytes} bytes", file=sys.stderr)
+                    failures.append(f"{label}@{nbytes}")
                     op.free()
                     continue
                 us = slowest(time_us(lambda: op(x, result), graph=graph))
-                row[column(method, cap)] = us
+                row[column(method, cap, slice_bytes)] = us
                 if method == "auto":
                     row["auto picks"] = op.method
                 else:
@@ -144,8 +147,21 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, pro
     return rows, failures
 
 
-def column(method: str, programs) -> str:
-    return f"{method} us" if programs is None else f"{method}/{programs} us"
+def column(method: str, programs, slice_bytes) -> str:
+    """'push us', 'push/16 us' (at most 16 programs), 'push@32768 us' (32 KB slices)."""
+    return (method + ("" if programs is None else f"/{programs}") + ("" if slice_bytes is None else f"@{slice_bytes}")
+            + " us")
+
+
+@contextlib.contextmanager
+def _slices_of(slice_bytes):
+    """Ops built inside cut their sliced kernels' work in `slice_bytes` slices (None: the default)."""
+    saved = _protocol.SLICE_BYTES
+    _protocol.SLICE_BYTES = saved if slice_bytes is None else slice_bytes
+    try:
+        yield
+    finally:
+        _protocol.SLICE_BYTES = saved
 
 
 def plot(name: str, rows: list[dict], path: str) -> None:
@@ -178,25 +194,34 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--programs", default="default",
                         help="programs caps to time each method at, e.g. 'default,16,64' (default: the op's own)")
+    parser.add_argument("--slice-bytes", default="default",
+                        help="slice sizes to time the sliced methods at (push, one_shot, two_shot), e.g. "
+                             "'default,32K' (default: _protocol.SLICE_BYTES)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON and PNG results")
     args = parser.parse_args(argv)
     try:
         programs = [None if p == "default" else int(p) for p in args.programs.split(",")]
     except ValueError:
         parser.error(f"--programs takes 'default' and positive ints separated by commas, got {args.programs!r}")
+    try:
+        slices = [None if s == "default" else parse_bytes(s) for s in args.slice_bytes.split(",")]
+    except ValueError:
+        parser.error(f"--slice-bytes takes 'default' and sizes separated by commas, got {args.slice_bytes!r}")
+    variants = [(cap, slice_bytes) for cap in programs for slice_bytes in slices]
     w = tridist.init()
     if w.backend != "nvshmem":
         raise SystemExit("the collective benchmarks time GPUs against NCCL; run them on a GPU box")
     methods = [args.method] if args.method else list(METHODS[args.op])
-    rows, failures = run(args.op, sizes_between(args.sizes), methods, getattr(torch, args.dtype), programs)
+    rows, failures = run(args.op, sizes_between(args.sizes), methods, getattr(torch, args.dtype), variants)
     if w.rank == 0:
-        columns = ["bytes", "NCCL us", *[column(m, p) for m in methods for p in programs]]
+        columns = ["bytes", "NCCL us", *[column(m, *v) for m in methods for v in variants]]
         columns += sorted({c for r in rows for c in r if c.startswith("torch")})
         columns += ["auto picks", "auto vs NCCL", "speedup vs NCCL", "busbw GB/s", "NCCL busbw GB/s"]
         print(table(rows, columns))
-        name = args.op if programs == [None] else f"{args.op}-programs"  # a sweep does not replace the main table
+        # a sweep does not replace the main table
+        name = args.op + ("" if programs == [None] else "-programs") + ("" if slices == [None] else "-slices")
         path = save(name, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype,
-                                           "programs": args.programs})
+                                           "programs": args.programs, "slice_bytes": args.slice_bytes})
         plot(args.op, rows, path.replace(".json", ".png"))
         print(f"saved {path}")
         if failures:

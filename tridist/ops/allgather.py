@@ -15,8 +15,9 @@ Methods
   of p's staging through symm_at. Reads instead of writes over NVLink; on one node.
 - "ce": this rank's copy engines write its shard into row `rank` of every peer's staging, chunk by
   chunk, each chunk followed by its flag (`CopyEnginePush`); a kernel copies each chunk out to
-  `out` as soon as its flag is up. No SM moves data across NVLink; one node. A barrier at the start
-  of each call says every peer has finished with its staging and flags.
+  `out` as soon as its flag is up. No SM moves data across NVLink (for large messages next to
+  other work on the SMs; on its own "push" is faster, so `auto` does not pick it); one node. A
+  barrier at the start of each call says every peer has finished with its staging and flags.
 - "2d" (for several nodes): each shard crosses to every other node once. The rank puts its shard
   (with the signal attached) to the rank with its local index on every other node, and stores it
   into the staging of every rank of its own node; a rank forwards each shard it received from
@@ -316,21 +317,18 @@ def spread_tasks(world) -> int:
 
 
 def choose_method(total_bytes: int, world) -> str:
-    """Crossovers measured on H200s joined by NVLink, bf16 (benchmarks/results/allgather-*-2026-11-22.json,
-    2 and 4 ranks): LL packets were fastest up to 1 MB (3.4-3.5 us at 4 KB, 8.2-8.5 us at 1 MB), SM
-    push from 4 MB to 16 MB (17.6-53 us); at 64 MB push and ring ran even with 2 ranks (180, 182 us)
-    and the ring won with 4 (200 us, push 241); at 256 MB the copy engines won with 2 ranks (506 us,
-    ring 681), the ring with 4 (849 us, copy engines 981). Across nodes "2d" sends each shard over
-    the network once per node, where push sends it once per rank (not measured across nodes yet)."""
+    """Crossovers measured on H200s joined by NVLink, bf16 (benchmarks/results/allgather-*.json):
+    LL packets were fastest up to 1 MB (2 ranks, 2026-11-23: 3.3 us at 4 KB, 6.8 us at 1 MB), then
+    the sliced push (13.2 us at 4 MB, 109 us at 64 MB, 402 us at 256 MB, where the ring took 13.2,
+    132 and 502, the copy engines 31.9, 153 and 487). With 4 ranks (2026-11-22, before the push was
+    sliced and the steps grew) LL won up to 1 MB as well; the ring beat that older push from 64 MB.
+    Across nodes "2d" sends each shard over the network once per node, where push sends it once per
+    rank (not measured across nodes yet)."""
     if world.nnodes > 1:
         return "2d"
     if total_bytes <= 1 << 20 and total_bytes % (4 * world.world_size) == 0:
         return "ll"
-    if total_bytes <= 16 << 20:
-        return "push"
-    if world.world_size == 2 and total_bytes > 64 << 20:
-        return "ce"
-    return "ring"
+    return "push"
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:

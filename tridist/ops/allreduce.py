@@ -23,7 +23,8 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
   rank's copy engines write chunk p of x into row `rank` of rank p's staging, a flag per piece,
   and a kernel sums the pieces as they land (reduce-scatter). For all_reduce the copy engines
   then write each rank's reduced chunk into every peer's second staging, and a kernel copies
-  those into `out` as they land. For large messages.
+  those into `out` as they land. For large messages next to other work on the SMs; on its own
+  the sliced SM methods are faster (2 x H200, 2026-11-23), so `auto` does not pick it.
 - "2d" (reduce_scatter, for several nodes): two levels, so that each chunk crosses to a node once.
   With L ranks per node, rank (node a, local index l) owns chunk a*L + l. First, within the node,
   every rank pushes to local rank l the chunks owned by the ranks with local index l on every node
@@ -518,37 +519,33 @@ def _reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, pee
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:
-    """From the runs on H200s joined by NVLink, bf16 (benchmarks/results/reducescatter-*-2026-11-22.json,
-    2 and 4 ranks): one-shot from 4 MB to 64 MB at both world sizes (2 ranks 18-237 us, 4 ranks
-    25-258 us); at 256 MB the copy engines with 2 ranks (516 us, one-shot 881) but one-shot with 4
-    (981 us, copy engines 1111: three peer streams per rank share them). Below 4 MB LL packets:
-    each rank sends (world-1)/world of x, so the limit is the all-reduce's 1 MB sent. Across nodes
-    "2d" puts each node's sum over the network once (not measured across nodes yet)."""
+    """From the runs on H200s joined by NVLink, bf16 (benchmarks/results/reducescatter-*.json): LL
+    packets up to 1 MB of x (2 ranks, 2026-11-23: 3.6 us at 4 KB, 6.8 us at 1 MB; 4 ranks similar
+    on 2026-11-22); each rank sends (world-1)/world of x, so the limit is the all-reduce's 1 MB sent.
+    Above, the sliced one-shot (2 ranks: 13.7 us at 4 MB, 115 us at 64 MB, 407 us at 256 MB, where
+    the copy engines took 32.9, 168 and 531); one-shot also won at 4 ranks from 4 MB (2026-11-22).
+    Across nodes "2d" puts each node's sum over the network once (not measured across nodes yet)."""
     n = world.world_size
     if world.nnodes > 1:
         return "2d"
     if n > 1 and nbytes * (n - 1) // n <= 1 << 20 and (nbytes // n) % 4 == 0:
         return "ll"
-    if n == 2 and nbytes >= 128 << 20:
-        return "ce"
     return "one_shot"
 
 
 def choose_all_reduce(nbytes: int, world) -> str:
     """By what each rank sends, from the runs on H200s joined by NVLink, bf16
-    (benchmarks/results/allreduce-*-2026-11-22.json): LL packets (twice the bytes, no signal round
-    trip) were fastest up to 1 MB sent (2 ranks: 3.9-11.2 us up to 1 MB; 4 ranks: 5.2-9.4 us up to
-    256 KB), one-shot up to 4 MB sent, then the SM two-shot (2 ranks: 88 us at 16 MB; 4 ranks:
-    42-1878 us from 4 MB to 256 MB). The copy-engine two-shot won from 64 MB with 2 ranks only
-    (371 us, SM two-shot 393); with 4 it took 1173 us at 64 MB where the SM two-shot took 484."""
+    (benchmarks/results/allreduce-*.json): LL packets (twice the bytes, no signal round trip) were
+    fastest up to 1 MB sent (2 ranks, 2026-11-23: 3.7-9.8 us; 4 ranks, 2026-11-22: 5.2-9.4 us up to
+    256 KB), one-shot up to 4 MB sent (2 ranks: 23.5 us, two-shot 23.7), then the sliced two-shot
+    (2 ranks: 73 us at 16 MB, 232 at 64 MB, 861 at 256 MB; the copy engines took 110, 303, 1089;
+    4 ranks, before the two-shot was sliced: 42-1878 us from 4 MB to 256 MB)."""
     n = world.world_size
     sent = nbytes * (n - 1)
     if world.nnodes == 1 and sent <= 1 << 20 and nbytes % 4 == 0:
         return "ll"
     if sent <= 4 << 20:
         return "one_shot"
-    if world.nnodes == 1 and n == 2 and sent >= 64 << 20:
-        return "ce"
     return "two_shot"
 
 
