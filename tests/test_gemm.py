@@ -248,3 +248,13 @@ def test_pick_tile(m, n, flatten, tile):
     """The default GEMM tile for an m x n product on 132 SMs (host code only)."""
     picked = gemm.pick_tile([c for c in gemm.GPU_CONFIGS if flatten or not c["FLATTEN"]], m, n, sms=132)
     assert (picked["BLOCK_M"], picked["BLOCK_N"]) == tile
+
+
+@pytest.mark.parametrize("m, nodes, method", [(32, 1, "ll"), (128, 1, "ll"), (129, 1, "one_shot"), (32, 2, "one_shot")])
+def test_gemm_ar_auto(m, nodes, method):
+    """What gemm_ar's `auto` picks (host code only): LL packets for decode-sized M on one node."""
+    from types import SimpleNamespace
+
+    from tridist.ops import gemm_reduce
+
+    assert gemm_reduce.choose_gemm_ar(m, SimpleNamespace(nnodes=nodes)) == method

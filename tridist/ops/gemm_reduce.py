@@ -341,18 +341,25 @@ class GemmReduceScatter(_GemmReduce):
 class GemmAllReduce(_GemmReduce):
     """all_reduce(a @ b) for a of m x k and b of k x n; made for decode-sized m (up to a few hundred rows).
     `method`: "one_shot" (tiles and a flag per tile), "ll" (tiles in low-latency packets, one node)
-    or "auto", which takes one_shot until the two have been timed against each other on a GPU.
-    `config`: as for `AllGatherGEMM`."""
+    or "auto" (`choose_gemm_ar`). `config`: as for `AllGatherGEMM`."""
 
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, method: str = "auto",
                  config: dict | str | None = None):
         if method not in GEMM_AR_METHODS:
             raise _protocol.method_error("gemm_ar", method, GEMM_AR_METHODS)
         super().__init__(m, k, n, dtype, scatter=False, config=config,
-                         method="one_shot" if method == "auto" else method)
+                         method=choose_gemm_ar(m, tridist.world()) if method == "auto" else method)
 
     def _with_config(self, config: dict) -> "GemmAllReduce":
         return GemmAllReduce(self.m, self.k, self.n, self.dtype, self.method, config=config)
+
+
+def choose_gemm_ar(m: int, world) -> str:
+    """LL packets for decode-sized M on one node: on 2 x H200 (benchmarks/results/gemm_ar-*-2026-11-23.json,
+    K = 8192, bf16) they took 37.2 us at M = 128, N = 8192 (one-shot 45.7, cuBLAS + NCCL 51.5) and
+    119.7 us at N = 28672 (one-shot 162.3, cuBLAS + NCCL 152.3); at M = 32 the two ran even (29.8
+    and 29.1 us). Above 128 rows the packets' doubled bytes are not worth their latency."""
+    return "ll" if world.nnodes == 1 and m <= 128 else "one_shot"
 
 
 def _cached(cls, a: torch.Tensor, b: torch.Tensor, config, **options):
