@@ -43,7 +43,8 @@ def default_worlds() -> list[str]:
         import torch
 
         gpus = torch.cuda.device_count()
-        return ["1"] + (["2", "2x1"] if gpus >= 2 else []) + (["4", "2x2"] if gpus >= 4 else [])
+        return (["1"] + (["2", "2x1"] if gpus >= 2 else []) + (["4", "2x2"] if gpus >= 4 else [])
+                + (["8", "2x4", "4x2"] if gpus >= 8 else []))
     return ["1", "2", "3", "4", "2x2", "8", "2x4"]
 
 
