@@ -29,10 +29,10 @@ def _poisoned(shape, dtype, device):
 @contextlib.contextmanager
 def _small_pieces():
     """Ops built inside cut their copy-engine transfers in chunks of 64 bytes and their sliced
-    kernels' work in slices of 64 bytes, so that the small test shapes travel in several chunks and
-    each program takes several slices."""
+    kernels' work in slices of 256 bytes, so that the small test shapes travel in several chunks and
+    the programs take several slices each."""
     saved = _protocol.CE_CHUNK_BYTES, _protocol.SLICE_BYTES
-    _protocol.CE_CHUNK_BYTES = _protocol.SLICE_BYTES = 64
+    _protocol.CE_CHUNK_BYTES, _protocol.SLICE_BYTES = 64, 256
     try:
         yield
     finally:
@@ -135,15 +135,15 @@ def test_all_reduce_in_place(world, method):
 
 
 def _largest_steps(w, op_name, method):
-    """bf16 with one program per destination: the kernels step through the data in their largest
-    blocks (`_protocol.steps_for`), with a ragged end."""
+    """bf16 on one program per destination (programs=1): the kernels step through the data in their
+    largest blocks (`_protocol.steps_for`), with a ragged end."""
     if method in ("pull", "ce") and w.nnodes > 1:
         return
     n = w.world_size
-    part = n * _protocol.STEP_BYTES + 1000  # two largest bf16 steps per program, and a ragged end
+    part = _protocol.STEP_BYTES + 1000  # two largest bf16 steps, and a ragged end
     numel = n * part
     shard = part if op_name == "AllGather" else numel
-    op = getattr(ops, op_name)(shard, torch.bfloat16, method, programs=n)
+    op = getattr(ops, op_name)(shard, torch.bfloat16, method, programs=1)
     largest = (_protocol.CE_STEP_BYTES if method == "ce" else _protocol.STEP_BYTES) // 2
     assert op.block == largest, f"{method} steps {op.block} elements"
     everyone = _inputs(w, (shard,), torch.bfloat16, call=0)
