@@ -204,7 +204,8 @@ def steps_for(numel: int, itemsize: int, programs: int, step_bytes: int = STEP_B
     A step's loads complete before its stores are issued, so a program moves about one step per
     memory latency, and large messages need large steps: with 4 KB steps, the 66 programs that
     copied the copy-engine all-gather out of staging held it to 265 GB/s (2 x H200, 2026-11-22),
-    where a put with 16 KB steps reached 354 GB/s. Steps grow from SMALLEST_STEP elements to
+    where a put with 16 KB steps reached 354 GB/s (with 16 KB steps, and slices, the push
+    all-gather reached 330 GB/s on 2026-11-23). Steps grow from SMALLEST_STEP elements to
     `step_bytes` as long as every one of the programs still gets a whole step, so small messages
     keep their programs."""
     block = SMALLEST_STEP
@@ -273,8 +274,9 @@ def raise_flag(flags: torch.Tensor, index: int) -> None:
 
 
 CE_CHUNK_BYTES = 8 << 20  # per copy-engine transfer: the copy-out of the last chunk is what shows
-# Steps of the kernels that wait for copy-engine flags: 8 KB keeps them to about 160 registers a
-# thread on 4 warps, so an SM they wait on always has room left for the flags' memset.
+# Steps of the kernels that wait for copy-engine flags: 8 KB keeps them on 4 warps (at most 255
+# registers a thread, half an SM's register file), so an SM they wait on has room left for the
+# flags' memset; 16 KB steps take 8 warps and the whole register file.
 CE_STEP_BYTES = 8 << 10
 
 
