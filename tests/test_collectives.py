@@ -129,9 +129,10 @@ def test_all_reduce(world, method, dtype):
     world.run(_all_reduce, method=method, dtype=dtype, numel=302 if method == "ll" else 301, calls=3, in_place=False)
 
 
-@pytest.mark.parametrize("method", ["auto", "ce"])
+@pytest.mark.parametrize("method", ["auto", "one_shot", "two_shot", "ce"])
 def test_all_reduce_in_place(world, method):
-    world.run(_all_reduce, method=method, dtype=torch.float32, numel=64, calls=2, in_place=True)
+    # 840 elements split evenly over 1-4 and 8 ranks: two-shot works on x itself, not a padded copy
+    world.run(_all_reduce, method=method, dtype=torch.float32, numel=840, calls=2, in_place=True)
 
 
 def _largest_steps(w, op_name, method):
