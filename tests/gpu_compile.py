@@ -77,6 +77,7 @@ def _step_options(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> 
 def cases():
     """(kernel, signature, constexprs[, compile options])."""
     CE = _protocol.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
+    SUM = _protocol.SUM_STEP_BYTES  # noqa: N806 - and the symmetric all-reduce in these
     return [
         *_gemm_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
@@ -84,6 +85,11 @@ def cases():
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                                "local_world_size": "i32", "slices": "i32", "BLOCK": "constexpr"},
            {"BLOCK": _largest_step(t)}, _step_options(t)) for t in ("*bf16", "*fp32", "*u8")],
+        *[(allgather.all_gather_symmetric_kernel, {"x_ptr": t, "out_ptr": t, "flags_ptr": "*i64", "calls_ptr": "*i64",
+                                                    "n": "i32", "local_world_size": "i32", "slices": "i32",
+                                                    "COPY_OWN": "constexpr", "BLOCK": "constexpr"},
+           {"COPY_OWN": own, "BLOCK": _largest_step(t)}, _step_options(t))
+          for t, own in (("*bf16", True), ("*bf16", False), ("*u8", True))],
         # all_gather "2d" and "ring"; "2d" also as ag_gemm's comm="sm" launches it
         *[(allgather.all_gather_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
@@ -119,6 +125,9 @@ def cases():
                     "calls_ptr": "*i64", "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                     "slices": "i32", "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16"))
           for kernel in (allreduce.reduce_scatter_kernel, allreduce.all_reduce_two_shot_kernel)],
+        *[(allreduce.all_reduce_symmetric_kernel, {"x_ptr": t, "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
+                                                    "m": "i32", "slices": "i32", "BLOCK": "constexpr"},
+           {"BLOCK": _largest_step(t, SUM)}, _step_options(t, SUM)) for t in ("*bf16", "*fp32")],
         (allreduce.reduce_scatter_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*fp32",
                                                  "flags_ptr": "*i64", "calls_ptr": "*i64", "m": "i32", "row": "i32",
                                                  "slot_numel": "i32", "local_world_size": "i32",

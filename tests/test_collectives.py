@@ -135,6 +135,95 @@ def test_all_reduce_in_place(world, method):
     world.run(_all_reduce, method=method, dtype=torch.float32, numel=840, calls=2, in_place=True)
 
 
+def _all_gather_symmetric(w, method, dtype, shape, calls, own_row):
+    """A symmetric `out`, reused by every call: the shards go straight into the peers' out, so a
+    fast rank must not write into a peer's out before the peer has read the last call's result
+    (copied right after each call here, with no host synchronisation). With `own_row`, x is out's
+    own row."""
+    with _small_pieces():
+        op = ops.AllGather(int(torch.Size(shape).numel()), dtype, method, symmetric_out=True)
+    out = tridist.symm_empty((w.world_size * shape[0], *shape[1:]), dtype)
+    out.copy_(_poisoned(out.shape, dtype, w.device))
+    own = out[w.rank * shape[0]:(w.rank + 1) * shape[0]]
+    everyone = [_inputs(w, shape, dtype, call) for call in range(calls)]
+    results = []
+    for call in range(calls):
+        x = everyone[call][w.rank].to(w.device)
+        if own_row:
+            own.copy_(x)
+        op(own if own_row else x, out)
+        results.append(out.clone())
+    for call in range(calls):
+        assert torch.equal(results[call].cpu(), torch.cat(everyone[call])), f"call {call}"
+    tridist.barrier_all()
+    op.free()
+    tridist.symm_free(out)
+
+
+@pytest.mark.parametrize("method", ["auto", "push", "ce", "ll"])
+def test_all_gather_symmetric_out(world, method):
+    if method in ("ce", "ll") and (world.nnodes or 1) > 1:
+        return
+    for dtype, shape in [(torch.float32, (37, 3)), (torch.bfloat16, (64,)), (torch.uint8, (4, 12))]:
+        for own_row in (False, True):
+            world.run(_all_gather_symmetric, method=method, dtype=dtype, shape=shape, calls=4, own_row=own_row)
+
+
+def _all_reduce_symmetric(w, method, dtype, numel, calls):
+    """In place on one symmetric x; each result is copied right after its call, with no host
+    synchronisation. The last call goes through `ops.all_reduce`, which sees that x is symmetric."""
+    with _small_pieces():
+        op = ops.AllReduce(numel, dtype, method, symmetric_in_place=True)
+    if method == "two_shot":
+        assert op.direct == (w.nnodes == 1), "in place on a symmetric x, on one node: no staging"
+    x = tridist.symm_empty((numel,), dtype)
+    everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
+    results = []
+    for call in range(calls):
+        x.copy_(everyone[call][w.rank])
+        if call < calls - 1:
+            assert op(x, out=x) is x
+        else:
+            assert ops.all_reduce(x, out=x, method=method) is x
+        results.append(x.clone())
+    for call in range(calls):
+        reference = sum(e.double() for e in everyone[call])
+        torch.testing.assert_close(results[call].cpu().double(), reference, rtol=TOLERANCE[dtype],
+                                   atol=TOLERANCE[dtype])
+    with pytest.raises(ValueError, match="symmetric_in_place=True: call it with out=x"):
+        op(x)
+    tridist.barrier_all()
+    op.free()
+    tridist.symm_free(x)
+
+
+@pytest.mark.parametrize("method", ["auto", "two_shot"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_symmetric_in_place(world, method, dtype):
+    # 1303: chunks of unequal length at every world size (the last ranks' shorter)
+    world.run(_all_reduce_symmetric, method=method, dtype=dtype, numel=1303, calls=4)
+
+
+def _symmetric_mismatch(w):
+    """One rank passes a regular out where the others pass a symmetric one: every rank raises
+    (in the emulator, as on GPUs with TRIDIST_DEBUG=1) instead of writing into the wrong memory."""
+    op = ops.AllGather(16, torch.float32, "push", symmetric_out=True)
+    symmetric = tridist.symm_empty((16 * w.world_size,), torch.float32)
+    out = torch.empty(16 * w.world_size, device=w.device) if w.rank == 0 else symmetric
+    with pytest.raises(tridist.SymmetricAllocationError, match="rank 0: not symmetric"):
+        op(torch.zeros(16, device=w.device), out)
+    with pytest.raises(ValueError, match="symmetric_out=True: pass out"):
+        op(torch.zeros(16, device=w.device))
+    tridist.barrier_all()
+    op.free()
+    tridist.symm_free(symmetric)
+
+
+def test_symmetric_mismatch_fails_everywhere(world):
+    if world.size > 1:
+        world.run(_symmetric_mismatch)
+
+
 def _largest_steps(w, op_name, method):
     """bf16 on one program per destination (programs=1): the kernels step through the data in their
     largest blocks (`_protocol.steps_for`), with a ragged end."""

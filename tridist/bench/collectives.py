@@ -2,7 +2,9 @@
 memory all-reduce where it runs) in the same run, after checking tridist's result against NCCL's.
 
 Sizes follow nccl-tests: the all-gather's output, the reduce-scatter's input, the all-reduce's
-buffer. Bus bandwidth: bytes * (n-1)/n / t, twice that for all-reduce. Sizes up to 16 MB are timed
+buffer. With --symmetric, tridist's all-gather writes into a symmetric output and its all-reduce
+works in place on a symmetric buffer (as PyTorch's symmetric-memory ops do), so neither stages;
+NCCL keeps regular tensors. Bus bandwidth: bytes * (n-1)/n / t, twice that for all-reduce. Sizes up to 16 MB are timed
 as CUDA-graph replays, so launch overhead is not what gets measured.
 """
 import argparse
@@ -68,7 +70,21 @@ def _symm_mem_all_reduce(x):
         return None
 
 
-def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, variants: list):
+def _tridist_buffers(name: str, x: torch.Tensor, out: torch.Tensor, symmetric: bool):
+    """(kwargs for the op's constructor, the input and output tridist is timed on): with `symmetric`,
+    a symmetric output for the all-gather and one symmetric buffer in place for the all-reduce."""
+    if not symmetric:
+        return {}, x, torch.full_like(out, float("nan"))
+    if name == "allgather":
+        result = tridist.symm_empty(tuple(out.shape), out.dtype)
+        result.fill_(float("nan"))
+        return {"symmetric_out": True}, x, result
+    buffer = tridist.symm_empty(tuple(x.shape), x.dtype)
+    buffer.copy_(x)
+    return {"symmetric_in_place": True}, buffer, buffer
+
+
+def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, variants: list, symmetric: bool = False):
     """One row per size: NCCL, each method in each variant (programs cap, slice bytes; None: the
     op's default), PyTorch; and the methods that gave a wrong result (left out of the rows)."""
     w = tridist.world()
@@ -102,33 +118,36 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, var
                 continue
             for cap, slice_bytes in variants:
                 label = column(method, cap, slice_bytes).removesuffix(" us")
-                result = torch.full_like(out, float("nan"))
+                options, source, result = _tridist_buffers(name, x, out, symmetric)
                 try:
                     with _slices_of(slice_bytes):
-                        op = getattr(ops, CLASSES[name])(x.numel(), dtype, method, programs=cap)
-                    op(x, result)
+                        op = getattr(ops, CLASSES[name])(x.numel(), dtype, method, programs=cap, **options)
+                    op(source, result)
                     torch.cuda.synchronize()
                 except Exception as error:  # noqa: BLE001 - one broken method must not hide the others' numbers
                     print(f"FAILED: {name} {label} at {nbytes} bytes: {error}", file=sys.stderr)
                     failures.append(f"{label}@{nbytes}")
+                    if symmetric:
+                        tridist.symm_free(result)
                     continue
                 if name == "allgather":
                     ok = torch.equal(result, reference)
                 else:
                     ok = torch.allclose(result.float(), reference, rtol=1e-2, atol=1e-2)
-                if slowest(0.0 if ok else 1.0) != 0.0:
-                    # Reported and left out of the table; the other methods still run.
+                if slowest(0.0 if ok else 1.0) == 0.0:
+                    us = slowest(time_us(lambda: op(source, result), graph=graph))
+                    row[column(method, cap, slice_bytes)] = us
+                    if method == "auto":
+                        row["auto picks"] = op.method
+                    else:
+                        best = us if best is None else min(best, us)
+                else:  # reported and left out of the table; the other methods still run
                     print(f"WRONG RESULT: {name} {label} at {nbytes} bytes", file=sys.stderr)
                     failures.append(f"{label}@{nbytes}")
-                    op.free()
-                    continue
-                us = slowest(time_us(lambda: op(x, result), graph=graph))
-                row[column(method, cap, slice_bytes)] = us
-                if method == "auto":
-                    row["auto picks"] = op.method
-                else:
-                    best = us if best is None else min(best, us)
                 op.free()
+                if symmetric:
+                    torch.cuda.synchronize()
+                    tridist.symm_free(result)
         if name == "allreduce" and nbytes <= 16 << 20:
             torch_symm = _symm_mem_all_reduce(x)
             for label, fn in (torch_symm or {}).items():
@@ -197,8 +216,12 @@ def main(argv=None) -> int:
     parser.add_argument("--slice-bytes", default="default",
                         help="slice sizes to time the sliced methods at (push, one_shot, two_shot), e.g. "
                              "'default,32K' (default: _protocol.SLICE_BYTES)")
+    parser.add_argument("--symmetric", action="store_true",
+                        help="all-gather into a symmetric output, all-reduce in place on a symmetric buffer")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON and PNG results")
     args = parser.parse_args(argv)
+    if args.symmetric and args.op == "reducescatter":
+        parser.error("--symmetric is for allgather and allreduce")
     try:
         programs = [None if p == "default" else int(p) for p in args.programs.split(",")]
     except ValueError:
@@ -212,15 +235,17 @@ def main(argv=None) -> int:
     if w.backend != "nvshmem":
         raise SystemExit("the collective benchmarks time GPUs against NCCL; run them on a GPU box")
     methods = [args.method] if args.method else list(METHODS[args.op])
-    rows, failures = run(args.op, sizes_between(args.sizes), methods, getattr(torch, args.dtype), variants)
+    rows, failures = run(args.op, sizes_between(args.sizes), methods, getattr(torch, args.dtype), variants,
+                         args.symmetric)
     if w.rank == 0:
         columns = ["bytes", "NCCL us", *[column(m, *v) for m in methods for v in variants]]
         columns += sorted({c for r in rows for c in r if c.startswith("torch")})
         columns += ["auto picks", "auto vs NCCL", "speedup vs NCCL", "busbw GB/s", "NCCL busbw GB/s"]
         print(table(rows, columns))
         # a sweep does not replace the main table
-        name = args.op + ("" if programs == [None] else "-programs") + ("" if slices == [None] else "-slices")
-        path = save(name, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype,
+        name = (args.op + ("-symmetric" if args.symmetric else "") + ("" if programs == [None] else "-programs")
+                + ("" if slices == [None] else "-slices"))
+        path = save(name, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype, "symmetric": args.symmetric,
                                            "programs": args.programs, "slice_bytes": args.slice_bytes})
         plot(args.op, rows, path.replace(".json", ".png"))
         print(f"saved {path}")

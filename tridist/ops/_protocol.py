@@ -46,8 +46,9 @@ def finish_call(calls_ptr):
 
 
 class Workspace:
-    """Symmetric staging for one op instance: `slots` x `slot_numel` elements of `dtype`, a block
-    of signal words per slot, and the device-side calls counter."""
+    """Symmetric staging for one op instance: two slots of `slot_numel` elements of `dtype` (none
+    for kernels that write straight into symmetric tensors of the caller's), a block of signal
+    words per slot, and the device-side calls counter."""
 
     def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int):
         w = tridist.world()
@@ -56,13 +57,14 @@ class Workspace:
         self.dtype = dtype
         # Zeroed: packets (LL) left in this memory by an op freed before would look fresh to a
         # reader expecting the same epoch.
-        self.staging = tridist.symm_zeros((2, slot_numel), dtype)
+        self.staging = tridist.symm_zeros((2, slot_numel), dtype) if slot_numel else None
         self.flags = tridist.signals(2 * signals_per_slot).view(2, signals_per_slot)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     def free(self) -> None:
         tridist.symm_free(self.flags.view(-1))
-        tridist.symm_free(self.staging)
+        if self.staging is not None:
+            tridist.symm_free(self.staging)
 
 
 LL_BLOCK = 1024  # packets per step of the low-latency kernels
@@ -226,6 +228,11 @@ def slices_for(numel: int, itemsize: int, splits: int) -> int:
     return max(splits, triton.cdiv(numel * itemsize, SLICE_BYTES))
 
 
+# Steps of the kernels that load a step from every rank at once and sum it (the symmetric
+# all-reduce): 16 KB steps of bf16 spilled there (128 registers, ptxas for sm_90a), 8 KB do not.
+SUM_STEP_BYTES = 8 << 10
+
+
 def warps_for(block: int, itemsize: int) -> int:
     """Warps for a step of `block` elements: 64 bytes or fewer per thread. More, and Triton's
     per-element offsets and masks run out of registers (16 KB of bf16 on 4 warps: 255 and spills)."""
@@ -280,6 +287,30 @@ CE_CHUNK_BYTES = 8 << 20  # per copy-engine transfer: the copy-out of the last c
 CE_STEP_BYTES = 8 << 10
 
 
+class PeerStreams:
+    """A side stream per peer of this node (GPUs only), so that copies to different peers run on
+    different copy engines at once. `peers` lists them in the order copies are queued, the next rank
+    first."""
+
+    def __init__(self, world):
+        self.peers = [(world.rank + step) % world.world_size for step in range(1, world.world_size)]
+        self.streams = [torch.cuda.Stream(world.device) for _ in self.peers] if world.device.type == "cuda" else []
+
+    def side(self, index: int):
+        """A context that queues work on the stream of peer `peers[index]`, after what the current
+        stream has queued so far."""
+        if not self.streams:
+            return contextlib.nullcontext()
+        stream = self.streams[index]
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
+
+    def join(self) -> None:
+        """The current stream waits for what the side streams have queued."""
+        for stream in self.streams:
+            torch.cuda.current_stream().wait_stream(stream)
+
+
 class CopyEnginePush:
     """Copy-engine transfers into the peers' symmetric staging, with a flag per chunk (one node).
 
@@ -306,18 +337,16 @@ class CopyEnginePush:
         self.row = row_stride(numel)
         self.staging = tridist.symm_empty((w.world_size, self.row), dtype)
         self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32)
-        # What each peer's copy engines write into, in the order `push` visits the peers (next first).
-        self.peers = [(w.rank + step) % w.world_size for step in range(1, w.world_size)]
-        self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.peers]
-        self.remote_flags = [tridist.peer_tensor(self.flags, peer) for peer in self.peers]
-        # A stream per peer, so that the copies to different peers run on different copy engines.
-        self.streams = [torch.cuda.Stream(w.device) for _ in self.peers] if w.device.type == "cuda" else []
+        self.streams = PeerStreams(w)
+        # What each peer's copy engines write into, in the order `push` visits the peers.
+        self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.streams.peers]
+        self.remote_flags = [tridist.peer_tensor(self.flags, peer) for peer in self.streams.peers]
 
     def push(self, sources) -> None:
         """Queue, after what the current stream has queued, `sources[p]` (a 1-D tensor of at most
         `numel` elements, for every peer p) into row `rank` of p's staging, the next peer first."""
-        for index, peer in enumerate(self.peers):
-            with self._side_stream(index):
+        for index, peer in enumerate(self.streams.peers):
+            with self.streams.side(index):
                 remote, source = self.remote_rows[index], sources[peer]
                 for chunk in range(self.chunks):
                     start, stop = chunk * self.chunk, min((chunk + 1) * self.chunk, source.numel())
@@ -327,16 +356,8 @@ class CopyEnginePush:
 
     def join(self) -> None:
         """The current stream waits for the transfers; then this rank's flags are zeroed for the next call."""
-        for stream in self.streams:
-            torch.cuda.current_stream().wait_stream(stream)
+        self.streams.join()
         self.flags.zero_()
-
-    def _side_stream(self, index: int):
-        if not self.streams:
-            return contextlib.nullcontext()
-        stream = self.streams[index]
-        stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(stream)
 
     def free(self) -> None:
         tridist.symm_free(self.flags)

@@ -26,6 +26,11 @@ Methods
   it; then each program waits for a few of those flags and copies those rows into `out`. On one
   node this is "push" with the copy-outs spread differently. `ag_gemm` (comm="sm") runs the same
   kernel without the copy-out: its GEMM reads the staging itself.
+- A symmetric `out` (`tridist.symm_empty`, the same tensor on every rank) skips the staging: "push"
+  and "ce" write the shards straight into the peers' `out` (`symmetric_out=True`). Since nothing
+  is double-buffered then, a rank writes into a peer's `out` only once that peer has reached the
+  call: its flag `ready` ("push"), or a barrier on the stream ("ce", which takes another barrier at
+  the end to say every shard has landed).
 - "ring": program s passes slice s around the ring: it pushes its own slice to rank+1, then
   world-1 times waits for the slice of the next source along the ring (rank-1, rank-2, ...) under
   flag (source, s), forwards it to rank+1 (unless rank+1 is that source) and copies it to `out`.
@@ -38,10 +43,12 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
+from tridist.runtime.tensors import check_symmetric
 
 from . import _protocol
-from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output,
-                        copy_slice, finish_call, placement, push_slice, row_stride, split_bounds, wait_chunks)
+from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, call_epoch, check_input,
+                        check_output, copy_slice, finish_call, placement, push_slice, row_stride, split_bounds,
+                        wait_chunks)
 
 METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
@@ -72,6 +79,39 @@ def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
         else:
             push_slice(x_ptr, stage + me * row, start, stop, flags + me * slices + j, epoch, peer, local_world_size,
                        BLOCK)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def all_gather_symmetric_kernel(x_ptr, out_ptr, flags_ptr, calls_ptr, n, local_world_size, slices,
+                                COPY_OWN: tl.constexpr, BLOCK: tl.constexpr):
+    """`out` is symmetric, so the shards go straight into it. Program (i, s) works with the peer
+    rank + 1 + i: it raises the peer's flag `ready` (rank) to say this rank's `out` may be written
+    (program (i, 0) does), waits for the peer's own, then sends slices s, s + splits, ... of this
+    rank's shard into row `rank` of the peer's `out`, each followed by flag (rank, slice) there, and
+    last waits for the same slices of the peer's shard to be here. With COPY_OWN the programs copy
+    x into row `rank` of `out` too, while the handshake goes on."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    splits = tl.num_programs(1)
+    peer = (me + 1 + tl.program_id(0)) % world
+    flags = flags_ptr + (epoch % 2) * (world * (slices + 1))
+    ready = flags + world * slices
+    if tl.program_id(1) == 0:
+        dl.notify(ready + me, peer, signal=epoch, sig_op="set")
+    if COPY_OWN:
+        for j in range(tl.program_id(0) * splits + tl.program_id(1), slices, tl.num_programs(0) * splits):
+            start, stop = split_bounds(n, j, slices, BLOCK)
+            copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
+    token = dl.wait(ready + peer, 1, scope="sys", semantic="acquire", waitValue=epoch)
+    row = dl.consume_token(out_ptr + me * n, token)
+    for j in range(tl.program_id(1), slices, splits):
+        start, stop = split_bounds(n, j, slices, BLOCK)
+        push_slice(x_ptr, row, start, stop, flags + me * slices + j, epoch, peer, local_world_size, BLOCK)
+    for j in range(tl.program_id(1), slices, splits):
+        dl.wait(flags + peer * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -222,9 +262,12 @@ def all_gather_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
 class AllGather:
     """An all-gather of `numel` elements of `dtype` per rank, with its own workspace. Reuse one
     instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream.
-    `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM)."""
+    `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM). With
+    `symmetric_out`, every call passes a symmetric `out`, the same on every rank, and "push" and
+    "ce" write into it directly."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
+                 symmetric_out: bool = False):
         if method not in METHODS:
             raise _protocol.method_error("all_gather", method, METHODS)
         if dtype not in DTYPES:
@@ -233,6 +276,8 @@ class AllGather:
         self.numel, self.dtype = numel, dtype
         nbytes = numel * dtype.itemsize
         self.method = choose_method(nbytes * w.world_size, w) if method == "auto" else method
+        self.symmetric_out = symmetric_out
+        self.direct = symmetric_out and self.method in ("push", "ce") and w.world_size > 1
         if self.method in ("pull", "ll", "ce") and w.nnodes > 1:
             raise ValueError(f"all_gather method {self.method!r} works within one node; this world has {w.nnodes} "
                              "nodes: use method='2d' or 'push'")
@@ -244,6 +289,12 @@ class AllGather:
         elif self.method == "pull":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
+        elif self.method == "push" and self.direct:
+            # every program sends: one row of the grid per peer, no copy-out row
+            self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
+                                                                      max(1, limit // (w.world_size - 1)))
+            self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
+            self.workspace = Workspace(0, dtype, w.world_size * (self.slices + 1))
         elif self.method == "push":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
@@ -255,6 +306,8 @@ class AllGather:
                                                                       max(1, limit // tasks))
             self.row = row_stride(numel)
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+        elif self.direct:
+            self.streams = PeerStreams(w)
         else:
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer,
                                                                       _protocol.CE_STEP_BYTES)
@@ -267,9 +320,18 @@ class AllGather:
             raise ValueError(f"this all-gather moves {self.numel} {self.dtype} elements per rank; x has "
                              f"{x.numel()} {x.dtype}")
         shape = (w.world_size * x.shape[0], *x.shape[1:]) if x.dim() else (w.world_size,)
+        if self.symmetric_out:
+            if out is None:
+                raise ValueError("this all-gather was built with symmetric_out=True: pass out, a symmetric tensor "
+                                 "(tridist.symm_empty)")
+            check_output(out, shape, x.dtype)
+            check_symmetric(out, "out")
         if out is None:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
+        if self.direct:
+            self._into_symmetric(x, out)
+            return out
         grid = (w.world_size, self.splits)
         if self.method == "pull":
             ws = self.workspace
@@ -303,7 +365,28 @@ class AllGather:
             transfer.join()
         return out
 
+    def _into_symmetric(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        w, n = self.world, self.numel
+        own = out.view(-1)[w.rank * n:(w.rank + 1) * n]
+        copy_own = own.data_ptr() != x.data_ptr()  # x may be out's own row already
+        if self.method == "push":
+            ws = self.workspace
+            all_gather_symmetric_kernel[(w.world_size - 1, self.splits)](
+                x, out, ws.flags, ws.calls, n, w.local_world_size, self.slices, COPY_OWN=copy_own, BLOCK=self.block,
+                num_warps=self.warps)
+            return
+        tridist.barrier_all_on_stream()  # every peer's out may be written
+        for index, peer in enumerate(self.streams.peers):
+            with self.streams.side(index):
+                tridist.peer_tensor(out, peer).view(-1)[w.rank * n:(w.rank + 1) * n].copy_(x.view(-1))
+        if copy_own:
+            own.copy_(x.view(-1))
+        self.streams.join()
+        tridist.barrier_all_on_stream()  # every peer's shard has landed here
+
     def free(self) -> None:
+        if self.direct and self.method == "ce":
+            return
         if self.method == "ce":
             self.transfer.free()
         else:
@@ -334,10 +417,12 @@ def choose_method(total_bytes: int, world) -> str:
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Gather `x` from every rank into `out` (world_size * x.shape[0] rows), like
     `torch.distributed.all_gather_into_tensor`. A collective: every rank calls it with the same
-    shape, dtype and method."""
+    shape, dtype and method, and a symmetric `out` on every rank or on none (a symmetric one is
+    written straight from the peers, x may be its own row)."""
     check_input(x, "x", DTYPES)
-    op = _protocol.instance(lambda: AllGather(x.numel(), x.dtype, method), AllGather, x.numel(), x.dtype, method,
-                            device=x.device)
+    symmetric = out is not None and tridist.is_symmetric(out)
+    op = _protocol.instance(lambda: AllGather(x.numel(), x.dtype, method, symmetric_out=symmetric), AllGather,
+                            x.numel(), x.dtype, method, symmetric, device=x.device)
     return op(x, out)
 
 

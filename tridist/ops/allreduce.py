@@ -15,6 +15,10 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
   pushes it to every peer (flags in the second half of the slot's signals), where the program that
   sent that peer its chunk copies it out. Each rank receives 2 (n-1)/n of the data instead of
   (n-1) x: best for large messages.
+  In place on a symmetric x (`all_reduce(x, out=x)`, x from `tridist.symm_empty`, one node) the
+  two-shot needs no staging: rank r sums chunk r reading every rank's x through symm_at, and
+  stores the sum into every rank's x, one pass over NVLink each way (once every peer's flag
+  `ready` says its x holds this call's input), then waits for the peers' sums to have landed here.
 - "ll" (one node): one-shot in low-latency packets (`dl.ll`): each 4-byte word a peer sums travels
   to it with the epoch as its flag (all of x to every peer for all_reduce, chunk p to rank p for
   reduce_scatter), so there is no separate signal and no fence; the words are summed in rank
@@ -46,6 +50,7 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
+from tridist.runtime.tensors import check_symmetric
 
 from . import _protocol
 from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output,
@@ -262,6 +267,46 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
 
 
 @jit
+def all_reduce_symmetric_kernel(x_ptr, flags_ptr, calls_ptr, n, m, slices, BLOCK: tl.constexpr):
+    """x (n elements) is symmetric and becomes the sum on every rank. Rank r owns chunk r (elements
+    r*m to (r+1)*m, fewer for the last ranks); program s sums slices s, s + splits, ... of this
+    rank's chunk over every rank's x and stores the sums into every rank's x, then raises flag
+    (rank, s) on every peer and waits for flag (p, s) from every peer p: the same program's sums
+    stored here. A chunk is read and written by its owner only, so the in-place stores are safe."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    split = tl.program_id(0)
+    splits = tl.num_programs(0)
+    flags = flags_ptr + (epoch % 2) * (world * (splits + 1))
+    ready = flags + world * splits
+    if split == 0:
+        for step in range(1, world):
+            dl.notify(ready + me, (me + step) % world, signal=epoch, sig_op="set")
+    chunk = x_ptr + me * m
+    for step in range(1, world):
+        token = dl.wait(ready + (me + step) % world, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        chunk = dl.consume_token(chunk, token)
+    length = tl.minimum(tl.maximum(n - me * m, 0), m)
+    offsets = tl.arange(0, BLOCK)
+    for j in range(split, slices, splits):
+        start, stop = split_bounds(length, j, slices, BLOCK)
+        for offset in range(start, stop, BLOCK):
+            mask = offset + offsets < stop
+            total = tl.zeros([BLOCK], tl.float32)
+            for step in range(world):
+                total += tl.load(dl.symm_at(chunk, (me + step) % world) + offset + offsets, mask=mask).to(tl.float32)
+            total = total.to(x_ptr.dtype.element_ty)
+            for step in range(world):
+                tl.store(dl.symm_at(chunk, (me + step) % world) + offset + offsets, total, mask=mask)
+    for step in range(1, world):
+        dl.notify(flags + me * splits + split, (me + step) % world, signal=epoch, sig_op="set")
+    for step in range(1, world):
+        dl.wait(flags + ((me + step) % world) * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+    finish_call(calls_ptr)
+
+
+@jit
 def reduce_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, m, row, chunk, chunks, splits,
                      BLOCK: tl.constexpr):
     """out[:len] = the sum over ranks r of x_r[rank * m:][:len] (len = this rank's part of n, m per
@@ -418,14 +463,20 @@ class ReduceScatter:
 
 class AllReduce:
     """Sum-all-reduce of `numel` elements of `dtype` per rank. `programs` caps the programs
-    (blocks, so SMs) a call's kernels run (default: one per SM)."""
+    (blocks, so SMs) a call's kernels run (default: one per SM). With `symmetric_in_place`, every
+    call reduces a symmetric x (the same on every rank) in place (out=x), and on one node the
+    two-shot then works on x directly."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
+                 symmetric_in_place: bool = False):
         if method not in ALL_REDUCE_METHODS:
             raise _protocol.method_error("all_reduce", method, ALL_REDUCE_METHODS)
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
-        self.method = choose_all_reduce(numel * dtype.itemsize, w) if method == "auto" else method
+        self.symmetric_in_place = symmetric_in_place
+        self.method = (choose_all_reduce(numel * dtype.itemsize, w, symmetric_in_place) if method == "auto"
+                       else method)
+        self.direct = symmetric_in_place and self.method == "two_shot" and w.nnodes == 1
         limit = _protocol.programs_limit(programs, w)
         if self.method == "ce" and w.nnodes > 1:
             raise ValueError(f"all_reduce method 'ce' works within one node; this world has {w.nnodes} nodes: use "
@@ -443,6 +494,12 @@ class AllReduce:
                                                                       _protocol.CE_STEP_BYTES)
             self.scatter = CopyEnginePush(self.chunk, dtype)
             self.gather = CopyEnginePush(self.chunk, dtype)
+        elif self.direct:
+            self.chunk = triton.cdiv(numel, w.world_size)
+            self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit,
+                                                                      _protocol.SUM_STEP_BYTES)
+            self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
+            self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1))
         else:
             self.chunk = triton.cdiv(numel, w.world_size)
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
@@ -455,9 +512,18 @@ class AllReduce:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         _check_same(x, self.numel, self.dtype, "all-reduce")
+        if self.symmetric_in_place:
+            if out is None or out.data_ptr() != x.data_ptr():
+                raise ValueError("this all-reduce was built with symmetric_in_place=True: call it with out=x")
+            check_symmetric(x, "x")
         if out is None:
             out = torch.empty_like(x)
         check_output(out, tuple(x.shape), x.dtype)
+        if self.direct:
+            ws = self.workspace
+            all_reduce_symmetric_kernel[(self.splits,)](x, ws.flags, ws.calls, self.numel, self.chunk, self.slices,
+                                                        BLOCK=self.block, num_warps=self.warps)
+            return out
         if self.method == "ce":
             self._copy_engines(x, out)
             return out
@@ -533,18 +599,19 @@ def choose_reduce_scatter(nbytes: int, world) -> str:
     return "one_shot"
 
 
-def choose_all_reduce(nbytes: int, world) -> str:
+def choose_all_reduce(nbytes: int, world, symmetric_in_place: bool = False) -> str:
     """By what each rank sends, from the runs on H200s joined by NVLink, bf16
     (benchmarks/results/allreduce-*.json): LL packets (twice the bytes, no signal round trip) were
     fastest up to 1 MB sent (2 ranks, 2026-11-23: 3.7-9.8 us; 4 ranks, 2026-11-22: 5.2-9.4 us up to
     256 KB), one-shot up to 4 MB sent (2 ranks: 23.5 us, two-shot 23.7), then the sliced two-shot
     (2 ranks: 73 us at 16 MB, 232 at 64 MB, 861 at 256 MB; the copy engines took 110, 303, 1089;
-    4 ranks, before the two-shot was sliced: 42-1878 us from 4 MB to 256 MB)."""
+    4 ranks, before the two-shot was sliced: 42-1878 us from 4 MB to 256 MB). In place on a symmetric
+    x the two-shot needs no staging, and takes over from LL (not timed yet)."""
     n = world.world_size
     sent = nbytes * (n - 1)
     if world.nnodes == 1 and sent <= 1 << 20 and nbytes % 4 == 0:
         return "ll"
-    if sent <= 4 << 20:
+    if sent <= 4 << 20 and not (symmetric_in_place and world.nnodes == 1):
         return "one_shot"
     return "two_shot"
 
@@ -555,21 +622,24 @@ def _check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> N
         raise ValueError(f"this {what} was built for {numel} {dtype} elements; x has {x.numel()} {x.dtype}")
 
 
-def _instance(cls, x: torch.Tensor, method: str):
-    check_input(x, "x")
-    return _protocol.instance(lambda: cls(x.numel(), x.dtype, method), cls, x.numel(), x.dtype, method,
-                              device=x.device)
-
-
 def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Sum `x` over ranks and give rank r the r-th of world_size chunks of dim 0, like
     `torch.distributed.reduce_scatter_tensor`. A collective."""
-    return _instance(ReduceScatter, x, method)(x, out)
+    check_input(x, "x")
+    op = _protocol.instance(lambda: ReduceScatter(x.numel(), x.dtype, method), ReduceScatter, x.numel(), x.dtype,
+                            method, device=x.device)
+    return op(x, out)
 
 
 def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
-    """Sum `x` over ranks into `out` (a new tensor by default; pass out=x for in place). A collective."""
-    return _instance(AllReduce, x, method)(x, out)
+    """Sum `x` over ranks into `out` (a new tensor by default; pass out=x for in place). A collective:
+    every rank passes the same shape, dtype and method, and a symmetric x in place on every rank or
+    on none (that one is reduced without staging)."""
+    check_input(x, "x")
+    symmetric = out is not None and out.data_ptr() == x.data_ptr() and tridist.is_symmetric(x)
+    op = _protocol.instance(lambda: AllReduce(x.numel(), x.dtype, method, symmetric_in_place=symmetric), AllReduce,
+                            x.numel(), x.dtype, method, symmetric, device=x.device)
+    return op(x, out)
 
 
 @torch.library.custom_op("tridist::reduce_scatter", mutates_args=())

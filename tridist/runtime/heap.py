@@ -67,6 +67,21 @@ class SymmetricHeap:
         self._agree(_FREE, offset, t.dtype, tuple(t.shape))
         del self._blocks[index]
 
+    def agree_on(self, t: torch.Tensor, name: str) -> None:
+        """When checked: that `t` is the same symmetric tensor (offset and size) on every rank, as a
+        kernel writing into the peers' copies of it assumes."""
+        if not self.checked:
+            return
+        mine = (self.offset_of(t) if self.contains(t) else -1, t.numel() * t.element_size())
+        everyone = self.transport.allgather_ints(mine)
+        if all(other == mine for other in everyone):
+            return
+        lines = [f"  rank {r}: " + (f"{size} bytes at offset {offset}" if offset >= 0 else "not symmetric")
+                 for r, (offset, size) in enumerate(everyone)]
+        raise SymmetricAllocationError(
+            f"{name} must be the same symmetric tensor on every rank (one allocated by every rank in the same "
+            "order):\n" + "\n".join(lines))
+
     def _first_fit(self, size: int):
         cursor = 0
         for offset, block in self._blocks:
