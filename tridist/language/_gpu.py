@@ -137,7 +137,13 @@ def num_ranks():
 
 @triton.jit
 def symm_at(ptr, peer):
-    return _ptr(ptr.to(tl.int64), peer).to(ptr.dtype, bitcast=True)
+    # As an offset from `ptr`, hinted a multiple of 16 bytes: every rank's heap starts at least
+    # that aligned, so a peer's copy is as aligned as this rank's, and Triton can then vectorise
+    # loads and stores through it (the pointer NVSHMEM returns tells it nothing: 2-byte stores).
+    # Where NVSHMEM gives no pointer (another node), ptr + offset is that null pointer still.
+    nbytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    offset = (_ptr(ptr.to(tl.int64), peer) - ptr.to(tl.int64)) // nbytes
+    return ptr + tl.multiple_of(offset, max(1, 16 // nbytes))
 
 
 # ---- memory order --------------------------------------------------------------------------------

@@ -228,11 +228,6 @@ def slices_for(numel: int, itemsize: int, splits: int) -> int:
     return max(splits, triton.cdiv(numel * itemsize, SLICE_BYTES))
 
 
-# Steps of the kernels that load a step from every rank at once and sum it (the symmetric
-# all-reduce): 16 KB steps of bf16 spilled there (128 registers, ptxas for sm_90a), 8 KB do not.
-SUM_STEP_BYTES = 8 << 10
-
-
 def warps_for(block: int, itemsize: int) -> int:
     """Warps for a step of `block` elements: 64 bytes or fewer per thread. More, and Triton's
     per-element offsets and masks run out of registers (16 KB of bf16 on 4 warps: 255 and spills)."""

@@ -85,13 +85,12 @@ def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
 
 @jit
 def all_gather_symmetric_kernel(x_ptr, out_ptr, flags_ptr, calls_ptr, n, local_world_size, slices,
-                                COPY_OWN: tl.constexpr, BLOCK: tl.constexpr):
+                                BLOCK: tl.constexpr):
     """`out` is symmetric, so the shards go straight into it. Program (i, s) works with the peer
     rank + 1 + i: it raises the peer's flag `ready` (rank) to say this rank's `out` may be written
     (program (i, 0) does), waits for the peer's own, then sends slices s, s + splits, ... of this
     rank's shard into row `rank` of the peer's `out`, each followed by flag (rank, slice) there, and
-    last waits for the same slices of the peer's shard to be here. With COPY_OWN the programs copy
-    x into row `rank` of `out` too, while the handshake goes on."""
+    last waits for the same slices of the peer's shard to be here."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -101,10 +100,6 @@ def all_gather_symmetric_kernel(x_ptr, out_ptr, flags_ptr, calls_ptr, n, local_w
     ready = flags + world * slices
     if tl.program_id(1) == 0:
         dl.notify(ready + me, peer, signal=epoch, sig_op="set")
-    if COPY_OWN:
-        for j in range(tl.program_id(0) * splits + tl.program_id(1), slices, tl.num_programs(0) * splits):
-            start, stop = split_bounds(n, j, slices, BLOCK)
-            copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
     token = dl.wait(ready + peer, 1, scope="sys", semantic="acquire", waitValue=epoch)
     row = dl.consume_token(out_ptr + me * n, token)
     for j in range(tl.program_id(1), slices, splits):
@@ -295,6 +290,7 @@ class AllGather:
                                                                       max(1, limit // (w.world_size - 1)))
             self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
             self.workspace = Workspace(0, dtype, w.world_size * (self.slices + 1))
+            self.streams = PeerStreams(w)
         elif self.method == "push":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
@@ -366,14 +362,21 @@ class AllGather:
         return out
 
     def _into_symmetric(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The peers' shards land in `out` directly; this rank's own row (unless x is that row
+        already) is copied by a copy engine while the transfers run. ("push" did it with the SMs
+        before sending, at first: 457 us at 256 MB, against 406 us through staging, 2 x H200,
+        2026-11-23.)"""
         w, n = self.world, self.numel
         own = out.view(-1)[w.rank * n:(w.rank + 1) * n]
-        copy_own = own.data_ptr() != x.data_ptr()  # x may be out's own row already
+        copy_own = own.data_ptr() != x.data_ptr()
         if self.method == "push":
+            if copy_own:
+                with self.streams.side(0):
+                    own.copy_(x.view(-1))
             ws = self.workspace
             all_gather_symmetric_kernel[(w.world_size - 1, self.splits)](
-                x, out, ws.flags, ws.calls, n, w.local_world_size, self.slices, COPY_OWN=copy_own, BLOCK=self.block,
-                num_warps=self.warps)
+                x, out, ws.flags, ws.calls, n, w.local_world_size, self.slices, BLOCK=self.block, num_warps=self.warps)
+            self.streams.join()
             return
         tridist.barrier_all_on_stream()  # every peer's out may be written
         for index, peer in enumerate(self.streams.peers):

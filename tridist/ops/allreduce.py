@@ -496,8 +496,7 @@ class AllReduce:
             self.gather = CopyEnginePush(self.chunk, dtype)
         elif self.direct:
             self.chunk = triton.cdiv(numel, w.world_size)
-            self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit,
-                                                                      _protocol.SUM_STEP_BYTES)
+            self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit)
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
             self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1))
         else:
