@@ -85,10 +85,6 @@ def cases():
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
                                                "local_world_size": "i32", "slices": "i32", "BLOCK": "constexpr"},
            {"BLOCK": _largest_step(t)}, _step_options(t)) for t in ("*bf16", "*fp32", "*u8")],
-        *[(allgather.all_gather_symmetric_kernel, {"x_ptr": t, "out_ptr": t, "flags_ptr": "*i64", "calls_ptr": "*i64",
-                                                    "n": "i32", "local_world_size": "i32", "slices": "i32",
-                                                    "BLOCK": "constexpr"},
-           {"BLOCK": _largest_step(t)}, _step_options(t)) for t in ("*bf16", "*u8")],
         # all_gather "2d" and "ring"; "2d" also as ag_gemm's comm="sm" launches it
         *[(allgather.all_gather_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
                                              "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
@@ -200,7 +196,7 @@ def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False)
 
 # Kernels whose bf16 data must move in 16-byte accesses, peers' memory included (through symm_at,
 # whose pointers Triton knows nothing about unless told: 2-byte stores to peers, until 2026-11-23).
-VECTORISED = {"all_gather_push_kernel", "all_gather_symmetric_kernel", "reduce_scatter_kernel",
+VECTORISED = {"all_gather_push_kernel", "reduce_scatter_kernel",
               "all_reduce_two_shot_kernel", "all_reduce_symmetric_kernel"}
 
 

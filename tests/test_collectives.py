@@ -137,10 +137,10 @@ def test_all_reduce_in_place(world, method):
 
 
 def _all_gather_symmetric(w, method, dtype, shape, calls, own_row):
-    """A symmetric `out`, reused by every call: the shards go straight into the peers' out, so a
-    fast rank must not write into a peer's out before the peer has read the last call's result
-    (copied right after each call here, with no host synchronisation). With `own_row`, x is out's
-    own row."""
+    """A symmetric `out`, reused by every call: "ce" writes the shards straight into the peers'
+    out, so a fast rank must not write into a peer's out before the peer has read the last call's
+    result (copied right after each call here, with no host synchronisation). With `own_row`, x is
+    out's own row."""
     with _small_pieces():
         op = ops.AllGather(int(torch.Size(shape).numel()), dtype, method, symmetric_out=True)
     out = tridist.symm_empty((w.world_size * shape[0], *shape[1:]), dtype)
@@ -464,3 +464,18 @@ def test_auto_crossovers(op, nbytes, ranks, nodes, method):
     choose = {"all_gather": allgather.choose_method, "reduce_scatter": allreduce.choose_reduce_scatter,
               "all_reduce": allreduce.choose_all_reduce}[op]
     assert choose(nbytes, SimpleNamespace(world_size=ranks, nnodes=nodes)) == method
+
+
+@pytest.mark.parametrize("op, nbytes, nodes, method", [
+    ("all_gather", 1 << 20, 1, "ll"), ("all_gather", 64 << 20, 1, "push"), ("all_gather", 256 << 20, 1, "ce"),
+    ("all_gather", 256 << 20, 2, "2d"),
+    ("all_reduce", 256 << 10, 1, "ll"), ("all_reduce", 4 << 20, 1, "two_shot"), ("all_reduce", 4 << 20, 2, "one_shot"),
+])
+def test_auto_crossovers_symmetric(op, nbytes, nodes, method):
+    """What `auto` picks for a symmetric all-gather output or all-reduce buffer (2 ranks)."""
+    from types import SimpleNamespace
+
+    from tridist.ops import allgather, allreduce
+
+    choose = {"all_gather": allgather.choose_method, "all_reduce": allreduce.choose_all_reduce}[op]
+    assert choose(nbytes, SimpleNamespace(world_size=2, nnodes=nodes), True) == method

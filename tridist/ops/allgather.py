@@ -26,11 +26,12 @@ Methods
   it; then each program waits for a few of those flags and copies those rows into `out`. On one
   node this is "push" with the copy-outs spread differently. `ag_gemm` (comm="sm") runs the same
   kernel without the copy-out: its GEMM reads the staging itself.
-- A symmetric `out` (`tridist.symm_empty`, the same tensor on every rank) skips the staging: "push"
-  and "ce" write the shards straight into the peers' `out` (`symmetric_out=True`). Since nothing
-  is double-buffered then, a rank writes into a peer's `out` only once that peer has reached the
-  call: its flag `ready` ("push"), or a barrier on the stream ("ce", which takes another barrier at
-  the end to say every shard has landed).
+- A symmetric `out` (`tridist.symm_empty`, the same tensor on every rank; `symmetric_out=True`)
+  lets "ce" skip the staging: the copy engines write the shard straight into every peer's `out`,
+  between two barriers on the stream (every peer has reached the call; every shard has landed).
+  The fastest all-gather of 256 MB here (2 x H200: 372 us, 360 GB/s). The SM methods stage as
+  usual: a push straight into the peers' `out` from every SM was slower than the sliced push
+  (256 MB: 446 against 387 us; 64 MB: 137 against 109; 2026-11-23).
 - "ring": program s passes slice s around the ring: it pushes its own slice to rank+1, then
   world-1 times waits for the slice of the next source along the ring (rank-1, rank-2, ...) under
   flag (source, s), forwards it to rank+1 (unless rank+1 is that source) and copies it to `out`.
@@ -79,34 +80,6 @@ def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
         else:
             push_slice(x_ptr, stage + me * row, start, stop, flags + me * slices + j, epoch, peer, local_world_size,
                        BLOCK)
-    dl.shmem.quiet()
-    finish_call(calls_ptr)
-
-
-@jit
-def all_gather_symmetric_kernel(x_ptr, out_ptr, flags_ptr, calls_ptr, n, local_world_size, slices,
-                                BLOCK: tl.constexpr):
-    """`out` is symmetric, so the shards go straight into it. Program (i, s) works with the peer
-    rank + 1 + i: it raises the peer's flag `ready` (rank) to say this rank's `out` may be written
-    (program (i, 0) does), waits for the peer's own, then sends slices s, s + splits, ... of this
-    rank's shard into row `rank` of the peer's `out`, each followed by flag (rank, slice) there, and
-    last waits for the same slices of the peer's shard to be here."""
-    epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
-    splits = tl.num_programs(1)
-    peer = (me + 1 + tl.program_id(0)) % world
-    flags = flags_ptr + (epoch % 2) * (world * (slices + 1))
-    ready = flags + world * slices
-    if tl.program_id(1) == 0:
-        dl.notify(ready + me, peer, signal=epoch, sig_op="set")
-    token = dl.wait(ready + peer, 1, scope="sys", semantic="acquire", waitValue=epoch)
-    row = dl.consume_token(out_ptr + me * n, token)
-    for j in range(tl.program_id(1), slices, splits):
-        start, stop = split_bounds(n, j, slices, BLOCK)
-        push_slice(x_ptr, row, start, stop, flags + me * slices + j, epoch, peer, local_world_size, BLOCK)
-    for j in range(tl.program_id(1), slices, splits):
-        dl.wait(flags + peer * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -270,9 +243,9 @@ class AllGather:
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         nbytes = numel * dtype.itemsize
-        self.method = choose_method(nbytes * w.world_size, w) if method == "auto" else method
+        self.method = choose_method(nbytes * w.world_size, w, symmetric_out) if method == "auto" else method
         self.symmetric_out = symmetric_out
-        self.direct = symmetric_out and self.method in ("push", "ce") and w.world_size > 1
+        self.direct = symmetric_out and self.method == "ce" and w.world_size > 1
         if self.method in ("pull", "ll", "ce") and w.nnodes > 1:
             raise ValueError(f"all_gather method {self.method!r} works within one node; this world has {w.nnodes} "
                              "nodes: use method='2d' or 'push'")
@@ -284,13 +257,6 @@ class AllGather:
         elif self.method == "pull":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
-        elif self.method == "push" and self.direct:
-            # every program sends: one row of the grid per peer, no copy-out row
-            self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
-                                                                      max(1, limit // (w.world_size - 1)))
-            self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
-            self.workspace = Workspace(0, dtype, w.world_size * (self.slices + 1))
-            self.streams = PeerStreams(w)
         elif self.method == "push":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
@@ -362,33 +328,21 @@ class AllGather:
         return out
 
     def _into_symmetric(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """The peers' shards land in `out` directly; this rank's own row (unless x is that row
-        already) is copied by a copy engine while the transfers run. ("push" did it with the SMs
-        before sending, at first: 457 us at 256 MB, against 406 us through staging, 2 x H200,
-        2026-11-23.)"""
+        """The copy engines write x into row `rank` of every peer's `out`, and of this rank's
+        (unless x is that row already) at the same time."""
         w, n = self.world, self.numel
-        own = out.view(-1)[w.rank * n:(w.rank + 1) * n]
-        copy_own = own.data_ptr() != x.data_ptr()
-        if self.method == "push":
-            if copy_own:
-                with self.streams.side(0):
-                    own.copy_(x.view(-1))
-            ws = self.workspace
-            all_gather_symmetric_kernel[(w.world_size - 1, self.splits)](
-                x, out, ws.flags, ws.calls, n, w.local_world_size, self.slices, BLOCK=self.block, num_warps=self.warps)
-            self.streams.join()
-            return
         tridist.barrier_all_on_stream()  # every peer's out may be written
         for index, peer in enumerate(self.streams.peers):
             with self.streams.side(index):
                 tridist.peer_tensor(out, peer).view(-1)[w.rank * n:(w.rank + 1) * n].copy_(x.view(-1))
-        if copy_own:
+        own = out.view(-1)[w.rank * n:(w.rank + 1) * n]
+        if own.data_ptr() != x.data_ptr():
             own.copy_(x.view(-1))
         self.streams.join()
         tridist.barrier_all_on_stream()  # every peer's shard has landed here
 
     def free(self) -> None:
-        if self.direct and self.method == "ce":
+        if self.direct:
             return
         if self.method == "ce":
             self.transfer.free()
@@ -402,18 +356,22 @@ def spread_tasks(world) -> int:
     return world.local_world_size + 2 * (world.nnodes - 1)
 
 
-def choose_method(total_bytes: int, world) -> str:
+def choose_method(total_bytes: int, world, symmetric_out: bool = False) -> str:
     """Crossovers measured on H200s joined by NVLink, bf16 (benchmarks/results/allgather-*.json):
     LL packets were fastest up to 1 MB (2 ranks, 2026-11-23: 3.3 us at 4 KB, 6.8 us at 1 MB), then
     the sliced push (13.2 us at 4 MB, 109 us at 64 MB, 402 us at 256 MB, where the ring took 13.2,
     132 and 502, the copy engines 31.9, 153 and 487). With 4 ranks (2026-11-22, before the push was
     sliced and the steps grew) LL won up to 1 MB as well; the ring beat that older push from 64 MB.
+    Into a symmetric `out` the copy engines skip the staging and won at 256 MB (372 us against the
+    push's 387-457), not at 64 MB (126 against 109-120; 2026-11-23, `allgather-symmetric-*`).
     Across nodes "2d" sends each shard over the network once per node, where push sends it once per
     rank (not measured across nodes yet)."""
     if world.nnodes > 1:
         return "2d"
     if total_bytes <= 1 << 20 and total_bytes % (4 * world.world_size) == 0:
         return "ll"
+    if symmetric_out and total_bytes > 64 << 20:
+        return "ce"
     return "push"
 
 
