@@ -196,7 +196,7 @@ def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False)
 
 # Kernels whose bf16 data must move in 16-byte accesses, peers' memory included (through symm_at,
 # whose pointers Triton knows nothing about unless told: 2-byte stores to peers, until 2026-11-23).
-VECTORISED = {"all_gather_push_kernel", "reduce_scatter_kernel",
+VECTORISED = {"all_gather_push_kernel",
               "all_reduce_two_shot_kernel", "all_reduce_symmetric_kernel"}
 
 

@@ -91,7 +91,7 @@ def num_ranks():
     return _scalar(world().world_size, tl.int32)
 
 
-def symm_at(ptr, peer):
+def symm_at(ptr, peer, aligned=True):
     return _like(ptr, _translate(_addresses(ptr), int(_value(peer)), "symm_at", allow_remote_node=False))
 
 

@@ -136,14 +136,17 @@ def num_ranks():
 
 
 @triton.jit
-def symm_at(ptr, peer):
-    # As an offset from `ptr`, hinted a multiple of 16 bytes: every rank's heap starts at least
-    # that aligned, so a peer's copy is as aligned as this rank's, and Triton can then vectorise
-    # loads and stores through it (the pointer NVSHMEM returns tells it nothing: 2-byte stores).
-    # Where NVSHMEM gives no pointer (another node), ptr + offset is that null pointer still.
-    nbytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    offset = (_ptr(ptr.to(tl.int64), peer) - ptr.to(tl.int64)) // nbytes
-    return ptr + tl.multiple_of(offset, max(1, 16 // nbytes))
+def symm_at(ptr, peer, aligned: tl.constexpr = True):
+    """`peer`'s address of the symmetric `ptr` (on this node; null on another). With `aligned`, as
+    an offset from `ptr` hinted a multiple of 16 bytes (every rank's heap starts at least that
+    aligned, so a peer's copy is as aligned as this rank's), so that Triton can move data through
+    it in 16-byte accesses; unhinted, the pointer NVSHMEM returns tells Triton nothing, and a bf16
+    kernel stores 2 bytes at a time."""
+    remote = _ptr(ptr.to(tl.int64), peer)
+    if aligned:
+        nbytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+        return ptr + tl.multiple_of((remote - ptr.to(tl.int64)) // nbytes, max(1, 16 // nbytes))
+    return remote.to(ptr.dtype, bitcast=True)
 
 
 # ---- memory order --------------------------------------------------------------------------------

@@ -147,14 +147,16 @@ def placement(local_world_size):
 
 
 @triton.jit
-def push_slice(src_ptr, dst_ptr, start, stop, flag_ptr, epoch, peer, local_world_size, BLOCK: tl.constexpr):
+def push_slice(src_ptr, dst_ptr, start, stop, flag_ptr, epoch, peer, local_world_size, BLOCK: tl.constexpr,
+               WIDE: tl.constexpr = True):
     """Copy src[start:stop] to dst[start:stop] on `peer` (`dst_ptr` is this rank's address of the
     symmetric destination), then set the peer's flag to `epoch`. On this node the program stores
     through the peer's pointer and raises the flag with a release; on another node NVSHMEM puts the
-    data with the signal attached (and the caller's `quiet` completes it)."""
+    data with the signal attached (and the caller's `quiet` completes it). WIDE: in 16-byte stores
+    (`dl.symm_at`'s `aligned`), else 2 bytes at a time for 16-bit data (see `_send_chunks`)."""
     me = dl.rank()
     if peer // local_world_size == me // local_world_size:
-        remote = dl.symm_at(dst_ptr, peer)
+        remote = dl.symm_at(dst_ptr, peer, aligned=WIDE)
         offsets = tl.arange(0, BLOCK)
         for offset in range(start, stop, BLOCK):
             mask = offset + offsets < stop

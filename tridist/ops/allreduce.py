@@ -74,15 +74,20 @@ def _sum_rows(stage_ptr, row_stride, rows, out_ptr, start, stop, BLOCK: tl.const
 
 
 @triton.jit
-def _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK: tl.constexpr):
+def _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK: tl.constexpr,
+                 WIDE: tl.constexpr):
     """Program (p, s) for a peer p: slices s, s + splits, ... of chunk p of x (m elements) into row
-    `rank` of p's staging, each followed by p's flag (rank, slice)."""
+    `rank` of p's staging, each followed by p's flag (rank, slice). WIDE as in `push_slice`: the
+    reduce-scatter sends narrow. In one run, 2 x H200, 2026-11-23, one kernel build with 16-byte
+    stores and one without: its 256 MB took 565 and 404 us (64 MB: 170 and 115), where the all-gather
+    push took 388 and 414 (64 MB: 108 and 111) and the two-shot all-reduce, which sends its chunks
+    here too, was faster with them (849 against 861 us at 256 MB, in two runs). Not understood yet."""
     me = dl.rank()
     peer = tl.program_id(0)
     for j in range(tl.program_id(1), slices, tl.num_programs(1)):
         start, stop = split_bounds(m, j, slices, BLOCK)
         push_slice(x_ptr + peer * m, stage + me * row, start, stop, flags + me * slices + j, epoch, peer,
-                   local_world_size, BLOCK)
+                   local_world_size, BLOCK, WIDE)
 
 
 @triton.jit
@@ -121,7 +126,7 @@ def reduce_scatter_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, 
             start, stop = split_bounds(m, j, slices, BLOCK)
             _sum_slice(x_ptr + me * m, stage, row, flags, epoch, slices, j, out_ptr, start, stop, BLOCK)
     else:
-        _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK)
+        _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK, WIDE=False)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -257,7 +262,7 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
                 push_slice(out_ptr + me * m, gathered + me * row, start, stop, gather_flags + me * slices + j, epoch,
                            (me + step) % world, local_world_size, BLOCK)
     else:
-        _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK)
+        _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK, WIDE=True)
         for j in range(tl.program_id(1), slices, tl.num_programs(1)):
             start, stop = split_bounds(m, j, slices, BLOCK)
             token = dl.wait(gather_flags + peer * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
