@@ -1,6 +1,7 @@
 """all_gather, reduce_scatter and all_reduce: every method, several dtypes and shapes, random data,
 poisoned outputs, back-to-back calls with no host synchronisation in between."""
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def _all_gather_symmetric(w, method, dtype, shape, calls, own_row):
     """A symmetric `out`, reused by every call: "ce" writes the shards straight into the peers'
     out, so a fast rank must not write into a peer's out before the peer has read the last call's
     result (copied right after each call here, with no host synchronisation). With `own_row`, x is
-    out's own row."""
+    out's own row. The last call goes through `ops.all_gather`, which sees that out is symmetric."""
     with _small_pieces():
         op = ops.AllGather(int(torch.Size(shape).numel()), dtype, method, symmetric_out=True)
     out = tridist.symm_empty((w.world_size * shape[0], *shape[1:]), dtype)
@@ -152,7 +153,8 @@ def _all_gather_symmetric(w, method, dtype, shape, calls, own_row):
         x = everyone[call][w.rank].to(w.device)
         if own_row:
             own.copy_(x)
-        op(own if own_row else x, out)
+        gather = op if call < calls - 1 else functools.partial(ops.all_gather, method=method)
+        assert gather(own if own_row else x, out) is out
         results.append(out.clone())
     for call in range(calls):
         assert torch.equal(results[call].cpu(), torch.cat(everyone[call])), f"call {call}"
@@ -161,11 +163,11 @@ def _all_gather_symmetric(w, method, dtype, shape, calls, own_row):
     tridist.symm_free(out)
 
 
-@pytest.mark.parametrize("method", ["auto", "push", "ce", "ll"])
+@pytest.mark.parametrize("method", ["push", "ce"])  # "ce" straight into out; the SM methods stage
 def test_all_gather_symmetric_out(world, method):
-    if method in ("ce", "ll") and (world.nnodes or 1) > 1:
+    if method == "ce" and (world.nnodes or 1) > 1:
         return
-    for dtype, shape in [(torch.float32, (37, 3)), (torch.bfloat16, (64,)), (torch.uint8, (4, 12))]:
+    for dtype, shape in [(torch.float32, (37, 3)), (torch.uint8, (4, 12))]:
         for own_row in (False, True):
             world.run(_all_gather_symmetric, method=method, dtype=dtype, shape=shape, calls=4, own_row=own_row)
 
@@ -175,8 +177,7 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls):
     synchronisation. The last call goes through `ops.all_reduce`, which sees that x is symmetric."""
     with _small_pieces():
         op = ops.AllReduce(numel, dtype, method, symmetric_in_place=True)
-    if method == "two_shot":
-        assert op.direct == (w.nnodes == 1), "in place on a symmetric x, on one node: no staging"
+    assert op.direct == (w.nnodes == 1), "in place on a symmetric x, on one node: no staging"
     x = tridist.symm_empty((numel,), dtype)
     everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
     results = []
@@ -198,11 +199,10 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls):
     tridist.symm_free(x)
 
 
-@pytest.mark.parametrize("method", ["auto", "two_shot"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_reduce_symmetric_in_place(world, method, dtype):
+def test_all_reduce_symmetric_in_place(world, dtype):
     # 1303: chunks of unequal length at every world size (the last ranks' shorter)
-    world.run(_all_reduce_symmetric, method=method, dtype=dtype, numel=1303, calls=4)
+    world.run(_all_reduce_symmetric, method="two_shot", dtype=dtype, numel=1303, calls=4)
 
 
 def _symmetric_mismatch(w):

@@ -231,8 +231,8 @@ class AllGather:
     """An all-gather of `numel` elements of `dtype` per rank, with its own workspace. Reuse one
     instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream.
     `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM). With
-    `symmetric_out`, every call passes a symmetric `out`, the same on every rank, and "push" and
-    "ce" write into it directly."""
+    `symmetric_out`, every call passes a symmetric `out`, the same on every rank, and "ce" writes
+    into it directly."""
 
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
                  symmetric_out: bool = False):
@@ -362,8 +362,8 @@ def choose_method(total_bytes: int, world, symmetric_out: bool = False) -> str:
     the sliced push (13.2 us at 4 MB, 109 us at 64 MB, 402 us at 256 MB, where the ring took 13.2,
     132 and 502, the copy engines 31.9, 153 and 487). With 4 ranks (2026-11-22, before the push was
     sliced and the steps grew) LL won up to 1 MB as well; the ring beat that older push from 64 MB.
-    Into a symmetric `out` the copy engines skip the staging and won at 256 MB (372 us against the
-    push's 387-457), not at 64 MB (126 against 109-120; 2026-11-23, `allgather-symmetric-*`).
+    Into a symmetric `out` the copy engines skip the staging and won at 256 MB (372-373 us against
+    the sliced push's 387-409), not at 64 MB (126 against 109; 2026-11-23, `allgather-symmetric-*`).
     Across nodes "2d" sends each shard over the network once per node, where push sends it once per
     rank (not measured across nodes yet)."""
     if world.nnodes > 1:

@@ -81,7 +81,7 @@ def _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, B
     reduce-scatter sends narrow. In one run, 2 x H200, 2026-11-23, one kernel build with 16-byte
     stores and one without: its 256 MB took 565 and 404 us (64 MB: 170 and 115), where the all-gather
     push took 388 and 414 (64 MB: 108 and 111) and the two-shot all-reduce, which sends its chunks
-    here too, was faster with them (849 against 861 us at 256 MB, in two runs). Not understood yet."""
+    here too, was faster with them (842-849 against 861 us at 256 MB, in other runs). Not understood yet."""
     me = dl.rank()
     peer = tl.program_id(0)
     for j in range(tl.program_id(1), slices, tl.num_programs(1)):
