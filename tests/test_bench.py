@@ -97,3 +97,18 @@ def test_overlap_takes_torch_fused_numbers_of_this_device_today(tmp_path):
     assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")[0] == {"8x8x8": 11.0}
     write("torch_fused-other-day.json", 1.0, "2000-01-01", 2)  # newer still, but another day's
     assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")[0] == {"8x8x8": 11.0}
+
+
+def test_collective_bench_arguments(capsys):
+    """`tridist bench allgather|reducescatter|allreduce` reads its sizes, and refuses what it cannot
+    run before starting anything."""
+    from tridist.bench import collectives
+
+    assert collectives.sizes_between("4K..1M") == [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
+    assert collectives.sizes_between("4K,1M") == [4 << 10, 1 << 20]
+    with pytest.raises(SystemExit):
+        collectives.main(["reducescatter", "--symmetric"])
+    assert "--symmetric is for allgather and allreduce" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        collectives.main(["allgather", "--programs", "many"])
+    assert "--programs takes" in capsys.readouterr().err
