@@ -282,15 +282,14 @@ class AllGather:
             raise ValueError(f"this all-gather moves {self.numel} {self.dtype} elements per rank; x has "
                              f"{x.numel()} {x.dtype}")
         shape = (w.world_size * x.shape[0], *x.shape[1:]) if x.dim() else (w.world_size,)
-        if self.symmetric_out:
-            if out is None:
-                raise ValueError("this all-gather was built with symmetric_out=True: pass out, a symmetric tensor "
-                                 "(tridist.symm_empty)")
-            check_output(out, shape, x.dtype)
-            check_symmetric(out, "out")
+        if out is None and self.symmetric_out:
+            raise ValueError("this all-gather was built with symmetric_out=True: pass out, a symmetric tensor "
+                             "(tridist.symm_empty)")
         if out is None:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         check_output(out, shape, x.dtype)
+        if self.symmetric_out:
+            check_symmetric(out, "out")
         if self.direct:
             self._into_symmetric(x, out)
             return out
