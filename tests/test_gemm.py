@@ -137,8 +137,8 @@ def test_cuda_graph_replays(world):
 
 
 def _tuned(w, folder):
-    # On a GPU each config compiles for seconds (NVSHMEM linked): three of them (two without FLATTEN
-    # for gemm_rs) show the ranks agreeing as well as all six, in a fraction of the time.
+    # On a GPU each config compiles for seconds (NVSHMEM linked): three of them (one with FLATTEN,
+    # two without) show the ranks agreeing as well as all six, in a fraction of the time.
     all_configs = gemm.GPU_CONFIGS
     gemm.GPU_CONFIGS = [all_configs[0]] + [c for c in all_configs if not c["FLATTEN"]][-2:]
     try:
@@ -157,14 +157,25 @@ def _tune_and_check(w, folder):
         assert op.config in gemm.configs(w.device)
         tridist.barrier_all()
         op.free()
-    # a config with FLATTEN gives the same products; gemm_rs refuses it
+    # a config with FLATTEN gives the same products; gemm_ar and gemm_rs across nodes refuse it
     flattened = next(c for c in gemm.configs(w.device) if c["FLATTEN"])
     with pytest.raises(ValueError, match="FLATTEN=False"):
-        ops.GemmReduceScatter(m, k, n, dtype, config=flattened)
+        ops.GemmAllReduce(m, k, n, dtype, config=flattened)
     op = ops.AllGatherGEMM(m, k, n, dtype, config=flattened)
     out = op(a.to(w.device), b.to(w.device))
     gathered = torch.cat([_random((m, k), dtype, r) for r in range(w.world_size)])
     _assert_close(out, gathered.float() @ b.float(), dtype, "FLATTEN")
+    tridist.barrier_all()
+    op.free()
+    if w.nnodes > 1:
+        with pytest.raises(ValueError, match="across nodes takes configs with FLATTEN=False"):
+            ops.GemmReduceScatter(m, k, n, dtype, config=flattened)
+        return
+    op = ops.GemmReduceScatter(m, k, n, dtype, config=flattened)
+    out = op(a.to(w.device), b.to(w.device))
+    total = sum(_random((m, k), dtype, r).float() @ _random((k, n), dtype, 10 + r).float() for r in range(w.world_size))
+    rows = m // w.world_size
+    _assert_close(out, total[w.rank * rows:(w.rank + 1) * rows], dtype, "gemm_rs FLATTEN")
     tridist.barrier_all()
     op.free()
 

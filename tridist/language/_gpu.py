@@ -113,6 +113,15 @@ def _thread_index():
 
 
 @triton.jit
+def _sync_threads():
+    # bar.sync 0, as tl.debug_barrier lowers to, but through inline PTX: Triton 3.6's software
+    # pipeliner gives up on a loop that contains a gpu.barrier op, so a barrier in the epilogue of
+    # a persistent GEMM's tile loop (a flag raised after a tile's stores) would leave its loads
+    # unpipelined. As a side-effecting asm it keeps its place between the stores and the release.
+    tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _global_time_ns():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
@@ -263,7 +272,7 @@ def consume_token(x, token):
 def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm_scope: tl.constexpr = tl.constexpr("gpu")):
     # Every thread's earlier writes must be visible before the signal: the barrier makes them
     # visible to the signalling thread, and its release (or NVSHMEM's fence) carries them along.
-    tl.debug_barrier()
+    _sync_threads()
     if comm_scope == "inter_node":
         if _thread_index() == 0:
             if sig_op == "add":

@@ -27,6 +27,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 # The emulator gets small tiles, so that its shapes can stay small.
 GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=4, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=False, num_stages=3, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=4, num_warps=8),
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, FLATTEN=False, num_stages=4, num_warps=4),

@@ -79,9 +79,11 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
                        SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """SCATTER: gemm_rs on one node (out is M/world x N), else gemm_ar (out is M x N). A slot of
-    `tiles` holds world x (tiles per shard) tiles. Triton 3.6 cannot flatten this loop nest (its
-    reductions loop over peers): FLATTEN must be False."""
-    tl.static_assert(not FLATTEN, "gemm_reduce_kernel takes configs with FLATTEN=False")
+    `tiles` holds world x (tiles per shard) tiles. FLATTEN (gemm_rs only) lets Triton load the
+    next tile's operands during this one's epilogue. Triton 3.6's loop fusion fails on a value
+    computed after the K loop and used only inside a branch of the epilogue, so every branch
+    computes its own addresses; gemm_ar's loop over peers beside the K loop cannot be fused."""
+    tl.static_assert(SCATTER or not FLATTEN, "gemm_ar takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -101,7 +103,7 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
     # drained over NVLink and the release costs nothing, where at once it would stall the program.
     late_peer = tl.cast(-1, tl.int32)
     late_flag = flags
-    for tile in range(tl.program_id(0), shards * per_shard, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), shards * per_shard, tl.num_programs(0), flatten=FLATTEN):
         shard = me
         if SCATTER:
             shard = (me + 1 + tile // per_shard) % world
@@ -111,22 +113,23 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
         if SCATTER:
             first_row += shard * rows
         acc = gemm.tile_product(a_desc, b_desc, first_row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
-        my_flag = flags + me * per_shard + t
-        values = acc.to(tiles_ptr.dtype.element_ty)
         if SCATTER:
             if late_peer >= 0:  # before any wait below: a peer may be waiting for this flag
                 dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
                 late_peer = tl.cast(-1, tl.int32)
             if shard != me:
-                tl.store(dl.symm_at(mine, shard) + offsets, values)
+                mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
+                tl.store(dl.symm_at(mine, shard) + offsets, acc.to(tiles_ptr.dtype.element_ty))
                 late_peer = shard
-                late_flag = my_flag
+                late_flag = flags + me * per_shard + t
             else:
                 for step in range(1, world):
                     acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
                 gemm.store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
         else:
+            mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
+            my_flag = flags + me * per_shard + t
+            values = acc.to(tiles_ptr.dtype.element_ty)
             tl.store(mine + offsets, values)
             for step in range(1, world):
                 _send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M,
@@ -278,15 +281,18 @@ class _GemmReduce:
             raise ValueError(f"gemm_rs splits the M = {m} rows of the product over {w.world_size} ranks: make M a "
                              "multiple of the world size")
         self.name, self.m, self.k, self.n, self.dtype, self.scatter = name, m, k, n, dtype, scatter
-        if isinstance(config, dict) and config.get("FLATTEN"):
-            raise ValueError(f"{name} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got "
+        self.two_levels = scatter and w.nnodes > 1  # gemm_rs_2d_kernel, with two regions per slot
+        flatten = scatter and not self.two_levels  # only gemm_reduce_kernel's gemm_rs loop can be fused
+        if isinstance(config, dict) and config.get("FLATTEN") and not flatten:
+            what = "gemm_rs across nodes" if scatter else name
+            raise ValueError(f"{what} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got "
                              f"{config}")
         self.rows = m // w.world_size if scatter else m
         self.method = method
         self.config = gemm.resolve_config(
             config, name, (m, k, n, str(dtype), method), lambda c: self._with_config(c),
             lambda: (torch.randn(m, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
-            w.device, m, n, flatten=False)  # every rank computes all m rows
+            w.device, m, n, flatten=flatten)  # every rank computes all m rows
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
         self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
@@ -295,7 +301,6 @@ class _GemmReduce:
             self.workspace = PacketRows(name, self.per_shard * tile_bytes, self.programs)
             self.own = torch.empty(self.per_shard * block_m * block_n, dtype=dtype, device=w.device)
             return
-        self.two_levels = scatter and w.nnodes > 1  # gemm_rs_2d_kernel, with two regions per slot
         slot_tiles = (2 if self.two_levels else 1) * w.world_size * self.per_shard
         self.workspace = Workspace(slot_tiles * block_m * block_n, dtype, slot_tiles)
 
