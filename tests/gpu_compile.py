@@ -214,7 +214,7 @@ SHARED_MEMORY_LIMIT = 227 << 10  # bytes a block may use on sm_90 (H100, H200)
 def unpipelined(constexprs, options, compiled) -> bool:
     """A GEMM compiled with FLATTEN whose operands do not get a shared-memory buffer per stage: its
     loop was not fused and pipelined (a gpu.barrier in the loop was enough to stop it, 2026-11-23)."""
-    if not constexprs.get("FLATTEN"):
+    if not constexprs.get("FLATTEN"):  # (the GEMM cases always give their num_stages)
         return False
     stage_bytes = 2 * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
     return compiled.metadata.shared < options["num_stages"] * stage_bytes
@@ -241,7 +241,7 @@ def main() -> int:
             assert not scalar, f"{len(scalar)} 2-byte accesses ({scalar[0]}) where 16-byte ones were expected"
             assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, \
                 f"{compiled.metadata.shared} bytes of shared memory: more than an sm_90 block may have"
-            assert not unpipelined(constexprs, *options, compiled), \
+            assert not unpipelined(constexprs, options[0] if options else {}, compiled), \
                 f"FLATTEN, but {compiled.metadata.shared} bytes of shared memory: the tile loop is not pipelined"
             print(f"ok    {kernel.__name__} {constexprs or ''} ({time.monotonic() - start:.1f} s)", flush=True)
         except Exception as error:  # noqa: BLE001 - every failure is listed

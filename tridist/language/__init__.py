@@ -10,20 +10,19 @@ program; where NVSHMEM has per-thread, per-warp and per-block forms, the plain f
 thread of the program, the `_warp` form by its first warp, and the `_block` form by all its threads.
 
 `fence_async_proxy` orders this thread's earlier memory accesses (a wait's acquire) before the
-tensor-memory-accelerator loads that follow (TMA runs in the "async proxy"); `wait_async_stores`
-waits until the program's TMA stores (tensor-descriptor stores) have been written, so that a flag
-raised after it covers them. `dot` is `tl.dot`, and in the emulator a `tl.dot` that is exact for bf16.
+tensor-memory-accelerator loads that follow (TMA runs in the "async proxy"). `dot` is `tl.dot`,
+and in the emulator a `tl.dot` that is exact for bf16.
 """
 from ..runtime.backend import is_emulator
 
 if is_emulator():
     from ._emulated import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy, ld,
-                            notify, num_ranks, rank, st, symm_at, wait, wait_async_stores)
+                            notify, num_ranks, rank, st, symm_at, wait)
 else:
     from ._gpu import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy, ld, notify,
-                       num_ranks, rank, st, symm_at, wait, wait_async_stores)
+                       num_ranks, rank, st, symm_at, wait)
 
 from . import ll, shmem  # noqa: E402
 
 __all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "ld", "st", "atomic_add",
-           "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "wait_async_stores", "dot", "shmem", "ll"]
+           "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "dot", "shmem", "ll"]

@@ -124,10 +124,6 @@ def fence_async_proxy():
     pass
 
 
-def wait_async_stores():
-    pass  # the interpreter's stores are done when they return
-
-
 # ---- compute -------------------------------------------------------------------------------------
 def dot(a, b, acc):
     # Triton 3.6's interpreter multiplies bf16 blocks as their raw 16-bit integers; fp32 operands

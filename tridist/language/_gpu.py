@@ -209,15 +209,6 @@ def fence_async_proxy():
                               pack=1)
 
 
-@triton.jit
-def wait_async_stores():
-    # The threads that issued TMA stores wait until their writes are done, not just until the
-    # shared memory they came from has been read (Triton's own wait); the fence then orders those
-    # async-proxy writes before the generic-proxy release of a flag that follows.
-    tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 # ---- compute -------------------------------------------------------------------------------------
 @triton.jit
 def dot(a, b, acc):

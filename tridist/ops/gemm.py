@@ -22,9 +22,9 @@ from ._protocol import check_input, check_output
 DTYPES = (torch.bfloat16, torch.float16)
 
 # 128 x 256 x 64, 3 stages, 8 warps reached 90-99% of cuBLAS on an H200 (DESIGN.md). 4 stages of that
-# tile fit (224 KB of shared memory) but were 1-11% slower on 2 x H200 (2026-11-23, bench gemm), and
-# leave no room for gemm_rs's TMA stores. FLATTEN lets Triton pipeline the loads of a program's next
-# tile behind the end of the current one. Small-M configs give decode batches enough tiles for every SM.
+# tile fit with FLATTEN (224 KB of shared memory) but were 1-11% slower on 2 x H200 (2026-11-23,
+# bench gemm). FLATTEN lets Triton pipeline the loads of a program's next tile behind the end of the
+# current one. Small-M configs give decode batches enough tiles for every SM.
 # The emulator gets small tiles, so that its shapes can stay small.
 GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8),

@@ -66,20 +66,6 @@ def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world
 
 
 @triton.jit
-def _put_tile_async(values, peer_tile_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write a tile to a peer's memory with TMA stores, in two halves so that the shared memory
-    they pass through fits beside the GEMM's stages. The copy engine of the SM (not its warps)
-    drains the tile over NVLink while the program goes on to its next tile, where stores from
-    registers would hold the program until NVLink had taken them (all programs send at once). The
-    stores are done only after `dl.wait_async_stores()`."""
-    desc = tl.make_tensor_descriptor(peer_tile_ptr, shape=[BLOCK_M, BLOCK_N], strides=[BLOCK_N, 1],
-                                     block_shape=[BLOCK_M, BLOCK_N // 2])
-    left, right = values.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-    desc.store([0, 0], left)
-    desc.store([0, BLOCK_N // 2], right)
-
-
-@triton.jit
 def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rank src's partial tile t of this slot, once its flag says it is here."""
     token = dl.wait(flags + src * per_shard + t, 1, scope="sys", semantic="acquire", waitValue=epoch)
@@ -113,8 +99,8 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
     tiles = _tile(tiles_ptr, slot * world * per_shard, BLOCK_M, BLOCK_N)
     flags = flags_ptr + slot * world * per_shard
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    # gemm_rs raises a peer's flag for a tile one tile late: by then the tile's TMA stores have
-    # drained over NVLink and waiting for them costs nothing, where at once it would stall the program.
+    # gemm_rs raises a peer's flag for a tile one tile late: by then the tile's stores have
+    # drained over NVLink and the release costs nothing, where at once it would stall the program.
     late_peer = tl.cast(-1, tl.int32)
     late_flag = flags
     for tile in tl.range(tl.program_id(0), shards * per_shard, tl.num_programs(0), flatten=FLATTEN):
@@ -129,12 +115,11 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
         acc = gemm.tile_product(a_desc, b_desc, first_row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         if SCATTER:
             if late_peer >= 0:  # before any wait below: a peer may be waiting for this flag
-                dl.wait_async_stores()
                 dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
                 late_peer = tl.cast(-1, tl.int32)
             if shard != me:
                 mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
-                _put_tile_async(acc.to(tiles_ptr.dtype.element_ty), dl.symm_at(mine, shard), BLOCK_M, BLOCK_N)
+                tl.store(dl.symm_at(mine, shard) + offsets, acc.to(tiles_ptr.dtype.element_ty))
                 late_peer = shard
                 late_flag = flags + me * per_shard + t
             else:
@@ -150,7 +135,6 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
                 _send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M,
                            BLOCK_N)
     if late_peer >= 0:
-        dl.wait_async_stores()
         dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
     if not SCATTER:
         tl.debug_barrier()  # this program's own tiles, stored by all its threads, are read back below

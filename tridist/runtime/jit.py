@@ -67,19 +67,9 @@ if backend.is_emulator():
 
 else:
 
-    from triton.runtime import _allocation
-
-    def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-
     class NvshmemFunction(triton.runtime.jit.JITFunction):
         def run(self, *args, grid, warmup, **kwargs):
             kwargs.setdefault("extern_libs", {"libnvshmem_device": transport().device_library})
-            # Kernels that build TMA descriptors on the device write them into global scratch memory
-            # that Triton asks an allocator for at launch; without one of the caller's, PyTorch's
-            # (stream-ordered, and inside a graph capture the graph's own pool).
-            if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-                triton.set_allocator(_scratch)
             kernel = super().run(*args, grid=grid, warmup=warmup, **kwargs)
             if config.debug() and not warmup:
                 _synchronize_and_name(self.fn.__name__)
