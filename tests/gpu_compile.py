@@ -40,7 +40,7 @@ def _gemm_cases():
         cases += [
             (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                                   **blocks}, config, options),
-            *[(allgather_gemm.ag_gemm_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "flags_ptr": flags,
+            *[(allgather_gemm.ag_gemm_kernel, {"own_desc": a, "a_desc": a, "b_desc": b, "out_ptr": "*bf16", "flags_ptr": flags,
                                                "calls_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32",
                                                "slot_rows": "i32", "FLAGS_PER_SHARD": "constexpr",
                                                "EPOCH_FLAGS": "constexpr", **blocks},

@@ -323,7 +323,9 @@ class CopyEnginePush:
     read and its flags zeroed.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype):
+    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None):
+        """`row`: elements from one row of staging to the next (at least `numel`; default `numel`
+        rounded up to whole 64-element blocks)."""
         w = tridist.world()
         if w.nnodes > 1:
             raise ValueError(f"copy-engine methods work within one node; this world has {w.nnodes} nodes")
@@ -331,7 +333,7 @@ class CopyEnginePush:
         self.numel = numel
         self.chunk = row_stride(max(CE_CHUNK_BYTES // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
-        self.row = row_stride(numel)
+        self.row = row_stride(numel) if row is None else row
         self.staging = tridist.symm_empty((w.world_size, self.row), dtype)
         self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32)
         self.streams = PeerStreams(w)

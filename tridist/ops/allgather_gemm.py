@@ -5,14 +5,16 @@ Shapes: a_shard is m_shard x K on every rank (M = world_size * m_shard rows in a
 
 Protocol
 - The gathered A lives in a symmetric buffer `gathered` (slots x M x K), shard s at rows
-  s * m_shard of a slot; flag (slot, s) says shard s is there.
-- The GEMM takes its tiles shard by shard, its own shard first, then rank+1, rank+2, ...: the order
-  in which they arrive. Before a program's first tile of a shard it waits for the shard's flag, and
-  the TMA loads after it depend on the wait (consume_token) and are fenced behind it.
-- comm="ce" (one node): the copy engines pull the peers' shards on a side stream, rank+1 first, and
-  after each pull the stream sets the shard's flag with a 4-byte memset: no SM is taken from the
-  GEMM. One slot: a barrier before the pulls says every shard is staged, one after the GEMM says
-  no peer still reads this rank's shard.
+  s * m_shard of a slot, each shard with its flags.
+- The GEMM takes its tiles shard by shard: first its own, straight from a_shard (no wait, no copy),
+  then rank+1, rank+2, ...: the order in which they arrive. Before a program's first tile of a
+  peer's shard it waits for the shard's flags, and the TMA loads after it depend on the wait
+  (consume_token) and are fenced behind it.
+- comm="ce" (one node): `_protocol.CopyEnginePush` with `gathered` as its staging: after a barrier
+  (every peer is done with the last call), the copy engines write a_shard into every peer's
+  `gathered` on a stream per peer, 8 MB at a time, and raise a flag there after each piece (a
+  4-byte memset): no SM is taken from the GEMM, and the GEMM of the own shard hides the transfer.
+  The flags are zeroed after the GEMM.
 - comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
   peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
   it along its node with stores through symm_at) and raise flag (slot, rank) everywhere to the call
@@ -39,11 +41,12 @@ PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so ea
 
 
 @jit
-def ag_gemm_kernel(a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K, slot_rows,
+def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K, slot_rows,
                    FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-    """a_desc covers `gathered` as (slots * M) x K. With EPOCH_FLAGS the flags of shard s in slot
-    e % 2 are raised to the call epoch e; without, slot 0's are raised to 1 (and reset by the host)."""
+    """own_desc covers a_shard (m_shard x K), a_desc `gathered` as (slots * M) x K. With EPOCH_FLAGS
+    the flags of shard s in slot e % 2 are raised to the call epoch e; without, slot 0's are raised
+    to 1 (and zeroed by the host)."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -55,8 +58,17 @@ def ag_gemm_kernel(a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K,
     tiles_m = tl.cdiv(m_shard, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_shard = tiles_m * tiles_n
-    arrived = tl.cast(-1, tl.int32)  # the last shard whose flag this program has seen
-    for tile in tl.range(tl.program_id(0), world * per_shard, tl.num_programs(0), flatten=FLATTEN):
+    programs = tl.num_programs(0)
+    for tile in tl.range(tl.program_id(0), per_shard, programs, flatten=FLATTEN):
+        tm, tn = gemm.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        acc = gemm.tile_product(own_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        gemm.store_tile(out_ptr, acc, me * m_shard + tm * BLOCK_M, tn * BLOCK_N, (me + 1) * m_shard, N, BLOCK_M,
+                        BLOCK_N)
+    # Each program goes on where its walk over the tiles of all shards (program_id, program_id +
+    # programs, ...) left this rank's shard.
+    own_tiles = tl.maximum(per_shard - tl.program_id(0) + programs - 1, 0) // programs
+    arrived = tl.cast(-1, tl.int32)  # the last shard whose flags this program has seen
+    for tile in tl.range(tl.program_id(0) + own_tiles * programs, world * per_shard, programs, flatten=FLATTEN):
         shard = (me + tile // per_shard) % world
         tm, tn = gemm.tile_coords(tile % per_shard, tiles_m, tiles_n, GROUP_M)
         row = shard * m_shard + tm * BLOCK_M
@@ -97,10 +109,10 @@ class AllGatherGEMM:
             lambda: (torch.randn(m_shard, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
             w.device, self.m, n)
         programs = gemm.programs_for(w.device)
-        slots = 2 if self.comm == "sm" else 1
-        self.gathered = tridist.symm_empty((slots * self.m, k), dtype)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
+            self.gathered = tridist.symm_empty((2 * self.m, k), dtype)
+            self.side_stream = torch.cuda.Stream(w.device) if w.device.type == "cuda" else None
             self.comm_programs = comm_programs or max(1, programs // 16)
             self.push_tasks = allgather.spread_tasks(w)
             self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
@@ -108,11 +120,9 @@ class AllGatherGEMM:
             self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
             self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
         else:
-            self.flags = torch.zeros(w.world_size, dtype=torch.int32, device=w.device)
-            self.own_flag = torch.zeros_like(self.flags)
-            self.own_flag[w.rank] = 1
+            self.push = _protocol.CopyEnginePush(m_shard * k, dtype, row=m_shard * k)
+            self.gathered = self.push.staging.view(self.m, k)
             self.gemm_programs = programs
-        self.side_stream = torch.cuda.Stream(w.device) if w.device.type == "cuda" else None
         self.a_desc = TensorDescriptor.from_tensor(self.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
 
     def input_buffer(self) -> torch.Tensor:
@@ -131,21 +141,23 @@ class AllGatherGEMM:
             out = torch.empty((self.m, self.n), dtype=self.dtype, device=a_shard.device)
         check_output(out, (self.m, self.n), self.dtype)
         if self.comm == "ce":
-            self._pull_shards(a_shard)
-            flags, flags_per_shard = self.flags, 1
+            tridist.barrier_all_on_stream()  # every peer is done with the last call (see CopyEnginePush)
+            self.push.push([a_shard.reshape(-1)] * self.world.world_size)
+            flags, flags_per_shard = self.push.flags, self.push.chunks
         else:
             self._push_shard(a_shard)
             flags, flags_per_shard = self.push_flags, self.splits
+        own_desc = TensorDescriptor.from_tensor(a_shard, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
         b_desc = TensorDescriptor.from_tensor(b, [self.config["BLOCK_K"], self.config["BLOCK_N"]])
         tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
             triton.cdiv(self.n, self.config["BLOCK_N"])
         ag_gemm_kernel[(min(tiles, self.gemm_programs),)](
-            self.a_desc, b_desc, out, flags, self.calls, self.m_shard, self.n, self.k, self.m,
+            own_desc, self.a_desc, b_desc, out, flags, self.calls, self.m_shard, self.n, self.k, self.m,
             FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
-        if self.side_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.side_stream)
         if self.comm == "ce":
-            tridist.barrier_all_on_stream()
+            self.push.join()
+        elif self.side_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.side_stream)
         return out
 
     def _fork(self):
@@ -154,20 +166,6 @@ class AllGatherGEMM:
             return contextlib.nullcontext()
         self.side_stream.wait_stream(torch.cuda.current_stream())
         return torch.cuda.stream(self.side_stream)
-
-    def _pull_shards(self, a_shard: torch.Tensor) -> None:
-        w = self.world
-        own = self.input_buffer()
-        if a_shard.data_ptr() != own.data_ptr():
-            own.copy_(a_shard)
-        self.flags.copy_(self.own_flag)
-        tridist.barrier_all_on_stream()
-        with self._fork():
-            for step in range(1, w.world_size):
-                shard = (w.rank + step) % w.world_size
-                rows = slice(shard * self.m_shard, (shard + 1) * self.m_shard)
-                self.gathered[rows].copy_(tridist.peer_tensor(self.gathered, shard)[rows])
-                _protocol.raise_flag(self.flags, shard)
 
     def _push_shard(self, a_shard: torch.Tensor) -> None:
         w = self.world
@@ -182,7 +180,9 @@ class AllGatherGEMM:
     def free(self) -> None:
         if self.comm == "sm":
             tridist.symm_free(self.push_flags)
-        tridist.symm_free(self.gathered)
+            tridist.symm_free(self.gathered)
+        else:
+            self.push.free()
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",
