@@ -26,8 +26,8 @@ from . import test_shmem as shmem  # noqa: E402
 
 
 def _gemm_cases():
-    """The GEMM kernels at the GPU's configs of the big tile (FLATTEN on and off, 3 and 4 stages),
-    TMA descriptors included."""
+    """The GEMM kernels at the GPU's configs of the big tile (FLATTEN on and off), TMA descriptors
+    included."""
     cases = []
     for config in [c for c in gemm.GPU_CONFIGS if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256)]:
         flat = config["FLATTEN"]
@@ -40,9 +40,10 @@ def _gemm_cases():
         cases += [
             (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                                   **blocks}, config, options),
-            *[(allgather_gemm.ag_gemm_kernel, {"own_desc": a, "a_desc": a, "b_desc": b, "out_ptr": "*bf16", "flags_ptr": flags,
-                                               "calls_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32",
-                                               "slot_rows": "i32", "FLAGS_PER_SHARD": "constexpr",
+            *[(allgather_gemm.ag_gemm_kernel, {"own_desc": a, "a_desc": a, "b_desc": b, "out_ptr": "*bf16",
+                                               "flags_ptr": flags, "calls_ptr": "*i64", "m_shard": "i32",
+                                               "N": "i32", "K": "i32", "slot_rows": "i32",
+                                               "FLAGS_PER_SHARD": "constexpr",
                                                "EPOCH_FLAGS": "constexpr", **blocks},
                {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
               for flags, per_shard, epochs in ag_flags],

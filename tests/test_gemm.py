@@ -173,7 +173,8 @@ def _tune_and_check(w, folder):
         return
     op = ops.GemmReduceScatter(m, k, n, dtype, config=flattened)
     out = op(a.to(w.device), b.to(w.device))
-    total = sum(_random((m, k), dtype, r).float() @ _random((k, n), dtype, 10 + r).float() for r in range(w.world_size))
+    total = sum(_random((m, k), dtype, r).float() @ _random((k, n), dtype, 10 + r).float()
+                for r in range(w.world_size))
     rows = m // w.world_size
     _assert_close(out, total[w.rank * rows:(w.rank + 1) * rows], dtype, "gemm_rs FLATTEN")
     tridist.barrier_all()
