@@ -250,15 +250,19 @@ def test_bad_input(world):
     world.run(_bad_input)
 
 
-@pytest.mark.parametrize("m, n, flatten, tile", [
-    (1024, 4096, True, (128, 256)),   # 2-rank ag_gemm's local shape: a full wave of big tiles, the measured best
-    (8192, 4096, True, (128, 256)), (8192, 14336, True, (128, 256)), (1024, 8192, False, (128, 256)),
-    (1024, 2048, True, (128, 128)),   # 4-rank ag_gemm: 64 big tiles would leave half of 132 SMs idle
-    (512, 4096, True, (128, 128)),
+@pytest.mark.parametrize("m, n, flatten, shards, tile", [
+    (1024, 4096, True, 1, (128, 256)),   # the GEMM alone at 2-rank ag_gemm's shape: one full wave of big tiles
+    (1024, 4096, True, 2, (128, 128)),   # 2-rank ag_gemm: the own shard's tiles fill a wave, the peer's another
+    (2048, 4096, True, 2, (128, 256)), (8192, 4096, True, 2, (128, 256)),
+    (8192, 4096, True, 1, (128, 256)), (8192, 14336, True, 1, (128, 256)), (1024, 8192, False, 1, (128, 256)),
+    (1024, 2048, True, 1, (128, 128)),   # 64 big tiles would leave half of 132 SMs idle
+    (1024, 2048, True, 4, (64, 128)),    # 4-rank ag_gemm
+    (512, 4096, True, 1, (128, 128)),
 ])
-def test_pick_tile(m, n, flatten, tile):
+def test_pick_tile(m, n, flatten, shards, tile):
     """The default GEMM tile for an m x n product on 132 SMs (host code only)."""
-    picked = gemm.pick_tile([c for c in gemm.GPU_CONFIGS if flatten or not c["FLATTEN"]], m, n, sms=132)
+    picked = gemm.pick_tile([c for c in gemm.GPU_CONFIGS if flatten or not c["FLATTEN"]], m, n, sms=132,
+                            shards=shards)
     assert (picked["BLOCK_M"], picked["BLOCK_N"]) == tile
 
 

@@ -107,7 +107,7 @@ class AllGatherGEMM:
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
             lambda: (torch.randn(m_shard, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
-            w.device, self.m, n)
+            w.device, self.m, n, shards=w.world_size)
         programs = gemm.programs_for(w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":

@@ -50,39 +50,44 @@ def configs(device: torch.device, flatten: bool = True) -> list[dict]:
 TILE_RATES = {(128, 256): 1.0, (128, 128): 0.85, (128, 64): 0.63, (64, 128): 0.79, (64, 64): 0.47}
 
 
-def pick_tile(candidates: list[dict], m: int, n: int, sms: int) -> dict:
+def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1) -> dict:
     """Of `candidates` (in order of preference), the one whose output tiles finish first: waves of
     `sms` tiles at a time, each wave as long as a tile takes at its shape's `TILE_RATES`. A small
     product with the big tile leaves SMs idle (4-rank ag_gemm at M = 1024: 64 tiles of 128 x 256
-    for 132 SMs, our GEMM 79 us against cuBLAS's 46), where smaller tiles fill them."""
+    for 132 SMs, our GEMM 79 us against cuBLAS's 46), where smaller tiles fill them.
+    With `shards` > 1 the m rows come as equal shards, one at hand and the others arriving while
+    its tiles are computed (ag_gemm): a wave that mixes the two waits for the transfer, so they are
+    counted in waves of their own. At M = 1024 on 2 x H200 the big tile gave one wave of both and
+    ag_gemm took 133.8 us, 128 x 128 two waves and 117.9 us (2026-11-23)."""
     def finish(c):
-        tiles = triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
-        return triton.cdiv(tiles, sms) * c["BLOCK_M"] * c["BLOCK_N"] / TILE_RATES[(c["BLOCK_M"], c["BLOCK_N"])]
+        own = triton.cdiv(m // shards, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
+        waves = triton.cdiv(own, sms) + triton.cdiv((shards - 1) * own, sms)
+        return waves * c["BLOCK_M"] * c["BLOCK_N"] / TILE_RATES[(c["BLOCK_M"], c["BLOCK_N"])]
     return min(candidates, key=finish)  # the first of equals
 
 
-def default_config(device: torch.device, m: int, n: int, flatten: bool = True) -> dict:
+def default_config(device: torch.device, m: int, n: int, flatten: bool = True, shards: int = 1) -> dict:
     """Without tuning, for an m x n product. For a decode batch the tiles `tridist.tune` picked on
     2 x H200 (64 x 128 up to 64 rows, 128 x 64 up to 128; benchmarks/NOTES.md): there the GEMM
     streams B, so one row of tiles reads it once. With the big tile, M = 128 ran a tile per 256
     columns, 32 programs for N = 8192, and gemm_ar's GEMM alone took 23 us at 4 ranks (K = 2048)
-    where 128 x 64 tiles had taken 22 us at 2 (K = 4096). Otherwise `pick_tile`."""
+    where 128 x 64 tiles had taken 22 us at 2 (K = 4096). Otherwise `pick_tile` (`shards`: see there)."""
     candidates = configs(device, flatten)
     if device.type != "cuda":
         return candidates[0]
     if m <= 128:
         tile = (64, 128) if m <= 64 else (128, 64)
         return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == tile)
-    return pick_tile(candidates, m, n, programs_for(device))
+    return pick_tile(candidates, m, n, programs_for(device), shards)
 
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
-                   flatten: bool = True) -> dict:
-    """`config` as given; the default for an m x n product if None; with "tune", the config of `configs`
+                   flatten: bool = True, shards: int = 1) -> dict:
+    """`config` as given; the default for an m x n product (of `shards` row shards) if None; with "tune", the config of `configs`
     under which `make_op(config)(*make_inputs())` is fastest on the slowest rank (`tridist.tune`,
     cached on disk). A collective when tuning."""
     if config is None:
-        return default_config(device, m, n, flatten)
+        return default_config(device, m, n, flatten, shards)
     if config != "tune":
         return config
     built = []
