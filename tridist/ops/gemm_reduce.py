@@ -23,10 +23,8 @@ Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
   node once: partial tiles for a rank on another node go to this node's rank with the same local
   index (its "counterpart"), which sums them and puts the node's sum to the owner; the owner adds
   its node's partials and one sum per other node.
-- A tile goes to a peer on the node as stores through symm_at followed by a release of its flag
-  (gemm_rs: of the flags of every tile a program sent to that peer, once it has moved on to the
-  next shard); to another node as an NVSHMEM put with the signal attached, from this rank's
-  symmetric copy.
+- A tile goes to a peer on the node as stores through symm_at followed by a release of its flag;
+  to another node as an NVSHMEM put with the signal attached, from this rank's symmetric copy.
 Partial tiles travel in the output dtype; sums accumulate in fp32.
 """
 import torch
@@ -76,30 +74,15 @@ def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr
     return tl.load(tile_ptr + offsets).to(tl.float32)
 
 
-@triton.jit
-def _flag_sent_tiles(flags, peer, per_shard, epoch, FLAG_BLOCK: tl.constexpr):
-    """Raise on `peer` the flags (flags[t], t of its shard) of every tile of its shard that this
-    program has sent (program_id, program_id + programs, ... in gemm_reduce_kernel's walk): one
-    release for all of them. FLAG_BLOCK: at least the number of such tiles, a power of 2."""
-    me = dl.rank()
-    world = dl.num_ranks()
-    programs = tl.num_programs(0)
-    start = ((peer - me - 1 + world) % world) * per_shard  # where the peer's shard lies in the walk
-    first = tl.program_id(0) + tl.cdiv(tl.maximum(start - tl.program_id(0), 0), programs) * programs - start
-    sent = first + tl.arange(0, FLAG_BLOCK) * programs
-    dl.notify(flags + tl.where(sent < per_shard, sent, first), peer, signal=epoch, sig_op="set")
-
-
 @jit
 def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size,
-                       SCATTER: tl.constexpr, FLAG_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                       SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """SCATTER: gemm_rs on one node (out is M/world x N), else gemm_ar (out is M x N). A slot of
     `tiles` holds world x (tiles per shard) tiles. FLATTEN (gemm_rs only) lets Triton load the
     next tile's operands during this one's epilogue. Triton 3.6's loop fusion fails on a value
     computed after the K loop and used only inside a branch of the epilogue, so every branch
-    computes its own addresses; gemm_ar's loop over peers beside the K loop cannot be fused.
-    FLAG_BLOCK (gemm_rs): see `_flag_sent_tiles`."""
+    computes its own addresses; gemm_ar's loop over peers beside the K loop cannot be fused."""
     tl.static_assert(SCATTER or not FLATTEN, "gemm_ar takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
@@ -116,11 +99,10 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
     tiles = _tile(tiles_ptr, slot * world * per_shard, BLOCK_M, BLOCK_N)
     flags = flags_ptr + slot * world * per_shard
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    # gemm_rs raises the flags of a peer's tiles once the program has moved on to the next shard,
-    # with one release for all of them: a shard's partials are summed only when its owner reaches
-    # its own shard, last, and a release per tile cost 4% on 2 x H200 (2026-11-23). By then the
-    # stores of the last tile have drained over NVLink, so the release does not wait for them.
-    pending = tl.cast(-1, tl.int32)  # the peer whose tiles this program has sent and not flagged
+    # gemm_rs raises a peer's flag for a tile one tile late: by then the tile's stores have
+    # drained over NVLink and the release costs nothing, where at once it would stall the program.
+    late_peer = tl.cast(-1, tl.int32)
+    late_flag = flags
     for tile in tl.range(tl.program_id(0), shards * per_shard, tl.num_programs(0), flatten=FLATTEN):
         shard = me
         if SCATTER:
@@ -132,14 +114,14 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
             first_row += shard * rows
         acc = gemm.tile_product(a_desc, b_desc, first_row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         if SCATTER:
-            # `&`, not `and`: a nested branch here breaks Triton's loop fusion (as above).
-            if (pending >= 0) & (pending != shard):  # before any wait below: a peer may wait for these flags
-                _flag_sent_tiles(flags + me * per_shard, pending, per_shard, epoch, FLAG_BLOCK)
-                pending = tl.cast(-1, tl.int32)
+            if late_peer >= 0:  # before any wait below: a peer may be waiting for this flag
+                dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
+                late_peer = tl.cast(-1, tl.int32)
             if shard != me:
                 mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
                 tl.store(dl.symm_at(mine, shard) + offsets, acc.to(tiles_ptr.dtype.element_ty))
-                pending = shard
+                late_peer = shard
+                late_flag = flags + me * per_shard + t
             else:
                 for step in range(1, world):
                     acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
@@ -152,8 +134,8 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
             for step in range(1, world):
                 _send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M,
                            BLOCK_N)
-    if pending >= 0:
-        _flag_sent_tiles(flags + me * per_shard, pending, per_shard, epoch, FLAG_BLOCK)
+    if late_peer >= 0:
+        dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
     if not SCATTER:
         tl.debug_barrier()  # this program's own tiles, stored by all its threads, are read back below
         for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
@@ -314,7 +296,6 @@ class _GemmReduce:
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
         self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
-        self.flag_block = triton.next_power_of_2(triton.cdiv(self.per_shard, self.programs))
         if method == "ll":
             tile_bytes = block_m * block_n * dtype.itemsize
             self.workspace = PacketRows(name, self.per_shard * tile_bytes, self.programs)
@@ -344,8 +325,7 @@ class _GemmReduce:
         if self.two_levels:
             gemm_rs_2d_kernel[(self.programs,)](*args, **self.config)
         else:
-            gemm_reduce_kernel[(self.programs,)](*args, SCATTER=self.scatter, FLAG_BLOCK=self.flag_block,
-                                                 **self.config)
+            gemm_reduce_kernel[(self.programs,)](*args, SCATTER=self.scatter, **self.config)
         return out
 
     def free(self) -> None:
