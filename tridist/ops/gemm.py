@@ -83,9 +83,9 @@ def default_config(device: torch.device, m: int, n: int, flatten: bool = True, s
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
                    flatten: bool = True, shards: int = 1) -> dict:
-    """`config` as given; the default for an m x n product (of `shards` row shards) if None; with "tune", the config of `configs`
-    under which `make_op(config)(*make_inputs())` is fastest on the slowest rank (`tridist.tune`,
-    cached on disk). A collective when tuning."""
+    """`config` as given; the default for an m x n product (in `shards` row shards) if None; with
+    "tune", the config of `configs` under which `make_op(config)(*make_inputs())` is fastest on the
+    slowest rank (`tridist.tune`, cached on disk). A collective when tuning."""
     if config is None:
         return default_config(device, m, n, flatten, shards)
     if config != "tune":
