@@ -36,18 +36,17 @@ def _gemm_cases():
         a = f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>"
         b = f"tensordesc<bf16[{config['BLOCK_K']}, {config['BLOCK_N']}]>"
         blocks = {name: "constexpr" for name in config}
-        # (flags, flags per shard, epoch flags, streamed): copy engines, SM pushes, copy engines in K blocks
-        ag_flags = (("*i32", 1, False, False), ("*i64", 4, True, False)) + ((("*i32", 3, False, True),) if not flat else ())
+        ag_flags = (("*i32", 1, False), ("*i64", 4, True))
         cases += [
             (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
                                   **blocks}, config, options),
             *[(allgather_gemm.ag_gemm_kernel, {"own_desc": a, "a_desc": a, "b_desc": b, "out_ptr": "*bf16",
-                                               "flags_ptr": flags, "calls_ptr": "*i64", "k_blocks_ptr": "*i32",
-                                               "m_shard": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
-                                               "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr",
-                                               "STREAMED": "constexpr", **blocks},
-               {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, "STREAMED": streamed, **config}, options)
-              for flags, per_shard, epochs, streamed in ag_flags],
+                                               "flags_ptr": flags, "calls_ptr": "*i64", "m_shard": "i32",
+                                               "N": "i32", "K": "i32", "slot_rows": "i32",
+                                               "FLAGS_PER_SHARD": "constexpr",
+                                               "EPOCH_FLAGS": "constexpr", **blocks},
+               {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
+              for flags, per_shard, epochs in ag_flags],
             *[(gemm_reduce.gemm_reduce_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
                                                 "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
                                                 "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr",

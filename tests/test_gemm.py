@@ -49,8 +49,6 @@ def _ag_gemm(w, comm, dtype, m_shard, k, n, calls):
             ops.AllGatherGEMM(m_shard, k, n, dtype, comm)
         return
     op = ops.AllGatherGEMM(m_shard, k, n, dtype, comm)
-    if comm == "ce" and k == 256:  # the shape meant to stream (test_ag_gemm)
-        assert op.streamed == (1 < w.world_size <= 4)
     shards = [[_random((m_shard, k), dtype, 100 * call + r) for r in range(w.world_size)] for call in range(calls)]
     bs = [_random((k, n), dtype, 1000 * call + 7 * w.rank) for call in range(calls)]
     outs = [_poisoned((w.world_size * m_shard, n), dtype, w.device) for _ in range(calls)]
@@ -67,10 +65,7 @@ def _ag_gemm(w, comm, dtype, m_shard, k, n, calls):
 
 @pytest.mark.parametrize("comm", ["ce", "sm"])
 def test_ag_gemm(world, comm):
-    # (8, 256, 16): one tile per shard, so with "ce" up to 4 ranks (the emulator's 4 programs) the
-    # shards stream in blocks of K (AllGatherGEMM.streamed), each block non-empty.
-    for dtype, (m_shard, k, n) in [(torch.bfloat16, (24, 40, 48)), (torch.float16, (5, 16, 24)),
-                                   (torch.bfloat16, (8, 256, 16))]:
+    for dtype, (m_shard, k, n) in [(torch.bfloat16, (24, 40, 48)), (torch.float16, (5, 16, 24))]:
         world.run(_ag_gemm, comm=comm, dtype=dtype, m_shard=m_shard, k=k, n=n, calls=3)
 
 
@@ -255,23 +250,19 @@ def test_bad_input(world):
     world.run(_bad_input)
 
 
-@pytest.mark.parametrize("m, n, flatten, shards, streamed, tile", [
-    (1024, 4096, True, 1, False, (128, 256)),  # the GEMM alone at 2-rank ag_gemm's shape: one full wave of big tiles
-    (1024, 4096, True, 2, False, (128, 128)),  # 2-rank ag_gemm: the own shard's tiles fill a wave, the peer's another
-    (1024, 4096, True, 2, True, (128, 256)),   # ... unless the peer's shard streams in blocks of K: one wave
-    (2048, 4096, True, 2, False, (128, 256)), (2048, 4096, True, 2, True, (128, 256)),
-    (8192, 4096, True, 2, False, (128, 256)),
-    (8192, 4096, True, 1, False, (128, 256)), (8192, 14336, True, 1, False, (128, 256)),
-    (1024, 8192, False, 1, False, (128, 256)),
-    (1024, 2048, True, 1, False, (128, 128)),  # 64 big tiles would leave half of 132 SMs idle
-    (1024, 2048, True, 4, False, (64, 128)),   # 4-rank ag_gemm
-    (1024, 2048, True, 4, True, (128, 128)),   # 4-rank ag_gemm, streamed: 4 x 32 tiles in one wave
-    (512, 4096, True, 1, False, (128, 128)),
+@pytest.mark.parametrize("m, n, flatten, shards, tile", [
+    (1024, 4096, True, 1, (128, 256)),   # the GEMM alone at 2-rank ag_gemm's shape: one full wave of big tiles
+    (1024, 4096, True, 2, (128, 128)),   # 2-rank ag_gemm: the own shard's tiles fill a wave, the peer's another
+    (2048, 4096, True, 2, (128, 256)), (8192, 4096, True, 2, (128, 256)),
+    (8192, 4096, True, 1, (128, 256)), (8192, 14336, True, 1, (128, 256)), (1024, 8192, False, 1, (128, 256)),
+    (1024, 2048, True, 1, (128, 128)),   # 64 big tiles would leave half of 132 SMs idle
+    (1024, 2048, True, 4, (64, 128)),    # 4-rank ag_gemm
+    (512, 4096, True, 1, (128, 128)),
 ])
-def test_pick_tile(m, n, flatten, shards, streamed, tile):
+def test_pick_tile(m, n, flatten, shards, tile):
     """The default GEMM tile for an m x n product on 132 SMs (host code only)."""
     picked = gemm.pick_tile([c for c in gemm.GPU_CONFIGS if flatten or not c["FLATTEN"]], m, n, sms=132,
-                            shards=shards, streamed=streamed)
+                            shards=shards)
     assert (picked["BLOCK_M"], picked["BLOCK_N"]) == tile
 
 

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import tridist
-from tridist.runtime.copies import copy_2d
 from tridist.runtime.tensors import check_tensor
 
 
@@ -112,16 +111,3 @@ def test_use_before_init():
         tridist.world()
     with pytest.raises(tridist.NotInitializedError):
         tridist.symm_empty((4,), torch.float32)
-
-
-def test_copy_2d():
-    """Column blocks of a row-major matrix into another's (the host code; on GPUs its copy engines
-    run under ag_gemm's tests)."""
-    source = torch.arange(6 * 10, dtype=torch.float32).view(6, 10)
-    target = torch.full((6, 12), -1.0)
-    copy_2d(target[:, 2:7], source[:, 3:8])
-    assert torch.equal(target[:, 2:7], source[:, 3:8]) and (target[:, :2] == -1).all() and (target[:, 7:] == -1).all()
-    copy_2d(target[:, 0:0], source[:, 0:0])  # an empty block is nothing to do
-    for wrong in (target[:, 2:6], target[:, 2:7].to(torch.float16), target[:, ::2][:, :5]):
-        with pytest.raises(ValueError, match="copy_2d takes"):
-            copy_2d(wrong, source[:, 3:8])

@@ -22,7 +22,6 @@ import triton.language as tl
 from torch._C._distributed_c10d import _SymmetricMemory
 
 import tridist
-from tridist.runtime.copies import copy_2d
 from tridist.runtime.tensors import check_tensor
 
 from .. import language as dl
@@ -324,17 +323,16 @@ class CopyEnginePush:
     read and its flags zeroed.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None, chunks: int | None = None):
+    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None):
         """`row`: elements from one row of staging to the next (at least `numel`; default `numel`
-        rounded up to whole 64-element blocks). `chunks`: flags per row (default: one per
-        CE_CHUNK_BYTES of `push`; `push_columns` needs one per column block)."""
+        rounded up to whole 64-element blocks)."""
         w = tridist.world()
         if w.nnodes > 1:
             raise ValueError(f"copy-engine methods work within one node; this world has {w.nnodes} nodes")
         self.world = w
         self.numel = numel
         self.chunk = row_stride(max(CE_CHUNK_BYTES // dtype.itemsize, 1))
-        self.chunks = triton.cdiv(numel, self.chunk) if chunks is None else chunks
+        self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row
         self.staging = tridist.symm_empty((w.world_size, self.row), dtype)
         self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32)
@@ -354,19 +352,6 @@ class CopyEnginePush:
                     if start < stop:
                         remote[start:stop].copy_(source[start:stop])
                     raise_flag(self.remote_flags[index], self.world.rank * self.chunks + chunk)
-
-    def push_columns(self, sources, bounds: list[int]) -> None:
-        """Like `push`, for 2-D sources (rows x cols, rows x cols elements of a staging row): column
-        block j, columns bounds[j] to bounds[j + 1] of every row, then flag (rank, j), one 2-D copy
-        per block. A kernel that sums over columns (a GEMM over K) starts on the first block."""
-        assert len(bounds) - 1 <= self.chunks, "push_columns needs a flag per column block"
-        for index, peer in enumerate(self.streams.peers):
-            with self.streams.side(index):
-                source = sources[peer]
-                remote = self.remote_rows[index][:source.numel()].view(source.shape)
-                for block, (start, stop) in enumerate(zip(bounds, bounds[1:])):
-                    copy_2d(remote[:, start:stop], source[:, start:stop])
-                    raise_flag(self.remote_flags[index], self.world.rank * self.chunks + block)
 
     def join(self) -> None:
         """The current stream waits for the transfers; then this rank's flags are zeroed for the next call."""

@@ -15,11 +15,6 @@ Protocol
   `gathered` on a stream per peer, 8 MB at a time, and raise a flag there after each piece (a
   4-byte memset): no SM is taken from the GEMM, and the GEMM of the own shard hides the transfer.
   The flags are zeroed after the GEMM.
-  Where every tile of every shard fits in one wave (small M), the peers' tiles run beside the own
-  ones from the start, and a whole shard would keep them waiting: the shard then travels in
-  K_SEGMENTS blocks of columns (K/16, then up to K/4, then the rest: each block takes the copy
-  engines about a quarter of the time the GEMM takes to consume it), with a flag per block, and a
-  tile waits for each block just before its K steps reach it.
 - comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
   peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
   it along its node with stores through symm_at) and raise flag (slot, rank) everywhere to the call
@@ -43,19 +38,15 @@ from ._protocol import call_epoch, check_output, finish_call
 
 COMMS = ("auto", "ce", "sm")
 PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
-K_SEGMENTS = (1 / 16, 1 / 4)  # where the column blocks of a streamed shard start (fractions of K, after 0)
 
 
 @jit
-def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, k_blocks_ptr, m_shard, N, K, slot_rows,
-                   FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, STREAMED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   FLATTEN: tl.constexpr):
+def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K, slot_rows,
+                   FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """own_desc covers a_shard (m_shard x K), a_desc `gathered` as (slots * M) x K. With EPOCH_FLAGS
     the flags of shard s in slot e % 2 are raised to the call epoch e; without, slot 0's are raised
-    to 1 (and zeroed by the host). STREAMED: flag j of a shard says its K steps k_blocks[j] to
-    k_blocks[j + 1] have arrived (FLAGS_PER_SHARD blocks); else the flags cover the whole shard."""
-    tl.static_assert(not (STREAMED and FLATTEN), "a streamed ag_gemm takes configs with FLATTEN=False")
+    to 1 (and zeroed by the host)."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -81,25 +72,15 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, k_bl
         shard = (me + tile // per_shard) % world
         tm, tn = gemm.tile_coords(tile % per_shard, tiles_m, tiles_n, GROUP_M)
         row = shard * m_shard + tm * BLOCK_M
-        shard_flags = flags_ptr + (slot * world + shard) * FLAGS_PER_SHARD
+        if shard != arrived:
+            token = dl.wait(flags_ptr + (slot * world + shard) * FLAGS_PER_SHARD, FLAGS_PER_SHARD, scope="sys",
+                            semantic="acquire", waitValue=expected)
+            row = dl.consume_token(row, token)
+            dl.fence_async_proxy()
+            arrived = shard
         # Rows past the shard's end belong to the next shard, perhaps not there yet: they are
         # multiplied (rows are independent) but never stored.
-        if STREAMED:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for block in range(FLAGS_PER_SHARD):
-                token = dl.wait(shard_flags + block, 1, scope="sys", semantic="acquire", waitValue=expected)
-                block_row = dl.consume_token(slot * slot_rows + row, token)
-                dl.fence_async_proxy()
-                acc = gemm.accumulate(acc, a_desc, b_desc, block_row, tn * BLOCK_N, tl.load(k_blocks_ptr + block),
-                                      tl.load(k_blocks_ptr + block + 1), BLOCK_K)
-        else:
-            if shard != arrived:
-                token = dl.wait(shard_flags, FLAGS_PER_SHARD, scope="sys", semantic="acquire", waitValue=expected)
-                row = dl.consume_token(row, token)
-                dl.fence_async_proxy()
-                arrived = shard
-            acc = gemm.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
-                                    BLOCK_K)
+        acc = gemm.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         gemm.store_tile(out_ptr, acc, row, tn * BLOCK_N, (shard + 1) * m_shard, N, BLOCK_M, BLOCK_N)
     finish_call(calls_ptr)
 
@@ -126,18 +107,9 @@ class AllGatherGEMM:
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
             lambda: (torch.randn(m_shard, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
-            w.device, self.m, n, shards=w.world_size, streamed=self.comm == "ce")
+            w.device, self.m, n, shards=w.world_size)
         programs = gemm.programs_for(w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-        self.tiles = w.world_size * triton.cdiv(m_shard, self.config["BLOCK_M"]) * triton.cdiv(n, self.config["BLOCK_N"])
-        self.streamed = self.comm == "ce" and w.world_size > 1 and self.tiles <= programs
-        self.k_blocks = [0, k]
-        # One wave: flattening the tile loop would have no next tile to overlap.
-        self.launch_config = dict(self.config, FLATTEN=False) if self.streamed else self.config
-        if self.streamed:
-            steps = triton.cdiv(k, self.config["BLOCK_K"])
-            self.k_blocks = [0, *(int(steps * start) for start in K_SEGMENTS), steps]
-        self.k_blocks_device = torch.tensor(self.k_blocks, dtype=torch.int32, device=w.device)
         if self.comm == "sm":
             self.gathered = tridist.symm_empty((2 * self.m, k), dtype)
             self.side_stream = torch.cuda.Stream(w.device) if w.device.type == "cuda" else None
@@ -148,8 +120,7 @@ class AllGatherGEMM:
             self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
             self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
         else:
-            self.push = _protocol.CopyEnginePush(m_shard * k, dtype, row=m_shard * k,
-                                                 chunks=len(self.k_blocks) - 1 if self.streamed else None)
+            self.push = _protocol.CopyEnginePush(m_shard * k, dtype, row=m_shard * k)
             self.gathered = self.push.staging.view(self.m, k)
             self.gemm_programs = programs
         self.a_desc = TensorDescriptor.from_tensor(self.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
@@ -171,21 +142,18 @@ class AllGatherGEMM:
         check_output(out, (self.m, self.n), self.dtype)
         if self.comm == "ce":
             tridist.barrier_all_on_stream()  # every peer is done with the last call (see CopyEnginePush)
-            if self.streamed:
-                columns = [min(step * self.config["BLOCK_K"], self.k) for step in self.k_blocks]
-                self.push.push_columns([a_shard] * self.world.world_size, columns)
-            else:
-                self.push.push([a_shard.reshape(-1)] * self.world.world_size)
+            self.push.push([a_shard.reshape(-1)] * self.world.world_size)
             flags, flags_per_shard = self.push.flags, self.push.chunks
         else:
             self._push_shard(a_shard)
             flags, flags_per_shard = self.push_flags, self.splits
         own_desc = TensorDescriptor.from_tensor(a_shard, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
         b_desc = TensorDescriptor.from_tensor(b, [self.config["BLOCK_K"], self.config["BLOCK_N"]])
-        ag_gemm_kernel[(min(self.tiles, self.gemm_programs),)](
-            own_desc, self.a_desc, b_desc, out, flags, self.calls, self.k_blocks_device, self.m_shard, self.n, self.k,
-            self.m, FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", STREAMED=self.streamed,
-            **self.launch_config)
+        tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
+            triton.cdiv(self.n, self.config["BLOCK_N"])
+        ag_gemm_kernel[(min(tiles, self.gemm_programs),)](
+            own_desc, self.a_desc, b_desc, out, flags, self.calls, self.m_shard, self.n, self.k, self.m,
+            FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
         if self.comm == "ce":
             self.push.join()
         elif self.side_stream is not None:

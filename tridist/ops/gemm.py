@@ -50,7 +50,7 @@ def configs(device: torch.device, flatten: bool = True) -> list[dict]:
 TILE_RATES = {(128, 256): 1.0, (128, 128): 0.85, (128, 64): 0.63, (64, 128): 0.79, (64, 64): 0.47}
 
 
-def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1, streamed: bool = False) -> dict:
+def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1) -> dict:
     """Of `candidates` (in order of preference), the one whose output tiles finish first: waves of
     `sms` tiles at a time, each wave as long as a tile takes at its shape's `TILE_RATES`. A small
     product with the big tile leaves SMs idle (4-rank ag_gemm at M = 1024: 64 tiles of 128 x 256
@@ -58,43 +58,38 @@ def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1,
     With `shards` > 1 the m rows come as equal shards, one at hand and the others arriving while
     its tiles are computed (ag_gemm): a wave that mixes the two waits for the transfer, so they are
     counted in waves of their own. At M = 1024 on 2 x H200 the big tile gave one wave of both and
-    ag_gemm took 133.8 us, 128 x 128 two waves and 117.9 us (2026-11-23). Unless `streamed`: where
-    all the tiles fit in one wave, the other shards arrive in blocks of K that their tiles take as
-    they come (ag_gemm's copy engines), so one wave it is."""
+    ag_gemm took 133.8 us, 128 x 128 two waves and 117.9 us (2026-11-23). Sending the peer's shard in
+    blocks of K (2-D copies, a flag each) so that one wave of big tiles could take them as they came
+    was slower again (125-144 us against 118 in one run: benchmarks/NOTES.md, fifth session)."""
     def finish(c):
         own = triton.cdiv(m // shards, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
         waves = triton.cdiv(own, sms) + triton.cdiv((shards - 1) * own, sms)
-        if streamed and shards * own <= sms:
-            waves = 1
         return waves * c["BLOCK_M"] * c["BLOCK_N"] / TILE_RATES[(c["BLOCK_M"], c["BLOCK_N"])]
     return min(candidates, key=finish)  # the first of equals
 
 
-def default_config(device: torch.device, m: int, n: int, flatten: bool = True, shards: int = 1,
-                   streamed: bool = False) -> dict:
+def default_config(device: torch.device, m: int, n: int, flatten: bool = True, shards: int = 1) -> dict:
     """Without tuning, for an m x n product. For a decode batch the tiles `tridist.tune` picked on
     2 x H200 (64 x 128 up to 64 rows, 128 x 64 up to 128; benchmarks/NOTES.md): there the GEMM
     streams B, so one row of tiles reads it once. With the big tile, M = 128 ran a tile per 256
     columns, 32 programs for N = 8192, and gemm_ar's GEMM alone took 23 us at 4 ranks (K = 2048)
-    where 128 x 64 tiles had taken 22 us at 2 (K = 4096). Otherwise `pick_tile` (`shards` and
-    `streamed`: see there)."""
+    where 128 x 64 tiles had taken 22 us at 2 (K = 4096). Otherwise `pick_tile` (`shards`: see there)."""
     candidates = configs(device, flatten)
     if device.type != "cuda":
         return candidates[0]
     if m <= 128:
         tile = (64, 128) if m <= 64 else (128, 64)
         return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == tile)
-    return pick_tile(candidates, m, n, programs_for(device), shards, streamed)
+    return pick_tile(candidates, m, n, programs_for(device), shards)
 
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
-                   flatten: bool = True, shards: int = 1, streamed: bool = False) -> dict:
-    """`config` as given; the default for an m x n product (in `shards` row shards, `streamed` or
-    not: see `pick_tile`) if None; with "tune", the config of `configs` under which
-    `make_op(config)(*make_inputs())` is fastest on the slowest rank (`tridist.tune`, cached on
-    disk). A collective when tuning."""
+                   flatten: bool = True, shards: int = 1) -> dict:
+    """`config` as given; the default for an m x n product (in `shards` row shards) if None; with
+    "tune", the config of `configs` under which `make_op(config)(*make_inputs())` is fastest on the
+    slowest rank (`tridist.tune`, cached on disk). A collective when tuning."""
     if config is None:
-        return default_config(device, m, n, flatten, shards, streamed)
+        return default_config(device, m, n, flatten, shards)
     if config != "tune":
         return config
     built = []
@@ -137,14 +132,8 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 @triton.jit
 def tile_product(a_desc, b_desc, row, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """a[row:row+BLOCK_M, :] @ b[:, col:col+BLOCK_N] in fp32 (TMA fills rows and columns past the end with zeros)."""
-    return accumulate(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_desc, b_desc, row, col, 0, tl.cdiv(K, BLOCK_K),
-                      BLOCK_K)
-
-
-@triton.jit
-def accumulate(acc, a_desc, b_desc, row, col, k_start, k_stop, BLOCK_K: tl.constexpr):
-    """acc + the part of tile_product from K step k_start (columns of A from k_start * BLOCK_K) to k_stop."""
-    for k in tl.range(k_start, k_stop):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
         acc = dl.dot(a_desc.load([row, k * BLOCK_K]), b_desc.load([k * BLOCK_K, col]), acc)
     return acc
 
