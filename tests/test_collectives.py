@@ -8,7 +8,7 @@ import torch
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol
+from tridist.ops import _protocol, allreduce
 from tridist.runtime.world import heap
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -172,12 +172,23 @@ def test_all_gather_symmetric_out(world, method):
             world.run(_all_gather_symmetric, method=method, dtype=dtype, shape=shape, calls=4, own_row=own_row)
 
 
-def _all_reduce_symmetric(w, method, dtype, numel, calls):
+def _all_reduce_symmetric(w, method, dtype, numel, calls, two_per_sm=False):
     """In place on one symmetric x; each result is copied right after its call, with no host
-    synchronisation. The last call goes through `ops.all_reduce`, which sees that x is symmetric."""
-    with _small_pieces():
-        op = ops.AllReduce(numel, dtype, method, symmetric_in_place=True)
+    synchronisation. The last call goes through `ops.all_reduce`, which sees that x is symmetric.
+    `two_per_sm`: as large messages run, with more programs than SMs (numel None: a step per SM
+    and two more for every rank's chunk)."""
+    if numel is None:
+        numel = (_protocol.programs_available(w) + 2) * _protocol.SMALLEST_STEP * w.world_size
+    saved = allreduce.SYMMETRIC_TWO_PER_SM_BYTES
+    allreduce.SYMMETRIC_TWO_PER_SM_BYTES = 0 if two_per_sm else saved
+    try:
+        with _small_pieces():
+            op = ops.AllReduce(numel, dtype, method, symmetric_in_place=True)
+    finally:
+        allreduce.SYMMETRIC_TWO_PER_SM_BYTES = saved
     assert op.direct == (w.nnodes == 1), "in place on a symmetric x, on one node: no staging"
+    if two_per_sm and op.direct:
+        assert op.splits > _protocol.programs_available(w)
     x = tridist.symm_empty((numel,), dtype)
     everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
     results = []
@@ -203,6 +214,10 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls):
 def test_all_reduce_symmetric_in_place(world, dtype):
     # 1303: chunks of unequal length at every world size (the last ranks' shorter)
     world.run(_all_reduce_symmetric, method="two_shot", dtype=dtype, numel=1303, calls=4)
+
+
+def test_all_reduce_symmetric_two_programs_per_sm(world):
+    world.run(_all_reduce_symmetric, method="two_shot", dtype=torch.bfloat16, numel=None, calls=3, two_per_sm=True)
 
 
 def _symmetric_mismatch(w):

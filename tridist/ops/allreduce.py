@@ -60,6 +60,11 @@ from .allgather import all_gather_ce_kernel
 
 REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
 ALL_REDUCE_METHODS = ("auto", "one_shot", "two_shot", "ll", "ce")
+# From this size the in-place symmetric two-shot runs two programs per SM unless told otherwise:
+# on 2 x H200 (2026-11-23, benchmarks/results/allreduce-symmetric-variants-*.log) 256 MB took 800.9
+# and 802.3 us in two runs against 816.6 and 813.8 with one per SM (335 against 329 GB/s), 64 MB 208.9
+# against 212.3; below, two were slower (16 MB 60.8 against 57.6, 4 MB 22.0 against 21.1).
+SYMMETRIC_TWO_PER_SM_BYTES = 64 << 20
 
 
 @triton.jit
@@ -470,7 +475,8 @@ class AllReduce:
     """Sum-all-reduce of `numel` elements of `dtype` per rank. `programs` caps the programs
     (blocks, so SMs) a call's kernels run (default: one per SM). With `symmetric_in_place`, every
     call reduces a symmetric x (the same on every rank) in place (out=x), and on one node the
-    two-shot then works on x directly."""
+    two-shot then works on x directly (by default with two programs per SM from
+    SYMMETRIC_TWO_PER_SM_BYTES)."""
 
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
                  symmetric_in_place: bool = False):
@@ -501,6 +507,8 @@ class AllReduce:
             self.gather = CopyEnginePush(self.chunk, dtype)
         elif self.direct:
             self.chunk = triton.cdiv(numel, w.world_size)
+            if programs is None and numel * dtype.itemsize >= SYMMETRIC_TWO_PER_SM_BYTES:
+                limit *= 2
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit)
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
             self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1))
