@@ -217,6 +217,8 @@ def test_all_reduce_symmetric_in_place(world, dtype):
 
 
 def test_all_reduce_symmetric_two_programs_per_sm(world):
+    if world.nnodes:
+        pytest.skip("across nodes the symmetric all-reduce stages its data like a regular one")
     world.run(_all_reduce_symmetric, method="two_shot", dtype=torch.bfloat16, numel=None, calls=3, two_per_sm=True)
 
 
