@@ -618,7 +618,8 @@ def choose_all_reduce(nbytes: int, world, symmetric_in_place: bool = False) -> s
     256 KB), one-shot up to 4 MB sent (2 ranks: 23.5 us, two-shot 23.7), then the sliced two-shot
     (2 ranks: 73 us at 16 MB, 232 at 64 MB, 861 at 256 MB; the copy engines took 110, 303, 1089;
     4 ranks, before the two-shot was sliced: 42-1878 us from 4 MB to 256 MB). In place on a symmetric
-    x the two-shot needs no staging, and takes over from LL (not timed yet)."""
+    x the two-shot needs no staging, and takes over from LL (2 ranks, allreduce-symmetric-*.json:
+    4 MB 21.7 us against one-shot's 22.8)."""
     n = world.world_size
     sent = nbytes * (n - 1)
     if world.nnodes == 1 and sent <= 1 << 20 and nbytes % 4 == 0:
