@@ -5,6 +5,8 @@ libnvshmem_device.bc, ptxas) before any GPU time is spent. Each case names a ker
 types and its constexprs; the module is run in a subprocess by tests/test_gpu_compile.py because
 the backend is fixed when tridist is imported.
 """
+import concurrent.futures
+import multiprocessing
 import os
 import re
 import sys
@@ -227,28 +229,36 @@ DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "a
                 "gemm_ar_ll_kernel"}
 
 
+def _check(index: int, debug: bool) -> str:
+    """Compiles case `index` of `cases()` and checks it: one line, "ok ..." or "FAIL ..."."""
+    kernel, signature, constexprs, *options = cases()[index]
+    start = time.monotonic()
+    try:
+        compiled = compile_for_hopper(kernel, signature, constexprs, *options, debug=debug)
+        assert "cubin" in compiled.asm
+        scalar = scalar_accesses(kernel, signature, compiled)
+        assert not scalar, f"{len(scalar)} 2-byte accesses ({scalar[0]}) where 16-byte ones were expected"
+        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, \
+            f"{compiled.metadata.shared} bytes of shared memory: more than an sm_90 block may have"
+        assert not unpipelined(constexprs, options[0] if options else {}, compiled), \
+            f"FLATTEN, but {compiled.metadata.shared} bytes of shared memory: the tile loop is not pipelined"
+        return f"ok    {kernel.__name__} {constexprs or ''} ({time.monotonic() - start:.1f} s)"
+    except Exception as error:  # noqa: BLE001 - every failure is listed
+        return f"FAIL  {kernel.__name__} {constexprs or ''}: {type(error).__name__}: {error}"
+
+
 def main() -> int:
-    failures = 0
     debug = os.environ.get("TRIDIST_DEBUG") == "1"
     only = sys.argv[1:]  # kernel names, to compile a few while working on them
-    for kernel, signature, constexprs, *options in cases():
-        if (debug and kernel.__name__ not in DEBUG_SUBSET) or (only and kernel.__name__ not in only):
-            continue
-        start = time.monotonic()
-        try:
-            compiled = compile_for_hopper(kernel, signature, constexprs, *options, debug=debug)
-            assert "cubin" in compiled.asm
-            scalar = scalar_accesses(kernel, signature, compiled)
-            assert not scalar, f"{len(scalar)} 2-byte accesses ({scalar[0]}) where 16-byte ones were expected"
-            assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, \
-                f"{compiled.metadata.shared} bytes of shared memory: more than an sm_90 block may have"
-            assert not unpipelined(constexprs, options[0] if options else {}, compiled), \
-                f"FLATTEN, but {compiled.metadata.shared} bytes of shared memory: the tile loop is not pipelined"
-            print(f"ok    {kernel.__name__} {constexprs or ''} ({time.monotonic() - start:.1f} s)", flush=True)
-        except Exception as error:  # noqa: BLE001 - every failure is listed
-            failures += 1
-            print(f"FAIL  {kernel.__name__} {constexprs or ''}: {type(error).__name__}: {error}", flush=True)
-    return 1 if failures else 0
+    selected = [index for index, (kernel, *_) in enumerate(cases())
+                if not ((debug and kernel.__name__ not in DEBUG_SUBSET) or (only and kernel.__name__ not in only))]
+    # A compile keeps one core busy (LLVM, then ptxas): one at a time per core. Forked workers
+    # inherit the imports, and Triton's cache writes each entry whole, so they can share it.
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) as pool:
+        lines = list(pool.map(_check, selected, [debug] * len(selected)))
+    for line in lines:
+        print(line, flush=True)
+    return 1 if any(line.startswith("FAIL") for line in lines) else 0
 
 
 if __name__ == "__main__":
