@@ -6,6 +6,7 @@ types and its constexprs; the module is run in a subprocess by tests/test_gpu_co
 the backend is fixed when tridist is imported.
 """
 import concurrent.futures
+import functools
 import multiprocessing
 import os
 import re
@@ -79,8 +80,10 @@ def _step_options(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> 
     return {"num_warps": _protocol.warps_for(_largest_step(pointer_type, step_bytes), _ITEMSIZE[pointer_type])}
 
 
+@functools.cache
 def cases():
-    """(kernel, signature, constexprs[, compile options])."""
+    """(kernel, signature, constexprs[, compile options]). Built once: `main`'s forked workers
+    inherit the list and pick cases from it by index."""
     CE = _protocol.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
     return [
         *_gemm_cases(),

@@ -62,8 +62,6 @@ def op_us(fn) -> float:
     return us
 
 
-
-
 def _start_together() -> None:
     """Returns once this rank's queued GPU work has finished and every rank has got here, with a
     busy-wait and an all-reduce queued that every GPU leaves at about the same time."""
