@@ -28,6 +28,7 @@ import tridist
 import tridist.language as dl
 from tridist.bench import results, timing
 from tridist.ops import gemm
+from tridist.ops import _protocol
 from tridist.ops._protocol import call_epoch, finish_call
 from tridist.runtime.jit import jit
 
@@ -139,7 +140,7 @@ def run_variants(m: int, n: int, k: int, config: dict, only: list[str]) -> list[
     half_desc = TensorDescriptor.from_tensor(tiles, [block_m, block_n // 2])
     flags = tridist.signals(per_shard)
     a_desc, b_desc = gemm.descriptors(a, b, config)
-    programs = min(gemm.programs_for(w.device), 2 * per_shard)
+    programs = min(_protocol.programs_for(w.device), 2 * per_shard)
     rows = []
     for name, (switches, with_flatten) in VARIANTS.items():
         if (only and name not in only) or (config["FLATTEN"] and not with_flatten):

@@ -178,7 +178,7 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls, two_per_sm=False):
     `two_per_sm`: as large messages run, with more programs than SMs (numel None: a step per SM
     and two more for every rank's chunk)."""
     if numel is None:
-        numel = (_protocol.programs_available(w) + 2) * _protocol.SMALLEST_STEP * w.world_size
+        numel = (_protocol.programs_for(w.device) + 2) * _protocol.SMALLEST_STEP * w.world_size
     saved = allreduce.SYMMETRIC_TWO_PER_SM_BYTES
     allreduce.SYMMETRIC_TWO_PER_SM_BYTES = 0 if two_per_sm else saved
     try:
@@ -188,7 +188,7 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls, two_per_sm=False):
         allreduce.SYMMETRIC_TWO_PER_SM_BYTES = saved
     assert op.direct == (w.nnodes == 1), "in place on a symmetric x, on one node: no staging"
     if two_per_sm and op.direct:
-        assert op.splits > _protocol.programs_available(w)
+        assert op.splits > _protocol.programs_for(w.device)
     x = tridist.symm_empty((numel,), dtype)
     everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
     results = []
@@ -330,6 +330,10 @@ def _bad_input(w):
     if w.nnodes == 1:
         with pytest.raises(ValueError, match="4-byte words"):
             ops.ReduceScatter(w.world_size * 3, torch.bfloat16, "ll")
+    with pytest.raises(ValueError, match="reduce_scatter takes"):
+        ops.ReduceScatter(8, torch.int32)  # rejected before anything is allocated
+    with pytest.raises(ValueError, match="positive int number of elements"):
+        ops.AllGather(-1, torch.float32)
     op = ops.AllReduce(8, torch.float32)
     with pytest.raises(ValueError, match="built for 8"):
         op(torch.zeros(9, device=w.device))

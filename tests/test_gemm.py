@@ -240,6 +240,13 @@ def _bad_input(w):
         ops.ag_gemm(torch.zeros((8, 4), dtype=torch.bfloat16, device=w.device).t(), a[:4])
     with pytest.raises(ValueError, match="unknown method"):
         ops.gemm_ar(a, torch.zeros((8, 8), dtype=torch.bfloat16, device=w.device), method="two_shot")
+    b = torch.zeros((8, 8), dtype=torch.bfloat16, device=w.device)
+    with pytest.raises(ValueError, match="16-byte boundary"):  # TMA's alignment, checked before any transfer
+        ops.ag_gemm(torch.zeros(40, dtype=torch.bfloat16, device=w.device)[1:33].view(4, 8), b)
+    with pytest.raises(ValueError, match="comm_programs must be a positive int"):
+        ops.AllGatherGEMM(4, 8, 8, torch.bfloat16, comm="sm", comm_programs=-5)
+    with pytest.raises(ValueError, match="config dict"):
+        gemm.matmul(a, b, config="tune")
     if w.world_size > 1:
         with pytest.raises(ValueError, match="multiple of the world size"):
             ops.gemm_rs(torch.zeros((w.world_size + 1, 8), dtype=torch.bfloat16, device=w.device),

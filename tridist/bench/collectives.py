@@ -22,7 +22,6 @@ from ..runtime.config import parse_bytes
 from .results import save, table
 from .timing import slowest, time_us
 
-OPS = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}
 CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
 METHODS = {"allgather": allgather.METHODS, "reducescatter": allreduce.REDUCE_SCATTER_METHODS,
            "allreduce": allreduce.ALL_REDUCE_METHODS}
@@ -207,7 +206,7 @@ def plot(name: str, rows: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tridist bench <allgather|reducescatter|allreduce>")
-    parser.add_argument("op", choices=list(OPS))
+    parser.add_argument("op", choices=list(CLASSES))
     parser.add_argument("--sizes", default="4K..256M", help="'4K..256M' (powers of 4) or a list '4K,1M'")
     parser.add_argument("--method", default=None, help="one method (default: all of them)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -13,12 +13,12 @@ Each transfer is checked against the source before it is timed.
 import argparse
 
 import torch
-import triton
 import triton.language as tl
 
 import tridist
 import tridist.language as dl
 
+from ..ops._protocol import programs_for, splits_for
 from .results import save, table
 from .timing import slowest, time_us
 
@@ -81,10 +81,6 @@ def ping_pong_kernel(flag_ptr, peer, rounds, base, initiator, COMM_SCOPE: tl.con
             dl.notify(flag_ptr, peer, signal=base + i, sig_op="set", comm_scope=COMM_SCOPE)
 
 
-def _programs(words: int, limit: int) -> int:
-    return max(1, min(limit, triton.cdiv(words, BLOCK)))
-
-
 def transfer_rows(sizes: list[int], programs: int, timed: bool = True) -> list[dict]:
     """Check every transfer at every size, then (if `timed`) time it. Untimed, it is the test of
     these kernels, which also runs in the emulator."""
@@ -99,7 +95,7 @@ def transfer_rows(sizes: list[int], programs: int, timed: bool = True) -> list[d
     flag = [0]
     for nbytes in sizes:
         n = nbytes // 4
-        grid = (_programs(n, programs),)
+        grid = (splits_for(n, BLOCK, programs),)
         src[:n] = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=w.device)
         tridist.barrier_all()
         expected = tridist.peer_tensor(src, peer)[:n].clone()
@@ -175,7 +171,7 @@ def main(argv=None) -> int:
     if w.world_size % 2 or w.backend != "nvshmem":
         raise SystemExit("tridist bench primitives runs on an even number of GPU ranks: tridist run -n 2 ...")
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
-    programs = args.programs or torch.cuda.get_device_properties(w.device).multi_processor_count
+    programs = args.programs or programs_for(w.device)
     transfers = transfer_rows(sizes, programs)
     trips = round_trip_rows()
     if w.rank == 0:

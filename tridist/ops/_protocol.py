@@ -39,6 +39,15 @@ def call_epoch(calls_ptr):
 
 
 @triton.jit
+def after_flags(pointer, flags_ptr, count, value):
+    """`pointer`, once the `count` flags from `flags_ptr` on all equal `value`. Loads through the
+    result stay after the wait (`dl.consume_token`); the acquire is at system scope because the
+    flags are raised by other GPUs' releases."""
+    token = dl.wait(flags_ptr, count, scope="sys", semantic="acquire", waitValue=value)
+    return dl.consume_token(pointer, token)
+
+
+@triton.jit
 def finish_call(calls_ptr):
     """Every program calls this last. Relaxed: the next launch starts after this one has ended, and
     a launch's end makes its writes visible to the next."""
@@ -51,15 +60,12 @@ class Workspace:
     words per slot, and the device-side calls counter."""
 
     def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int):
-        w = tridist.world()
-        self.world = w
         self.slot_numel = slot_numel
-        self.dtype = dtype
         # Zeroed: packets (LL) left in this memory by an op freed before would look fresh to a
         # reader expecting the same epoch.
         self.staging = tridist.symm_zeros((2, slot_numel), dtype) if slot_numel else None
         self.flags = tridist.signals(2 * signals_per_slot).view(2, signals_per_slot)
-        self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+        self.calls = torch.zeros(1, dtype=torch.int64, device=tridist.world().device)
 
     def free(self) -> None:
         tridist.symm_free(self.flags.view(-1))
@@ -106,6 +112,7 @@ class PacketRows(Workspace):
 
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def check_input(x: torch.Tensor, name: str, dtypes=SUPPORTED) -> None:
@@ -114,6 +121,21 @@ def check_input(x: torch.Tensor, name: str, dtypes=SUPPORTED) -> None:
         raise ValueError(f"{name} has dtype {x.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
     if x.numel() == 0:
         raise ValueError(f"{name} is empty")
+
+
+def check_build(op: str, numel: int, dtype: torch.dtype, dtypes=SUPPORTED) -> None:
+    """What an op instance for `numel` elements of `dtype` per rank needs before it allocates anything."""
+    if dtype not in dtypes:
+        raise ValueError(f"{op} takes {', '.join(str(d) for d in dtypes)}; got {dtype}")
+    if not isinstance(numel, int) or numel < 1:
+        raise ValueError(f"{op} needs a positive int number of elements per rank, got {numel!r}")
+
+
+def check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, op: str, dtypes=SUPPORTED) -> None:
+    """x is what an op instance built for `numel` elements of `dtype` takes."""
+    check_input(x, "x", dtypes)
+    if x.numel() != numel or x.dtype != dtype:
+        raise ValueError(f"this {op} was built for {numel} {dtype} elements per rank; x has {x.numel()} {x.dtype}")
 
 
 def check_output(out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -147,6 +169,14 @@ def placement(local_world_size):
 
 
 @triton.jit
+def copy_slice(src_ptr, dst_ptr, start, stop, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    for offset in range(start, stop, BLOCK):
+        mask = offset + offsets < stop
+        tl.store(dst_ptr + offset + offsets, tl.load(src_ptr + offset + offsets, mask=mask), mask=mask)
+
+
+@triton.jit
 def push_slice(src_ptr, dst_ptr, start, stop, flag_ptr, epoch, peer, local_world_size, BLOCK: tl.constexpr,
                WIDE: tl.constexpr = True):
     """Copy src[start:stop] to dst[start:stop] on `peer` (`dst_ptr` is this rank's address of the
@@ -156,24 +186,12 @@ def push_slice(src_ptr, dst_ptr, start, stop, flag_ptr, epoch, peer, local_world
     (`dl.symm_at`'s `aligned`), else 2 bytes at a time for 16-bit data (see `_send_chunks`)."""
     me = dl.rank()
     if peer // local_world_size == me // local_world_size:
-        remote = dl.symm_at(dst_ptr, peer, aligned=WIDE)
-        offsets = tl.arange(0, BLOCK)
-        for offset in range(start, stop, BLOCK):
-            mask = offset + offsets < stop
-            tl.store(remote + offset + offsets, tl.load(src_ptr + offset + offsets, mask=mask), mask=mask)
+        copy_slice(src_ptr, dl.symm_at(dst_ptr, peer, aligned=WIDE), start, stop, BLOCK)
         dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
     else:
         nbytes = (stop - start) * (src_ptr.dtype.element_ty.primitive_bitwidth // 8)
         dl.shmem.putmem_signal_nbi_block(dst_ptr + start, src_ptr + start, nbytes, flag_ptr, epoch,
                                          dl.shmem.SIGNAL_SET, peer)
-
-
-@triton.jit
-def copy_slice(src_ptr, dst_ptr, start, stop, BLOCK: tl.constexpr):
-    offsets = tl.arange(0, BLOCK)
-    for offset in range(start, stop, BLOCK):
-        mask = offset + offsets < stop
-        tl.store(dst_ptr + offset + offsets, tl.load(src_ptr + offset + offsets, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -236,16 +254,17 @@ def warps_for(block: int, itemsize: int) -> int:
     return max(4, block * itemsize // 2048)
 
 
-def programs_available(world) -> int:
-    if world.device.type == "cuda":
-        return torch.cuda.get_device_properties(world.device).multi_processor_count
+def programs_for(device: torch.device) -> int:
+    """One program per SM: what the ops launch at most by default."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the emulator: a few programs keep the threads busy without slowing tests down
 
 
 def programs_limit(programs: int | None, world) -> int:
     """The programs an op may launch: `programs` if given (an op's argument), else one per SM."""
     if programs is None:
-        return programs_available(world)
+        return programs_for(world.device)
     if not isinstance(programs, int) or programs < 1:
         raise ValueError(f"programs must be a positive int (the most blocks a call launches), got {programs!r}")
     return programs
@@ -259,8 +278,7 @@ def wait_chunks(flags_ptr, arrived, stop, chunk, pointer):
     loads must be computed from."""
     last = ((stop - 1) // chunk).to(tl.int32)
     if last > arrived:
-        token = dl.wait(flags_ptr + last, 1, scope="sys", semantic="acquire", waitValue=1)
-        pointer = dl.consume_token(pointer, token)
+        pointer = after_flags(pointer, flags_ptr + last, 1, 1)
         arrived = last
     return arrived, pointer
 
@@ -330,7 +348,6 @@ class CopyEnginePush:
         if w.nnodes > 1:
             raise ValueError(f"copy-engine methods work within one node; this world has {w.nnodes} nodes")
         self.world = w
-        self.numel = numel
         self.chunk = row_stride(max(CE_CHUNK_BYTES // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row

@@ -47,9 +47,9 @@ from tridist.runtime.jit import jit
 from tridist.runtime.tensors import check_symmetric
 
 from . import _protocol
-from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, call_epoch, check_input,
-                        check_output, copy_slice, finish_call, placement, push_slice, row_stride, split_bounds,
-                        wait_chunks)
+from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, after_flags, call_epoch,
+                        check_input, check_output, copy_slice, finish_call, placement, push_slice, row_stride,
+                        split_bounds, wait_chunks)
 
 METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
@@ -75,8 +75,8 @@ def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
             copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
             for step in range(1, world):
                 source = (me + step) % world
-                token = dl.wait(flags + source * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
-                copy_slice(dl.consume_token(stage + source * row, token), out_ptr + source * n, start, stop, BLOCK)
+                copy_slice(after_flags(stage + source * row, flags + source * slices + j, 1, epoch),
+                           out_ptr + source * n, start, stop, BLOCK)
         else:
             push_slice(x_ptr, stage + me * row, start, stop, flags + me * slices + j, epoch, peer, local_world_size,
                        BLOCK)
@@ -103,8 +103,8 @@ def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
             if other != me:
                 dl.notify(flags + me * splits + split, other, signal=epoch, sig_op="set")
     else:
-        token = dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        copy_slice(dl.consume_token(dl.symm_at(stage, peer), token), out_ptr + peer * n, start, stop, BLOCK)
+        copy_slice(after_flags(dl.symm_at(stage, peer), flags + peer * splits + split, 1, epoch),
+                   out_ptr + peer * n, start, stop, BLOCK)
     finish_call(calls_ptr)
 
 
@@ -186,16 +186,15 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
     else:
         source = ((node + 1 + task - direct) % nodes) * local_world_size + local
         flag = flags + source * splits + split
-        token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        received = dl.consume_token(stage + source * row, token)
+        received = after_flags(stage + source * row, flag, 1, epoch)
         for other in range(local_world_size):
             if other != local:
                 push_slice(received, stage + source * row, start, stop, flag, epoch, node * local_world_size + other,
                            local_world_size, BLOCK)
     if COPY_OUT:
         for source in range(task, world, tl.num_programs(0)):
-            token = dl.wait(flags + source * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-            copy_slice(dl.consume_token(stage + source * row, token), out_ptr + source * n, start, stop, BLOCK)
+            copy_slice(after_flags(stage + source * row, flags + source * splits + split, 1, epoch),
+                       out_ptr + source * n, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -218,8 +217,7 @@ def all_gather_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
     for step in range(1, world):
         source = (me + world - step) % world
         flag = flags + source * splits + split
-        token = dl.wait(flag, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        received = dl.consume_token(stage + source * row, token)
+        received = after_flags(stage + source * row, flag, 1, epoch)
         if source != successor:  # forward first: the rest of the ring waits for it
             push_slice(received, stage + source * row, start, stop, flag, epoch, successor, local_world_size, BLOCK)
         copy_slice(received, out_ptr + source * n, start, stop, BLOCK)
@@ -238,8 +236,7 @@ class AllGather:
                  symmetric_out: bool = False):
         if method not in METHODS:
             raise _protocol.method_error("all_gather", method, METHODS)
-        if dtype not in DTYPES:
-            raise ValueError(f"all_gather takes {', '.join(map(str, DTYPES))}; got {dtype}")
+        _protocol.check_build("all_gather", numel, dtype, DTYPES)
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         nbytes = numel * dtype.itemsize
@@ -277,10 +274,7 @@ class AllGather:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
-        check_input(x, "x", DTYPES)
-        if x.numel() != self.numel or x.dtype != self.dtype:
-            raise ValueError(f"this all-gather moves {self.numel} {self.dtype} elements per rank; x has "
-                             f"{x.numel()} {x.dtype}")
+        _protocol.check_same(x, self.numel, self.dtype, "all-gather", DTYPES)
         shape = (w.world_size * x.shape[0], *x.shape[1:]) if x.dim() else (w.world_size,)
         if out is None and self.symmetric_out:
             raise ValueError("this all-gather was built with symmetric_out=True: pass out, a symmetric tensor "
@@ -377,8 +371,9 @@ def choose_method(total_bytes: int, world, symmetric_out: bool = False) -> str:
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Gather `x` from every rank into `out` (world_size * x.shape[0] rows), like
     `torch.distributed.all_gather_into_tensor`. A collective: every rank calls it with the same
-    shape, dtype and method, and a symmetric `out` on every rank or on none (a symmetric one is
-    written straight from the peers, x may be its own row)."""
+    shape, dtype and method, and a symmetric `out` on every rank or on none (with method "ce", what
+    `auto` runs above 64 MB, a symmetric one is written straight from the peers, and x may be its
+    own row)."""
     check_input(x, "x", DTYPES)
     symmetric = out is not None and tridist.is_symmetric(out)
     op = _protocol.instance(lambda: AllGather(x.numel(), x.dtype, method, symmetric_out=symmetric), AllGather,

@@ -17,8 +17,8 @@ Protocol
   The flags are zeroed after the GEMM.
 - comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
   peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
-  it along its node with stores through symm_at) and raise flag (slot, rank) everywhere to the call
-  epoch: all_gather's "2d" kernel (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM
+  it along its node with stores through symm_at) and raise flags (slot, rank, split) everywhere to
+  the call epoch, one per split of the shard: all_gather's "2d" kernel (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM
   runs on the remaining SMs, so both are resident at once. Two slots and call epochs (see
   `_protocol.py`), no barriers.
 """
@@ -34,7 +34,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol, allgather, gemm
-from ._protocol import call_epoch, check_output, finish_call
+from ._protocol import after_flags, call_epoch, check_output, finish_call
 
 COMMS = ("auto", "ce", "sm")
 PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
@@ -73,9 +73,7 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_sh
         tm, tn = gemm.tile_coords(tile % per_shard, tiles_m, tiles_n, GROUP_M)
         row = shard * m_shard + tm * BLOCK_M
         if shard != arrived:
-            token = dl.wait(flags_ptr + (slot * world + shard) * FLAGS_PER_SHARD, FLAGS_PER_SHARD, scope="sys",
-                            semantic="acquire", waitValue=expected)
-            row = dl.consume_token(row, token)
+            row = after_flags(row, flags_ptr + (slot * world + shard) * FLAGS_PER_SHARD, FLAGS_PER_SHARD, expected)
             dl.fence_async_proxy()
             arrived = shard
         # Rows past the shard's end belong to the next shard, perhaps not there yet: they are
@@ -97,6 +95,11 @@ class AllGatherGEMM:
         if comm not in COMMS:
             raise _protocol.method_error("ag_gemm comm", comm, COMMS)
         gemm.check_sizes("ag_gemm", dtype, k, n)
+        if not isinstance(m_shard, int) or m_shard < 1:
+            raise ValueError(f"ag_gemm needs a positive int m_shard (rows of A per rank), got {m_shard!r}")
+        if comm_programs is not None and (not isinstance(comm_programs, int) or comm_programs < 1):
+            raise ValueError("comm_programs must be a positive int (the programs that push the shard with "
+                             f"comm='sm'), got {comm_programs!r}")
         self.world = w = tridist.world()
         self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
         if self.comm == "ce" and w.nnodes > 1:
@@ -108,7 +111,7 @@ class AllGatherGEMM:
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
             lambda: (torch.randn(m_shard, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
             w.device, self.m, n, shards=w.world_size)
-        programs = gemm.programs_for(w.device)
+        programs = _protocol.programs_for(w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
             self.gathered = tridist.symm_empty((2 * self.m, k), dtype)
@@ -140,6 +143,8 @@ class AllGatherGEMM:
         if out is None:
             out = torch.empty((self.m, self.n), dtype=self.dtype, device=a_shard.device)
         check_output(out, (self.m, self.n), self.dtype)
+        own_desc = TensorDescriptor.from_tensor(a_shard, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
+        b_desc = TensorDescriptor.from_tensor(b, [self.config["BLOCK_K"], self.config["BLOCK_N"]])
         if self.comm == "ce":
             tridist.barrier_all_on_stream()  # every peer is done with the last call (see CopyEnginePush)
             self.push.push([a_shard.reshape(-1)] * self.world.world_size)
@@ -147,8 +152,6 @@ class AllGatherGEMM:
         else:
             self._push_shard(a_shard)
             flags, flags_per_shard = self.push_flags, self.splits
-        own_desc = TensorDescriptor.from_tensor(a_shard, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
-        b_desc = TensorDescriptor.from_tensor(b, [self.config["BLOCK_K"], self.config["BLOCK_N"]])
         tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
             triton.cdiv(self.n, self.config["BLOCK_N"])
         ag_gemm_kernel[(min(tiles, self.gemm_programs),)](

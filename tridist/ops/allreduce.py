@@ -3,15 +3,15 @@
 reduce_scatter: x has world_size * m elements; rank r gets out = sum over ranks of x[r*m:(r+1)*m].
 all_reduce:     x has n elements; every rank gets out = sum over ranks of x.
 
-Methods (both push data, so they work across nodes; see `_protocol.py` for slots and epochs)
-- "one_shot": all_reduce: program (s) pushes slice s of x to every peer, raises the peer's flag
+Methods (each says where it works; see `_protocol.py` for slots and epochs)
+- "one_shot" (any topology): all_reduce: program (s) pushes slice s of x to every peer, raises the peer's flag
   (rank, s), then waits for every peer's flag (p, s) here and sums the rows it received. One
   step, world_size - 1 copies of the data received per rank: best while latency dominates.
   reduce_scatter: the chunks are cut in slices (`slices_for`); program (p, s) for a peer p pushes
   slices s, s + splits, ... of chunk p to p, a flag (rank, slice) after each, while program
   (rank, s) sums those slices of this rank's chunk as every peer's arrive, so the sums overlap
   the sending.
-- "two_shot" (all_reduce): the sliced reduce-scatter above, then the program that summed a slice
+- "two_shot" (all_reduce, any topology): the sliced reduce-scatter above, then the program that summed a slice
   pushes it to every peer (flags in the second half of the slot's signals), where the program that
   sent that peer its chunk copies it out. Each rank receives 2 (n-1)/n of the data instead of
   (n-1) x: best for large messages.
@@ -37,7 +37,7 @@ Methods (both push data, so they work across nodes; see `_protocol.py` for slots
   the sum for another node is put (with the signal) to rank (n, l) as that rank's node sum a, flag
   (s, a) of the second block of flags. Last, it sums its N node sums into `out`. Node sums are fp32
   (a separate symmetric buffer, double-buffered as the workspace): the result is rounded once.
-- "ring" (reduce_scatter): program s passes slice s of the partial sums around the ring:
+- "ring" (reduce_scatter, any topology): program s passes slice s of the partial sums around the ring:
   world-1 steps; at step k a rank adds its own part of chunk rank-1-k to the partial it received
   (none at step 0) and pushes it to rank+1 (row k of its received rows, flag (k, s)); after the last
   step the partial of its own chunk has passed every other rank and it adds its own part into
@@ -53,9 +53,9 @@ from tridist.runtime.jit import jit
 from tridist.runtime.tensors import check_symmetric
 
 from . import _protocol
-from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, call_epoch, check_input, check_output,
-                        copy_slice, finish_call, pack_halves, placement, push_slice, row_stride, split_bounds,
-                        unpack_halves, wait_chunks)
+from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, after_flags, call_epoch, check_input,
+                        check_output, copy_slice, finish_call, pack_halves, placement, push_slice, row_stride,
+                        split_bounds, unpack_halves, wait_chunks)
 from .allgather import all_gather_ce_kernel
 
 REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
@@ -103,8 +103,7 @@ def _sum_slice(own_ptr, stage, row, flags, epoch, slices, j, out_ptr, start, sto
     world = dl.num_ranks()
     for peer in range(world):
         if peer != me:
-            token = dl.wait(flags + peer * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
-            stage = dl.consume_token(stage, token)
+            stage = after_flags(stage, flags + peer * slices + j, 1, epoch)
     offsets = tl.arange(0, BLOCK)
     for offset in range(start, stop, BLOCK):
         mask = offset + offsets < stop
@@ -161,9 +160,8 @@ def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, c
                        local_world_size, BLOCK)
     for step in range(nodes):  # the other nodes first, so that their puts are on their way early
         n = (node + 1 + step) % nodes
-        token = dl.wait(gathered_flags + n * local_world_size, local_world_size, scope="sys", semantic="acquire",
-                        waitValue=epoch)
-        rows = dl.consume_token(gathered + n * local_world_size * row, token)
+        rows = after_flags(gathered + n * local_world_size * row, gathered_flags + n * local_world_size,
+                           local_world_size, epoch)
         if n == node:  # this node's sum of this rank's chunk stays here
             _sum_rows(rows, row, local_world_size, node_sums + node * row, start, stop, BLOCK)
         else:
@@ -172,7 +170,7 @@ def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, c
                        n * local_world_size + local, local_world_size, BLOCK)
     for n in range(nodes):
         if n != node:
-            dl.wait(sum_flags + n, 1, scope="sys", semantic="acquire", waitValue=epoch)
+            node_sums = after_flags(node_sums, sum_flags + n, 1, epoch)
     _sum_rows(node_sums, row, nodes, out_ptr, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
@@ -207,8 +205,7 @@ def reduce_scatter_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
     for step in range(world):
         partial = received + (step - 1) * row
         if step > 0:
-            token = dl.wait(flags + (step - 1) * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
-            partial = dl.consume_token(partial, token)
+            partial = after_flags(partial, flags + (step - 1) * splits + split, 1, epoch)
         if step < world - 1:
             chunk = (me + world - 1 - step) % world
             _add_slice(x_ptr + chunk * m, partial, step > 0, sent + step * row, start, stop, BLOCK)
@@ -235,7 +232,7 @@ def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
         push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
                    BLOCK)
     for peer in range(world):
-        dl.wait(flags + peer * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
+        stage = after_flags(stage, flags + peer * splits + split, 1, epoch)
     _sum_rows(stage, row, world, out_ptr, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
@@ -270,8 +267,8 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
         _send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK, WIDE=True)
         for j in range(tl.program_id(1), slices, tl.num_programs(1)):
             start, stop = split_bounds(m, j, slices, BLOCK)
-            token = dl.wait(gather_flags + peer * slices + j, 1, scope="sys", semantic="acquire", waitValue=epoch)
-            copy_slice(dl.consume_token(gathered + peer * row, token), out_ptr + peer * m, start, stop, BLOCK)
+            copy_slice(after_flags(gathered + peer * row, gather_flags + peer * slices + j, 1, epoch),
+                       out_ptr + peer * m, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -295,8 +292,7 @@ def all_reduce_symmetric_kernel(x_ptr, flags_ptr, calls_ptr, n, m, slices, BLOCK
             dl.notify(ready + me, (me + step) % world, signal=epoch, sig_op="set")
     chunk = x_ptr + me * m
     for step in range(1, world):
-        token = dl.wait(ready + (me + step) % world, 1, scope="sys", semantic="acquire", waitValue=epoch)
-        chunk = dl.consume_token(chunk, token)
+        chunk = after_flags(chunk, ready + (me + step) % world, 1, epoch)
     length = tl.minimum(tl.maximum(n - me * m, 0), m)
     offsets = tl.arange(0, BLOCK)
     for j in range(split, slices, splits):
@@ -398,11 +394,15 @@ class ReduceScatter:
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
         if method not in REDUCE_SCATTER_METHODS:
             raise _protocol.method_error("reduce_scatter", method, REDUCE_SCATTER_METHODS)
+        _protocol.check_build("reduce_scatter", numel, dtype)
         self.world = w = tridist.world()
         if numel % w.world_size:
             raise ValueError(f"reduce_scatter needs a multiple of world_size={w.world_size} elements, got {numel}")
         self.numel, self.dtype = numel, dtype
         self.method = choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
+        if self.method in ("ll", "ce") and w.nnodes > 1:
+            raise ValueError(f"reduce_scatter method {self.method!r} works within one node; this world has {w.nnodes} "
+                             "nodes: use method='2d' or 'one_shot'")
         self.chunk = numel // w.world_size
         limit = _protocol.programs_limit(programs, w)
         if self.method in ("ce", "one_shot"):  # programs per destination; `ring` and `2d` take all of them
@@ -426,7 +426,7 @@ class ReduceScatter:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
-        _check_same(x, self.numel, self.dtype, "reduce-scatter")
+        _protocol.check_same(x, self.numel, self.dtype, "reduce-scatter")
         if x.dim() == 0 or x.shape[0] % w.world_size:
             raise ValueError(f"reduce_scatter splits dim 0 of x ({tuple(x.shape)}) into {w.world_size} chunks; make "
                              "it a multiple of the world size")
@@ -482,6 +482,7 @@ class AllReduce:
                  symmetric_in_place: bool = False):
         if method not in ALL_REDUCE_METHODS:
             raise _protocol.method_error("all_reduce", method, ALL_REDUCE_METHODS)
+        _protocol.check_build("all_reduce", numel, dtype)
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         self.symmetric_in_place = symmetric_in_place
@@ -523,7 +524,7 @@ class AllReduce:
                 2, self.chunk * w.world_size, dtype=dtype, device=w.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_same(x, self.numel, self.dtype, "all-reduce")
+        _protocol.check_same(x, self.numel, self.dtype, "all-reduce")
         if self.symmetric_in_place:
             if out is None or out.data_ptr() != x.data_ptr():
                 raise ValueError("this all-reduce was built with symmetric_in_place=True: call it with out=x")
@@ -587,13 +588,10 @@ class AllReduce:
             self.workspace.free()
 
 
-_TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def _reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, peer_stride: int) -> None:
     reduce_ll_kernel[(packets.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), packets.staging,
                                         packets.calls, packets.words, peer_stride, packets.row, packets.slot_numel,
-                                        DTYPE=_TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK)
+                                        DTYPE=_protocol.TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK)
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:
@@ -629,12 +627,6 @@ def choose_all_reduce(nbytes: int, world, symmetric_in_place: bool = False) -> s
     return "two_shot"
 
 
-def _check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> None:
-    check_input(x, "x")
-    if x.numel() != numel or x.dtype != dtype:
-        raise ValueError(f"this {what} was built for {numel} {dtype} elements; x has {x.numel()} {x.dtype}")
-
-
 def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Sum `x` over ranks and give rank r the r-th of world_size chunks of dim 0, like
     `torch.distributed.reduce_scatter_tensor`. A collective."""
@@ -647,7 +639,8 @@ def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str
 def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
     """Sum `x` over ranks into `out` (a new tensor by default; pass out=x for in place). A collective:
     every rank passes the same shape, dtype and method, and a symmetric x in place on every rank or
-    on none (that one is reduced without staging)."""
+    on none (on one node the two-shot then reduces it without staging: what `auto` runs once a rank
+    sends more than 1 MB)."""
     check_input(x, "x")
     symmetric = out is not None and out.data_ptr() == x.data_ptr() and tridist.is_symmetric(x)
     op = _protocol.instance(lambda: AllReduce(x.numel(), x.dtype, method, symmetric_in_place=symmetric), AllReduce,

@@ -17,7 +17,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ..runtime.tune import tune
-from ._protocol import check_input, check_output
+from ._protocol import check_input, check_output, programs_for
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -113,12 +113,6 @@ def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.d
         release()
 
 
-def programs_for(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 @triton.jit
 def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """Tile number -> (row tile, column tile), GROUP_M row tiles at a time so that the programs
@@ -183,6 +177,10 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: 
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"{a_name} has {a.shape[1]} columns but {b_name} has {b.shape[0]} rows")
     _check_aligned(a.shape[1], b.shape[1])
+    for name, tensor in ((a_name, a), (b_name, b)):
+        if tensor.data_ptr() % 16:
+            raise ValueError(f"{name} does not start on a 16-byte boundary, as TMA needs (a view at an odd offset?): "
+                             f"pass a tensor of its own, e.g. {name}.clone()")
 
 
 def descriptors(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -197,6 +195,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, co
     if out is None:
         out = torch.empty(shape, dtype=a.dtype, device=a.device)
     check_output(out, shape, a.dtype)
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"matmul takes a config dict (one of gemm.configs(device)) or None, got {config!r}")
     config = config or default_config(a.device, a.shape[0], b.shape[1])
     tiles = triton.cdiv(shape[0], config["BLOCK_M"]) * triton.cdiv(shape[1], config["BLOCK_N"])
     a_desc, b_desc = descriptors(a, b, config)

@@ -36,8 +36,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol, gemm
-from ._protocol import (PacketRows, Workspace, call_epoch, check_output, finish_call, pack_halves, placement,
-                        unpack_halves)
+from ._protocol import (PacketRows, Workspace, after_flags, call_epoch, check_output, finish_call, pack_halves,
+                        placement, unpack_halves)
 
 GEMM_AR_METHODS = ("auto", "one_shot", "ll")
 
@@ -68,8 +68,7 @@ def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world
 @triton.jit
 def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rank src's partial tile t of this slot, once its flag says it is here."""
-    token = dl.wait(flags + src * per_shard + t, 1, scope="sys", semantic="acquire", waitValue=epoch)
-    tile_ptr = dl.consume_token(_tile(tiles, src * per_shard + t, BLOCK_M, BLOCK_N), token)
+    tile_ptr = after_flags(_tile(tiles, src * per_shard + t, BLOCK_M, BLOCK_N), flags + src * per_shard + t, 1, epoch)
     offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     return tl.load(tile_ptr + offsets).to(tl.float32)
 
@@ -268,9 +267,6 @@ def gemm_ar_ll_kernel(a_desc, b_desc, out_ptr, own_ptr, packets_ptr, calls_ptr, 
     finish_call(calls_ptr)
 
 
-_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 class _GemmReduce:
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, scatter: bool, config: dict | str | None,
                  method: str = "one_shot"):
@@ -295,7 +291,7 @@ class _GemmReduce:
             w.device, m, n, flatten=flatten)  # every rank computes all m rows
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
-        self.programs = min(gemm.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
+        self.programs = min(_protocol.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
         if method == "ll":
             tile_bytes = block_m * block_n * dtype.itemsize
             self.workspace = PacketRows(name, self.per_shard * tile_bytes, self.programs)
@@ -317,7 +313,7 @@ class _GemmReduce:
         if self.method == "ll":
             gemm_ar_ll_kernel[(self.programs,)](
                 a_desc, b_desc, out.view(torch.int32), self.own, ws.staging, ws.calls, self.m, self.n, self.k, ws.row,
-                ws.slot_numel, DTYPE=_TRITON_DTYPES[self.dtype],
+                ws.slot_numel, DTYPE=_protocol.TRITON_DTYPES[self.dtype],
                 STEP=min(2048, self.config["BLOCK_M"] * self.config["BLOCK_N"] // 2),
                 **self.config)
             return out
