@@ -1,10 +1,11 @@
 """A push all-gather written with tridist.language: run with `tridist run -n 4 examples/allgather.py`.
 
 Every rank writes its shard into slot `rank` of every peer's output through `dl.symm_at`, then
-raises its flag in the peer's signal array; each rank waits for all flags before reading.
+raises its flag in the peer's signal array; each rank waits for all flags before reading. All ranks
+must be on one node: `dl.symm_at` reaches no other (across nodes, kernels move data with
+`dl.shmem.putmem`).
 """
 import torch
-import triton
 import triton.language as tl
 
 import tridist
@@ -22,7 +23,7 @@ def allgather_push(shard_ptr, out_ptr, flags_ptr, n, epoch, BLOCK: tl.constexpr)
         tl.store(dl.symm_at(out_ptr + me * n + start + offsets, peer), data, mask=mask)
     dl.notify(flags_ptr + me, peer, signal=epoch, sig_op="set")
     if peer == me:
-        dl.wait(flags_ptr, dl.num_ranks(), waitValue=epoch)
+        dl.wait(flags_ptr, dl.num_ranks(), scope="sys", waitValue=epoch)  # raised by other GPUs
 
 
 def main():

@@ -98,8 +98,11 @@ class WorldPool:
             env.update(TRITON_INTERPRET="1", TRIDIST_EMU_DIR=self._folder,
                        TRIDIST_HEAP_SIZE=os.environ.get("TRIDIST_HEAP_SIZE", "64M"))
         else:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NVSHMEM_DISABLE_NVLS="1",
-                       NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+            # Here, not at the top: spawned ranks import this module, and must not import tridist
+            # before `_worker` has set their environment.
+            from tridist.runtime.nvshmem import SAFE_ENVIRONMENT
+
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **SAFE_ENVIRONMENT)
         context = multiprocessing.get_context("spawn")
         for rank in range(self.size):
             parent, child = context.Pipe()

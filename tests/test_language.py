@@ -1,9 +1,10 @@
 """The device API (`tridist.language`) on every world size, each test checked against a reference."""
+import contextlib
 import importlib.util
 import os
 
+import pytest
 import torch
-import triton
 import triton.language as tl
 
 import tridist
@@ -34,7 +35,8 @@ def test_identity(world):
 
 
 def load_example(name):
-    """The examples are what users copy first, so the tests run them too (at every world size)."""
+    """The examples are what users copy first, so the tests run them too (the all-gather at every
+    world of one node: it stores through symm_at, which reaches no other node)."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
     module = importlib.util.module_from_spec(spec)
@@ -156,7 +158,7 @@ def test_local_memory_order_ops(world):
     world.run(_cas_xchg)
 
 
-# ---- notify with add, and the timeout diagnostic ----------------------------------------------------
+# ---- notify, and the timeout diagnostics -------------------------------------------------------------
 
 
 @tridist.jit
@@ -181,32 +183,83 @@ def test_notify_add(world):
 
 
 @tridist.jit
+def notify_kernel(flag_ptr, peer, COMM_SCOPE: tl.constexpr):
+    dl.notify(flag_ptr, peer, comm_scope=COMM_SCOPE)
+
+
+def _notify_checks(w):
+    flag = tridist.signals(1)
+    with pytest.raises(ValueError, match="comm_scope='node'"):
+        notify_kernel[(1,)](flag, w.rank, COMM_SCOPE="node")
+    for peer in range(w.world_size):
+        if not w.same_node(peer):  # on GPUs symm_at would give a null pointer
+            with pytest.raises(ValueError, match="not load/store reachable"):
+                notify_kernel[(1,)](flag, peer, COMM_SCOPE="intra_node")
+    tridist.barrier_all()
+    tridist.symm_free(flag)
+
+
+def test_notify_checks(world):
+    if world.backend != "emulator":
+        return  # on GPUs an unknown comm_scope fails to compile, and a store to a null pointer faults
+    world.run(_notify_checks)
+
+
+@contextlib.contextmanager
+def _short_waits():
+    """Bounded waits give up after 0.3 s: the emulator reads TRIDIST_WAIT_TIMEOUT at every wait."""
+    previous = os.environ.get("TRIDIST_WAIT_TIMEOUT")
+    os.environ["TRIDIST_WAIT_TIMEOUT"] = "0.3"
+    try:
+        yield
+    finally:
+        os.environ["TRIDIST_WAIT_TIMEOUT"] = previous
+
+
+@tridist.jit
 def never_signalled_kernel(flag_ptr):
     dl.wait(flag_ptr, 2, waitValue=1)
 
 
 def _timeout_diagnostic(w):
     flags = tridist.signals(2)
-    previous = os.environ.get("TRIDIST_WAIT_TIMEOUT")
-    os.environ["TRIDIST_WAIT_TIMEOUT"] = "0.3"
-    try:
+    with _short_waits(), pytest.raises(tridist.WaitTimeoutError) as error:
         never_signalled_kernel[(1,)](flags)
-    except tridist.WaitTimeoutError as error:
-        message = str(error)
-    else:
-        raise AssertionError("a wait that cannot finish returned")
-    finally:
-        os.environ["TRIDIST_WAIT_TIMEOUT"] = previous
     for part in (f"rank {w.rank}", "never_signalled_kernel", "heap offset", "expected == 1", "observed [0, 0]"):
-        assert part in message, (part, message)
+        assert part in str(error.value), (part, str(error.value))
     tridist.barrier_all()
     tridist.symm_free(flags)
 
 
 def test_timeout_diagnostic(world):
     if world.backend != "emulator":
-        return  # on GPUs the bounded wait traps the context; tests/gpu/test_debug_wait.py runs it alone
+        return  # on GPUs the bounded wait traps the context; test_launcher.py runs one alone
     world.run(_timeout_diagnostic)
+
+
+@tridist.jit
+def never_sent_kernel(packets_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    dl.ll.recv(packets_ptr + offsets, 1, offsets < n)
+
+
+def _ll_timeout_diagnostic(w):
+    packets = tridist.symm_zeros((8,), torch.int64)
+    packets[:3] = 1 << 32  # packets 0 to 2 carry flag 1; the first stale one is packet 3
+    with _short_waits(), pytest.raises(tridist.WaitTimeoutError) as error:
+        never_sent_kernel[(1,)](packets, 8, BLOCK=8)
+    first = tridist.runtime.world.heap().offset_of(packets) + 3 * 8
+    for part in (f"rank {w.rank}", "never_sent_kernel", "never carried flag 1", "5 of 8 stale",
+                 f"the first at heap offset {first:#x} with flag 0"):
+        assert part in str(error.value), (part, str(error.value))
+    tridist.barrier_all()
+    tridist.symm_free(packets)
+
+
+def test_ll_timeout_diagnostic(world):
+    if world.backend != "emulator":
+        return  # as test_timeout_diagnostic
+    world.run(_ll_timeout_diagnostic)
 
 
 # ---- barriers -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from .runtime.tensors import (SIGNAL_DTYPE, barrier_all, is_symmetric, peer_tens
                               symm_zeros)
 from .runtime.tune import tune
 from .runtime.world import World, finalize, init, world
-from .ops.sync import barrier_all_on_stream, sleep_async  # noqa: E402
+from .ops.sync import barrier_all_on_stream, sleep_async
 
 __version__ = "0.1.0"
 

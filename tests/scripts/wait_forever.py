@@ -1,6 +1,4 @@
 """A kernel waits on a flag nobody raises; with a bounded wait the job fails and says where."""
-import triton.language as tl
-
 import tridist
 import tridist.language as dl
 

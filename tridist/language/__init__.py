@@ -22,7 +22,7 @@ else:
     from ._gpu import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy, ld, notify,
                        num_ranks, rank, st, symm_at, wait)
 
-from . import ll, shmem  # noqa: E402
+from . import ll, shmem
 
 __all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "ld", "st", "atomic_add",
            "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "dot", "shmem", "ll"]

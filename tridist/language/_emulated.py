@@ -21,6 +21,7 @@ _COMPARE = {CMP_EQ.value: (np.equal, "=="), CMP_NE.value: (np.not_equal, "!="), 
             CMP_GE.value: (np.greater_equal, ">="), CMP_LT.value: (np.less, "<"), CMP_LE.value: (np.less_equal, "<=")}
 _SIGNAL_OPS = {"set": SIGNAL_SET.value, "add": SIGNAL_ADD.value, SIGNAL_SET.value: SIGNAL_SET.value,
                SIGNAL_ADD.value: SIGNAL_ADD.value}
+_COMM_SCOPES = ("gpu", "intra_node", "inter_node")
 
 
 # ---- values --------------------------------------------------------------------------------------
@@ -165,12 +166,23 @@ def consume_token(x, token):
     return x
 
 
-def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu"):
-    peer = int(_value(peer))
-    op = _SIGNAL_OPS[_value(sig_op)]
+def _signal(ptr, peer, signal, sig_op, what: str, allow_remote_node: bool):
+    """Set or add `signal` to `peer`'s word at `ptr` atomically; returns the word's old value."""
+    remote = _like(ptr, _translate(_addresses(ptr), int(_value(peer)), what, allow_remote_node))
     signal = _value(signal)
-    remote = _like(ptr, _translate(_addresses(ptr), peer, "dl.notify", allow_remote_node=True))
-    return tl.atomic_add(remote, signal) if op == SIGNAL_ADD else tl.atomic_xchg(remote, signal)
+    if _SIGNAL_OPS[_value(sig_op)] == SIGNAL_ADD:
+        return tl.atomic_add(remote, signal)
+    return tl.atomic_xchg(remote, signal)
+
+
+def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu"):
+    # Only "inter_node" may reach another node: on GPUs the others store through symm_at, which has
+    # no address there.
+    comm_scope = _value(comm_scope)
+    if comm_scope not in _COMM_SCOPES:
+        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: dl.notify with "
+                         f"comm_scope={comm_scope!r}; use one of {', '.join(map(repr, _COMM_SCOPES))}")
+    _signal(ptr, peer, signal, sig_op, "dl.notify", allow_remote_node=comm_scope == "inter_node")
 
 
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------
@@ -213,7 +225,7 @@ def getmem(dest, source, nbytes, pe):
 
 
 def signal_op(sig_addr, signal, sig_op, pe):
-    notify(sig_addr, pe, signal, sig_op)
+    _signal(sig_addr, pe, signal, sig_op, "shmem.signal_op", allow_remote_node=True)
 
 
 def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
@@ -261,15 +273,15 @@ def g(source, pe):
 
 
 def atomic_fetch_add(dest, value, pe):
-    return notify(dest, pe, value, "add")
+    return _signal(dest, pe, value, "add", "shmem.atomic_fetch_add", allow_remote_node=True)
 
 
 def atomic_inc(dest, pe):
-    notify(dest, pe, 1, "add")
+    _signal(dest, pe, 1, "add", "shmem.atomic_inc", allow_remote_node=True)
 
 
 def atomic_set(dest, value, pe):
-    notify(dest, pe, value, "set")
+    _signal(dest, pe, value, "set", "shmem.atomic_set", allow_remote_node=True)
 
 
 def atomic_compare_swap(dest, cond, value, pe):
@@ -295,16 +307,19 @@ def wait_packets(ptrs, mask, flag):
     words = np.zeros(addresses.shape, dtype=np.int64)
     if active.any():
         w = world()
+        watched = addresses[active]
         box = [None]
 
         def done():
-            box[0] = _read(addresses[active], tl.int64)
+            box[0] = _read(watched, tl.int64)
             return bool(((box[0] >> 32).astype(np.int32) == flag).all())
 
         def describe():
-            stale = int(((box[0] >> 32).astype(np.int32) != flag).sum())
-            return (f"rank {w.rank}, kernel {emulator.current_kernel()}: LL packets at "
-                    f"{_where(int(addresses[active][0]))} never carried flag {flag}; {stale} of {box[0].size} stale")
+            flags = (box[0] >> 32).astype(np.int32)
+            stale = np.flatnonzero(flags != flag)
+            return (f"rank {w.rank}, kernel {emulator.current_kernel()}: LL packets at {_where(int(watched[0]))} "
+                    f"never carried flag {flag}; {stale.size} of {box[0].size} stale, the first at "
+                    f"{_where(int(watched[stale[0]]))} with flag {int(flags[stale[0]])}")
 
         emulator.spin_until(done, describe, world=transport())
         words[active] = box[0]

@@ -4,9 +4,11 @@ NVSHMEM functions are declared with `extern_elementwise` and resolved when Trito
 `libnvshmem_device.bc` (passed by `tridist.jit`). A Triton program runs every scalar statement on
 all of its threads, so calls NVSHMEM means for one thread (or one warp) sit under a thread-id test.
 
-With TRIDIST_DEBUG=1 every wait is bounded by TRIDIST_WAIT_TIMEOUT: on expiry it prints the rank,
-the signal address, the expected and the observed value, and traps, so the launch fails instead of
-spinning forever (the host then names the kernel). Both settings are read when a kernel compiles.
+With TRIDIST_DEBUG=1 every wait of ours is bounded by TRIDIST_WAIT_TIMEOUT: on expiry it prints
+the rank, the signal address, the expected and the observed value, and traps, so the launch fails
+instead of spinning forever (the host then names the kernel). NVSHMEM's barrier is the exception
+(see `barrier_all`). Both settings are read once, when tridist is imported, and compiled into the
+kernels as constants: set them before the import.
 """
 import triton
 import triton.language as tl
@@ -228,8 +230,10 @@ def _compare(observed, cmp: tl.constexpr, value):
         return observed >= value
     elif cmp == CMP_LT:
         return observed < value
-    else:
+    elif cmp == CMP_LE:
         return observed <= value
+    else:
+        tl.static_assert(False, "unknown comparison: use one of dl.shmem.CMP_*")
 
 
 @triton.jit
@@ -270,6 +274,8 @@ def consume_token(x, token):
 
 @triton.jit
 def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm_scope: tl.constexpr = tl.constexpr("gpu")):
+    tl.static_assert(comm_scope == "gpu" or comm_scope == "intra_node" or comm_scope == "inter_node",
+                     "dl.notify: comm_scope is 'gpu', 'intra_node' or 'inter_node'")
     # Every thread's earlier writes must be visible before the signal: the barrier makes them
     # visible to the signalling thread, and its release (or NVSHMEM's fence) carries them along.
     _sync_threads()
@@ -424,11 +430,16 @@ def shmem_fence():
 
 @triton.jit
 def barrier_all():
+    """NVSHMEM's barrier, unbounded even with TRIDIST_DEBUG=1: a bounded one would spin on
+    symmetric words of its own (as the emulator's does), and a device function that takes no
+    arguments has no way to reach a symmetric allocation. A rank stuck here (a peer never calls the
+    barrier) spins until the job is stopped, and the host never learns which kernel it was."""
     _no_arguments("nvshmemx_barrier_all_block")
 
 
 @triton.jit
 def sync_all():
+    """NVSHMEM's sync, unbounded even with TRIDIST_DEBUG=1 (see `barrier_all`)."""
     _no_arguments("nvshmemx_sync_all_block")
 
 
@@ -483,8 +494,23 @@ def atomic_set(dest, value, pe):
 
 # ---- low-latency packets -------------------------------------------------------------------------
 @triton.jit
+def _is_stale(packets, mask, flag):
+    return ((packets >> 32).to(tl.int32) != flag) & mask
+
+
+@triton.jit
 def _stale(packets, mask, flag):
-    return tl.sum(((packets >> 32).to(tl.int32) != flag) & mask)
+    return tl.sum(_is_stale(packets, mask, flag))
+
+
+@triton.jit
+def _report_stale(ptrs, packets, mask, flag):
+    # The stale packet of lowest address, and the flag it carries (over every axis of the block).
+    addresses = tl.where(_is_stale(packets, mask, flag), ptrs.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+    first = tl.min(addresses, axis=None)
+    observed = tl.max(tl.where(addresses == first, (packets >> 32).to(tl.int32), -0x80000000), axis=None)
+    tl.device_print("tridist LL wait timed out: rank, address of a stale packet, expected flag, observed flag, "
+                    "stale packets", _my_pe(), first, flag, observed, _stale(packets, mask, flag))
 
 
 @triton.jit
@@ -494,8 +520,7 @@ def wait_packets(ptrs, mask, flag):
         start = _global_time_ns()
         while _stale(packets, mask, flag) > 0:
             if _global_time_ns() - start > TIMEOUT_NS:
-                tl.device_print("tridist LL wait timed out: rank, expected flag, stale packets", _my_pe(), flag,
-                                _stale(packets, mask, flag))
+                _report_stale(ptrs, packets, mask, flag)
                 _trap()
             packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
     else:

@@ -1,8 +1,8 @@
 """Synchronisation a host queues on a stream: a barrier across ranks, and a timed busy-wait."""
 import torch
-import triton.language as tl
 
 from .. import language as dl
+from ..language._gpu import _global_time_ns
 from ..runtime.backend import is_emulator
 from ..runtime.jit import jit
 from ..runtime.world import world
@@ -13,16 +13,18 @@ def _barrier_kernel():
     dl.shmem.barrier_all()
 
 
-@jit(do_not_specialize=["duration_ns"])  # one compiled kernel for every duration
+@jit(do_not_specialize=["duration_ns"])  # one compiled kernel for every duration; GPUs only
 def _sleep_kernel(duration_ns):
-    start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    start = _global_time_ns()
     now = start
     while now - start < duration_ns:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        now = _global_time_ns()
 
 
 def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None) -> None:
-    """Queue a barrier across all ranks on `stream` (default: the current one); the host does not wait."""
+    """Queue a barrier across all ranks on `stream` (default: the current one). On GPUs the host
+    does not wait for it; in the emulator, which has no streams, the host runs it and returns once
+    every rank has reached it."""
     world()
     if is_emulator():
         _barrier_kernel[(1,)]()

@@ -5,13 +5,15 @@ a kernel is compiled for the GPU or run by its interpreter, so the choice cannot
 """
 import os
 
+from . import config
+
 NVSHMEM = "nvshmem"
 EMULATOR = "emulator"
 BACKENDS = (NVSHMEM, EMULATOR)
 
 
 def _choose() -> str:
-    name = os.environ.get("TRIDIST_BACKEND", "").strip().lower()
+    name = config.requested_backend()
     if not name:
         if os.environ.get("TRITON_INTERPRET", "0") == "1":
             name = EMULATOR

@@ -1,4 +1,12 @@
-"""Settings read from the environment, in one place so that `tridist info` can list them."""
+"""tridist's own settings (TRIDIST_*): each is read from the environment through an accessor here
+and listed in SETTINGS, which `tridist info` prints with the values the environment gives them.
+Variables of other programs (torchrun's RANK and WORLD_SIZE, TRITON_INTERPRET, NVSHMEM_LIB_DIR)
+are read where they are used.
+
+Three settings are fixed when tridist is imported, because kernels are defined or compiled with
+them: TRIDIST_BACKEND, TRIDIST_DEBUG and TRIDIST_WAIT_TIMEOUT (on GPUs). The others are read when
+they are used.
+"""
 import os
 
 _SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -15,6 +23,17 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"cannot read {text!r} as a size; write bytes or a number with K, M or G") from None
 
 
+def requested_backend() -> str:
+    """TRIDIST_BACKEND as given, lower case; empty when unset (`runtime/backend.py` then chooses)."""
+    return os.environ.get("TRIDIST_BACKEND", "").strip().lower()
+
+
+def virtual_nodes() -> int | None:
+    """TRIDIST_NNODES: split the ranks of one host into this many nodes; None when unset."""
+    value = os.environ.get("TRIDIST_NNODES", "")
+    return int(value) if value else None
+
+
 def heap_bytes(backend: str) -> int:
     """Size of each rank's symmetric heap (TRIDIST_HEAP_SIZE)."""
     default = "4G" if backend == "nvshmem" else "256M"
@@ -22,13 +41,19 @@ def heap_bytes(backend: str) -> int:
 
 
 def wait_timeout_s() -> float:
-    """How long a bounded wait spins before it reports (TRIDIST_WAIT_TIMEOUT, seconds)."""
+    """How long a bounded wait spins before it reports (TRIDIST_WAIT_TIMEOUT, seconds). GPU kernels
+    take it when tridist is imported; the emulator reads it again at every wait."""
     return float(os.environ.get("TRIDIST_WAIT_TIMEOUT", "60"))
 
 
+# Read once: GPU kernels compile their waits bounded or not when tridist is imported, and the host
+# side must agree with them for the life of the process.
+_DEBUG = os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0")
+
+
 def debug() -> bool:
-    """TRIDIST_DEBUG=1 bounds every device wait on the GPU and checks allocations across ranks."""
-    return os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0")
+    """TRIDIST_DEBUG=1 bounds device waits on the GPU and checks allocations across ranks."""
+    return _DEBUG
 
 
 def emulator_threads() -> int:
@@ -36,13 +61,31 @@ def emulator_threads() -> int:
     return int(os.environ.get("TRIDIST_EMU_THREADS", "64"))
 
 
+def emulator_folder() -> str | None:
+    """TRIDIST_EMU_DIR: the folder the emulated ranks of one job share; None when unset."""
+    return os.environ.get("TRIDIST_EMU_DIR") or None
+
+
+def tune_cache_folder() -> str:
+    """TRIDIST_TUNE_CACHE: where `tridist.tune` keeps tune.json (default ~/.cache/tridist)."""
+    return os.path.expanduser(os.environ.get("TRIDIST_TUNE_CACHE") or "~/.cache/tridist")
+
+
+def tune_verbose() -> bool:
+    """TRIDIST_TUNE_VERBOSE=1: `tridist.tune` prints each configuration's time on rank 0."""
+    return os.environ.get("TRIDIST_TUNE_VERBOSE", "0") not in ("", "0")
+
+
 SETTINGS = {
     "TRIDIST_BACKEND": "nvshmem on CUDA GPUs, emulator elsewhere; set before importing tridist",
     "TRIDIST_NNODES": "virtual nodes: split the ranks of one host into this many nodes",
     "TRIDIST_HEAP_SIZE": "symmetric heap per rank (default 4G on GPU, 256M in the emulator)",
-    "TRIDIST_WAIT_TIMEOUT": "seconds a bounded wait spins before it reports (default 60)",
-    "TRIDIST_DEBUG": "1: bound every GPU wait, check allocations across ranks, sync after launches",
+    "TRIDIST_WAIT_TIMEOUT": "seconds a bounded wait spins before it reports (default 60); set before "
+                            "importing tridist",
+    "TRIDIST_DEBUG": "1: bound GPU waits, check allocations across ranks, sync after launches; set before "
+                     "importing tridist",
     "TRIDIST_EMU_THREADS": "programs of one launch the emulator runs at once (default 64)",
+    "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
     "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",
 }

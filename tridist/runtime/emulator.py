@@ -8,7 +8,6 @@ other rank's heap, so a peer's buffer is plain memory at `peer_base + offset`.
 Waits here are always bounded, and while they spin they watch the peers: a peer that failed or
 whose process is gone ends the wait at once with `PeerFailedError` instead of a timeout.
 """
-import ctypes
 import fcntl
 import mmap
 import os
@@ -212,7 +211,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def read_i64(address: int) -> int:
-    return ctypes.c_int64.from_address(address).value

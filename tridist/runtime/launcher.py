@@ -22,7 +22,7 @@ def run(nproc: int, script: list[str], nnodes: int | None = None, backend: str |
         raise SystemExit("tridist run: -n must be at least 1")
     if nnodes is not None and (nnodes < 1 or nproc % nnodes):
         raise SystemExit(f"tridist run: --nnodes {nnodes} must divide -n {nproc}")
-    backend = backend or os.environ.get("TRIDIST_BACKEND") or _backend.BACKEND
+    backend = backend or _backend.BACKEND
     env = dict(os.environ, TRIDIST_BACKEND=backend, **SAFE_ENVIRONMENT)
     if nnodes is not None:
         env["TRIDIST_NNODES"] = str(nnodes)

@@ -2,7 +2,10 @@
 
 They are CUDA tensors on GPUs and CPU tensors in the emulator. A symmetric tensor's address means
 the same buffer on every rank, which is what lets a kernel find a peer's copy (`dl.symm_at`).
-Allocating is collective only in the sense that every rank must do it in the same order.
+Allocating is collective: every rank must allocate and free the same shapes in the same order, so
+that offsets agree. In the emulator and with TRIDIST_DEBUG=1 each allocation and free also waits
+for every rank (they compare what they asked for, `heap.py`), and `symm_zeros` and `signals` end
+with a barrier on every backend.
 """
 import torch
 

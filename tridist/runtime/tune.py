@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .config import tune_cache_folder, tune_verbose
 from .errors import PeerFailedError, TridistError
 from .world import transport, world
 
@@ -53,9 +54,9 @@ def tune(name: str, key, configs: Sequence[dict], make_run: Callable[[dict], Cal
     if len(configs) == 1:
         return dict(configs[0])
     if verbose is None:
-        verbose = os.environ.get("TRIDIST_TUNE_VERBOSE", "0") not in ("", "0")
+        verbose = tune_verbose()
     w = world()
-    path = os.path.join(os.path.expanduser(os.environ.get("TRIDIST_TUNE_CACHE") or "~/.cache/tridist"), _FILE)
+    path = os.path.join(tune_cache_folder(), _FILE)
     cache_key = _cache_key(name, key, configs_text, w)
 
     mine = _cached_index(path, cache_key, configs_text) if use_cache else -1

@@ -63,7 +63,9 @@ def _layout(nnodes: int | None) -> tuple[int, int, int, int, int, int]:
     if world_size % host_world:
         raise TridistError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={host_world}")
     if nnodes is None:
-        nnodes = _env_int("TRIDIST_NNODES", world_size // host_world)
+        nnodes = config.virtual_nodes()
+    if nnodes is None:
+        nnodes = world_size // host_world
     if nnodes < 1 or world_size % nnodes:
         raise TridistError(f"nnodes={nnodes} must divide the world size {world_size}")
     per_node = world_size // nnodes
@@ -121,7 +123,7 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
 
 
 def _emulator_folder(world_size: int) -> str:
-    folder = os.environ.get("TRIDIST_EMU_DIR")
+    folder = config.emulator_folder()
     if folder:
         return folder
     if world_size > 1:
