@@ -234,8 +234,16 @@ def _symmetric_mismatch(w):
         op(torch.zeros(16, device=w.device), out)
     with pytest.raises(ValueError, match="symmetric_out=True: pass out"):
         op(torch.zeros(16, device=w.device))
+    # The functions choose the protocol by what they are given: rank 0 would stage while the others
+    # took the symmetric paths, and each would wait for the other's flags.
+    with pytest.raises(tridist.SymmetricAllocationError, match="rank 0: not symmetric"):
+        ops.all_gather(torch.zeros(16, device=w.device), out)
+    x = tridist.symm_zeros((64,), torch.float32)
+    with pytest.raises(tridist.SymmetricAllocationError, match="rank 0: not symmetric"):
+        ops.all_reduce(x, out=None if w.rank == 0 else x)
     tridist.barrier_all()
     op.free()
+    tridist.symm_free(x)
     tridist.symm_free(symmetric)
 
 

@@ -44,7 +44,7 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
-from tridist.runtime.tensors import check_symmetric
+from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
 from . import _protocol
 from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, after_flags, call_epoch,
@@ -375,6 +375,7 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     `auto` runs above 64 MB, a symmetric one is written straight from the peers, and x may be its
     own row)."""
     check_input(x, "x", DTYPES)
+    agree_symmetric(out, "out")
     symmetric = out is not None and tridist.is_symmetric(out)
     op = _protocol.instance(lambda: AllGather(x.numel(), x.dtype, method, symmetric_out=symmetric), AllGather,
                             x.numel(), x.dtype, method, symmetric, device=x.device)

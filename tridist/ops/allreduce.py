@@ -50,7 +50,7 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
-from tridist.runtime.tensors import check_symmetric
+from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
 from . import _protocol
 from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, after_flags, call_epoch, check_input,
@@ -642,7 +642,9 @@ def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     on none (on one node the two-shot then reduces it without staging: what `auto` runs once a rank
     sends more than 1 MB)."""
     check_input(x, "x")
-    symmetric = out is not None and out.data_ptr() == x.data_ptr() and tridist.is_symmetric(x)
+    in_place = out is not None and out.data_ptr() == x.data_ptr()
+    agree_symmetric(x if in_place else None, "x (reduced in place)")
+    symmetric = in_place and tridist.is_symmetric(x)
     op = _protocol.instance(lambda: AllReduce(x.numel(), x.dtype, method, symmetric_in_place=symmetric), AllReduce,
                             x.numel(), x.dtype, method, symmetric, device=x.device)
     return op(x, out)

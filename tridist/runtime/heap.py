@@ -67,12 +67,14 @@ class SymmetricHeap:
         self._agree(_FREE, offset, t.dtype, tuple(t.shape))
         del self._blocks[index]
 
-    def agree_on(self, t: torch.Tensor, name: str) -> None:
-        """When checked: that `t` is the same symmetric tensor (offset and size) on every rank, as a
-        kernel writing into the peers' copies of it assumes."""
+    def agree_on(self, t: torch.Tensor | None, name: str) -> None:
+        """When checked: that every rank passes the same symmetric tensor `t` (offset and size), as a
+        kernel writing into the peers' copies of it assumes, or that none passes a symmetric one
+        (a regular tensor or None)."""
         if not self.checked:
             return
-        mine = (self.offset_of(t) if self.contains(t) else -1, t.numel() * t.element_size())
+        symmetric = t is not None and self.contains(t)
+        mine = (self.offset_of(t), t.numel() * t.element_size()) if symmetric else (-1, 0)
         everyone = self.transport.allgather_ints(mine)
         if all(other == mine for other in everyone):
             return
@@ -80,7 +82,7 @@ class SymmetricHeap:
                  for r, (offset, size) in enumerate(everyone)]
         raise SymmetricAllocationError(
             f"{name} must be the same symmetric tensor on every rank (one allocated by every rank in the same "
-            "order):\n" + "\n".join(lines))
+            "order), or none a symmetric one:\n" + "\n".join(lines))
 
     def _first_fit(self, size: int):
         cursor = 0

@@ -50,6 +50,13 @@ def is_symmetric(t: torch.Tensor) -> bool:
     return heap().contains(t)
 
 
+def agree_symmetric(t: torch.Tensor | None, name: str) -> None:
+    """For ops that take one protocol for a symmetric `t` and another for a regular one (or None):
+    (checked in the emulator and with TRIDIST_DEBUG=1) that every rank passes the same symmetric
+    tensor or none does, since ranks on different protocols would wait for each other forever."""
+    heap().agree_on(t, name)
+
+
 def check_symmetric(t: torch.Tensor, name: str) -> None:
     """For ops that write into the peers' copies of `t`: it must be symmetric, and (checked in the
     emulator and with TRIDIST_DEBUG=1) the same tensor on every rank."""
