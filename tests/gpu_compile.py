@@ -164,6 +164,7 @@ def cases():
         (lang.never_signalled_kernel, {"flag_ptr": "*i64"}, {}),
         (lang.stamp_kernel, {"slots_ptr": "*i64", "value": "i32"}, {}),
         (sync._barrier_kernel, {}, {}),
+        (sync._bounded_barrier_kernel, {"slots_ptr": "*i64", "passed_ptr": "*i64"}, {}),
         (sync._sleep_kernel, {"duration_ns": "i64"}, {}),
         *[(kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", "peer": "i32", "n": "i32", "BLOCK": "constexpr"},
            {"BLOCK": primitives.BLOCK}) for kernel in (primitives.put_kernel, primitives.get_kernel)],
@@ -229,7 +230,7 @@ def unpipelined(constexprs, options, compiled) -> bool:
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
                 "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "reduce_ll_kernel", "reduce_ce_kernel",
-                "gemm_ar_ll_kernel"}
+                "gemm_ar_ll_kernel", "_bounded_barrier_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

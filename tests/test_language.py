@@ -287,3 +287,30 @@ def _barriers(w, rounds):
 
 def test_back_to_back_barriers(world):
     world.run(_barriers, rounds=100)
+
+
+def _bounded_barrier(w, rounds):
+    """The barrier `barrier_all_on_stream` queues on GPUs with TRIDIST_DEBUG=1, run directly: it
+    holds every rank until all have come, back to back, and a rank that never comes is reported."""
+    from tridist.ops.sync import _bounded_barrier_kernel
+
+    slots = tridist.symm_zeros((w.world_size,), torch.int64)
+    barrier = (tridist.signals(w.world_size), torch.zeros(1, dtype=torch.int64, device=w.device))
+    for i in range(1, rounds + 1):
+        stamp_kernel[(1,)](slots, i)
+        _bounded_barrier_kernel[(1,)](*barrier)
+        assert (slots == i).all(), (i, slots.tolist())
+        _bounded_barrier_kernel[(1,)](*barrier)
+    if w.world_size > 1 and w.backend == "emulator":  # on GPUs a timed-out wait traps the context
+        if w.rank:
+            with _short_waits(), pytest.raises(tridist.WaitTimeoutError) as error:
+                _bounded_barrier_kernel[(1,)](*barrier)  # rank 0 does not come
+            for part in (f"rank {w.rank}", "_bounded_barrier_kernel", f">= {2 * rounds + 1}"):
+                assert part in str(error.value), (part, str(error.value))
+        tridist.barrier_all()
+    tridist.symm_free(barrier[0])
+    tridist.symm_free(slots)
+
+
+def test_bounded_barrier(world):
+    world.run(_bounded_barrier, rounds=5)

@@ -433,7 +433,8 @@ def barrier_all():
     """NVSHMEM's barrier, unbounded even with TRIDIST_DEBUG=1: a bounded one would spin on
     symmetric words of its own (as the emulator's does), and a device function that takes no
     arguments has no way to reach a symmetric allocation. A rank stuck here (a peer never calls the
-    barrier) spins until the job is stopped, and the host never learns which kernel it was."""
+    barrier) spins until the job is stopped, and the host never learns which kernel it was. (The
+    host's `barrier_all_on_stream` takes a bounded barrier of its own then: `ops/sync.py`.)"""
     _no_arguments("nvshmemx_barrier_all_block")
 
 

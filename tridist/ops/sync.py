@@ -1,16 +1,34 @@
 """Synchronisation a host queues on a stream: a barrier across ranks, and a timed busy-wait."""
 import torch
 
+
 from .. import language as dl
 from ..language._gpu import _global_time_ns
+from ..runtime import config
 from ..runtime.backend import is_emulator
 from ..runtime.jit import jit
-from ..runtime.world import world
+from ..runtime.world import bounded_barrier, world
 
 
 @jit
 def _barrier_kernel():
     dl.shmem.barrier_all()
+
+
+@jit
+def _bounded_barrier_kernel(slots_ptr, passed_ptr):
+    """The barrier on GPUs with TRIDIST_DEBUG=1, where NVSHMEM's cannot be bounded: barrier e raises
+    this rank's slot on every rank to e, then waits (bounded, as every debug wait) until each slot
+    here is at least e. Slot r is written only by rank r, with values that only grow, so a peer
+    already in barrier e+1 does not confuse this one. One program."""
+    me = dl.rank()
+    world_size = dl.num_ranks()
+    epoch = dl.ld(passed_ptr, scope="gpu", semantic="relaxed") + 1
+    for peer in range(world_size):  # NVSHMEM's signal reaches every rank, on this node or another
+        dl.notify(slots_ptr + me, peer, signal=epoch, sig_op="set", comm_scope="inter_node")
+    for peer in range(world_size):
+        dl.shmem.signal_wait_until(slots_ptr + peer, dl.shmem.CMP_GE, epoch)
+    dl.st(passed_ptr, epoch, scope="gpu", semantic="relaxed")
 
 
 @jit(do_not_specialize=["duration_ns"])  # one compiled kernel for every duration; GPUs only
@@ -30,7 +48,10 @@ def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None) -> None:
         _barrier_kernel[(1,)]()
         return
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        _barrier_kernel[(1,)]()
+        if config.debug():
+            _bounded_barrier_kernel[(1,)](*bounded_barrier())
+        else:
+            _barrier_kernel[(1,)]()
 
 
 def sleep_async(microseconds: float, stream: "torch.cuda.Stream | None" = None) -> None:

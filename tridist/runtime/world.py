@@ -43,6 +43,7 @@ class _State:
     world: World | None = None
     transport = None
     heap: SymmetricHeap | None = None
+    bounded_barrier: tuple[torch.Tensor, torch.Tensor] | None = None
     finalized = False
 
 
@@ -117,6 +118,13 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
     _state.world = world
     if _backend.is_emulator():
         transport.attach_device_barrier(_state.heap.allocate((world_size,), torch.int64))
+    elif config.debug():
+        from .tensors import signals
+
+        # A slot per rank and a count of the barriers passed, for `ops.sync`'s bounded barrier:
+        # allocated here, where every rank is, rather than at a first barrier, perhaps inside a
+        # CUDA-graph capture.
+        _state.bounded_barrier = (signals(world_size), torch.zeros(1, dtype=torch.int64, device=device))
     _install_failure_hook()
     atexit.register(finalize)
     return world
@@ -155,6 +163,7 @@ def finalize() -> None:
     _state.transport.close()
     _state.world = None
     _state.heap = None
+    _state.bounded_barrier = None
     _state.finalized = True
 
 
@@ -167,6 +176,13 @@ def world() -> World:
 def heap() -> SymmetricHeap:
     world()
     return _state.heap
+
+
+def bounded_barrier() -> tuple[torch.Tensor, torch.Tensor]:
+    """On GPUs with TRIDIST_DEBUG=1: the symmetric slots (one per rank) and the device-side count of
+    `ops.sync`'s bounded barrier."""
+    world()
+    return _state.bounded_barrier
 
 
 def transport():
