@@ -48,6 +48,16 @@ def after_flags(pointer, flags_ptr, count, value):
 
 
 @triton.jit
+def notify_peers(flag_ptr, value):
+    """Raise the flag at `flag_ptr` to `value` on every other rank (all on this node), the next rank
+    first."""
+    me = dl.rank()
+    world = dl.num_ranks()
+    for step in range(1, world):
+        dl.notify(flag_ptr, (me + step) % world, signal=value, sig_op="set")
+
+
+@triton.jit
 def finish_call(calls_ptr):
     """Every program calls this last. Relaxed: the next launch starts after this one has ended, and
     a launch's end makes its writes visible to the next."""

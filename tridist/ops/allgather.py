@@ -48,8 +48,8 @@ from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
 from . import _protocol
 from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, after_flags, call_epoch,
-                        check_input, check_output, copy_slice, finish_call, placement, push_slice, row_stride,
-                        split_bounds, wait_chunks)
+                        check_input, check_output, copy_slice, finish_call, notify_peers, placement, push_slice,
+                        row_stride, split_bounds, wait_chunks)
 
 METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
@@ -99,9 +99,7 @@ def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
     if peer == me:
         copy_slice(x_ptr, stage, start, stop, BLOCK)
         copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
-        for other in range(world):
-            if other != me:
-                dl.notify(flags + me * splits + split, other, signal=epoch, sig_op="set")
+        notify_peers(flags + me * splits + split, epoch)
     else:
         copy_slice(after_flags(dl.symm_at(stage, peer), flags + peer * splits + split, 1, epoch),
                    out_ptr + peer * n, start, stop, BLOCK)

@@ -54,8 +54,8 @@ from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
 from . import _protocol
 from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, after_flags, call_epoch, check_input,
-                        check_output, copy_slice, finish_call, pack_halves, placement, push_slice, row_stride,
-                        split_bounds, unpack_halves, wait_chunks)
+                        check_output, copy_slice, finish_call, notify_peers, pack_halves, placement, push_slice,
+                        row_stride, split_bounds, unpack_halves, wait_chunks)
 from .allgather import all_gather_ce_kernel
 
 REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
@@ -288,8 +288,7 @@ def all_reduce_symmetric_kernel(x_ptr, flags_ptr, calls_ptr, n, m, slices, BLOCK
     flags = flags_ptr + (epoch % 2) * (world * (splits + 1))
     ready = flags + world * splits
     if split == 0:
-        for step in range(1, world):
-            dl.notify(ready + me, (me + step) % world, signal=epoch, sig_op="set")
+        notify_peers(ready + me, epoch)
     chunk = x_ptr + me * m
     for step in range(1, world):
         chunk = after_flags(chunk, ready + (me + step) % world, 1, epoch)
@@ -305,8 +304,7 @@ def all_reduce_symmetric_kernel(x_ptr, flags_ptr, calls_ptr, n, m, slices, BLOCK
             total = total.to(x_ptr.dtype.element_ty)
             for step in range(world):
                 tl.store(dl.symm_at(chunk, (me + step) % world) + offset + offsets, total, mask=mask)
-    for step in range(1, world):
-        dl.notify(flags + me * splits + split, (me + step) % world, signal=epoch, sig_op="set")
+    notify_peers(flags + me * splits + split, epoch)
     for step in range(1, world):
         dl.wait(flags + ((me + step) % world) * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
     finish_call(calls_ptr)
