@@ -271,12 +271,16 @@ def programs_for(device: torch.device) -> int:
     return 4  # the emulator: a few programs keep the threads busy without slowing tests down
 
 
+def check_programs(programs, name: str = "programs", meaning: str = "the most blocks a call launches") -> None:
+    if not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"{name} must be a positive int ({meaning}), got {programs!r}")
+
+
 def programs_limit(programs: int | None, world) -> int:
     """The programs an op may launch: `programs` if given (an op's argument), else one per SM."""
     if programs is None:
         return programs_for(world.device)
-    if not isinstance(programs, int) or programs < 1:
-        raise ValueError(f"programs must be a positive int (the most blocks a call launches), got {programs!r}")
+    check_programs(programs)
     return programs
 
 

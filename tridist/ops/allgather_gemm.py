@@ -18,9 +18,9 @@ Protocol
 - comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
   peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
   it along its node with stores through symm_at) and raise flags (slot, rank, split) everywhere to
-  the call epoch, one per split of the shard: all_gather's "2d" kernel (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM
-  runs on the remaining SMs, so both are resident at once. Two slots and call epochs (see
-  `_protocol.py`), no barriers.
+  the call epoch, one per split of the shard: all_gather's "2d" kernel
+  (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM runs on the remaining SMs, so
+  both are resident at once. Two slots and call epochs (see `_protocol.py`), no barriers.
 """
 import contextlib
 
@@ -97,9 +97,8 @@ class AllGatherGEMM:
         gemm.check_sizes("ag_gemm", dtype, k, n)
         if not isinstance(m_shard, int) or m_shard < 1:
             raise ValueError(f"ag_gemm needs a positive int m_shard (rows of A per rank), got {m_shard!r}")
-        if comm_programs is not None and (not isinstance(comm_programs, int) or comm_programs < 1):
-            raise ValueError("comm_programs must be a positive int (the programs that push the shard with "
-                             f"comm='sm'), got {comm_programs!r}")
+        if comm_programs is not None:
+            _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the shard with comm='sm'")
         self.world = w = tridist.world()
         self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
         if self.comm == "ce" and w.nnodes > 1:

@@ -4,17 +4,18 @@ reduce_scatter: x has world_size * m elements; rank r gets out = sum over ranks 
 all_reduce:     x has n elements; every rank gets out = sum over ranks of x.
 
 Methods (each says where it works; see `_protocol.py` for slots and epochs)
-- "one_shot" (any topology): all_reduce: program (s) pushes slice s of x to every peer, raises the peer's flag
-  (rank, s), then waits for every peer's flag (p, s) here and sums the rows it received. One
-  step, world_size - 1 copies of the data received per rank: best while latency dominates.
+- "one_shot" (any topology): all_reduce: program (s) pushes slice s of x to every peer, raises the
+  peer's flag (rank, s), then waits for every peer's flag (p, s) here and sums the rows it
+  received. One step, world_size - 1 copies of the data received per rank: best while latency
+  dominates.
   reduce_scatter: the chunks are cut in slices (`slices_for`); program (p, s) for a peer p pushes
   slices s, s + splits, ... of chunk p to p, a flag (rank, slice) after each, while program
   (rank, s) sums those slices of this rank's chunk as every peer's arrive, so the sums overlap
   the sending.
-- "two_shot" (all_reduce, any topology): the sliced reduce-scatter above, then the program that summed a slice
-  pushes it to every peer (flags in the second half of the slot's signals), where the program that
-  sent that peer its chunk copies it out. Each rank receives 2 (n-1)/n of the data instead of
-  (n-1) x: best for large messages.
+- "two_shot" (all_reduce, any topology): the sliced reduce-scatter above, then the program that
+  summed a slice pushes it to every peer (flags in the second half of the slot's signals), where
+  the program that sent that peer its chunk copies it out. Each rank receives 2 (n-1)/n of the
+  data instead of (n-1) x: best for large messages.
   In place on a symmetric x (`all_reduce(x, out=x)`, x from `tridist.symm_empty`, one node) the
   two-shot needs no staging: rank r sums chunk r reading every rank's x through symm_at, and
   stores the sum into every rank's x, one pass over NVLink each way (once every peer's flag
@@ -37,8 +38,8 @@ Methods (each says where it works; see `_protocol.py` for slots and epochs)
   the sum for another node is put (with the signal) to rank (n, l) as that rank's node sum a, flag
   (s, a) of the second block of flags. Last, it sums its N node sums into `out`. Node sums are fp32
   (a separate symmetric buffer, double-buffered as the workspace): the result is rounded once.
-- "ring" (reduce_scatter, any topology): program s passes slice s of the partial sums around the ring:
-  world-1 steps; at step k a rank adds its own part of chunk rank-1-k to the partial it received
+- "ring" (reduce_scatter, any topology): program s passes slice s of the partial sums around the
+  ring: world-1 steps; at step k a rank adds its own part of chunk rank-1-k to the partial it received
   (none at step 0) and pushes it to rank+1 (row k of its received rows, flag (k, s)); after the last
   step the partial of its own chunk has passed every other rank and it adds its own part into
   `out`. Partials travel in fp32 (twice the bytes of a 16-bit input): the result is rounded once.
