@@ -168,6 +168,9 @@ def run_variants(m: int, n: int, k: int, config: dict, only: list[str]) -> list[
 
 
 def main(only: list[str]) -> int:
+    unknown = [name for name in only if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; name some of: {', '.join(map(repr, VARIANTS))}")
     w = tridist.init()
     on_gpu = w.device.type == "cuda"
     rows = []

@@ -44,6 +44,27 @@ def test_sleep_async(world):
     world.run(_sleep_async)
 
 
+def _gemm_rs_epilogue(w):
+    """benchmarks/gemm_rs_epilogue.py's variants of gemm_rs's loop give the right sums (its kernel
+    pretends a world of two on one rank; the TMA-store variants run only on GPUs)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_rs_epilogue.py")
+    spec = importlib.util.spec_from_file_location("gemm_rs_epilogue", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit, match="unknown variants"):
+        module.main(["no such variant"])
+    for config in module.gemm.configs(w.device):
+        rows = module.run_variants(64, 32, 32, config, [])
+        assert {row["variant"] for row in rows} >= {"plain", "layout+flags+sums+quiet", "layout+flags+tma half sums"}
+
+
+def test_gemm_rs_epilogue_variants(world):
+    if world.size == 1 and world.backend == "emulator":  # on GPUs: `tridist run -n 1 benchmarks/gemm_rs_epilogue.py`
+        world.run(_gemm_rs_epilogue)
+
+
 # `tridist bench torch_fused` needs GPUs to measure anything; on the CPU it must still import (without
 # starting tridist), check its arguments and say why it stops.
 
