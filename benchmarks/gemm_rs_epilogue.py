@@ -1,4 +1,5 @@
-"""Where gemm_rs's time over the GEMM alone goes, on ONE GPU: `tridist run -n 1 benchmarks/gemm_rs_epilogue.py`.
+"""Where gemm_rs's time over the GEMM alone goes, on ONE GPU: `tridist run -n 1 benchmarks/gemm_rs_epilogue.py
+[--rounds N] [variant ...]`.
 
 gemm_rs took 1.09-1.16x the GEMM alone on 2 x H200; variants of its kernel in one call split that
 into three parts of 3-5% each (benchmarks/NOTES.md, fourth session of 2026-11-23): the flags and
@@ -17,6 +18,8 @@ and try other ways of doing them:
   nodes; it is a call, and the kernel uses 254 registers where the GEMM alone uses 194).
 On the CPU (emulator) it checks the variants without TMA stores at small shapes and times nothing.
 """
+import functools
+import statistics
 import sys
 
 import torch
@@ -126,7 +129,9 @@ GPU_SHAPES = ((8192, 8192, 4096), (16384, 8192, 4096))  # a rank's GEMM in gemm_
 EMULATOR_SHAPES = ((64, 32, 32),)
 
 
-def run_variants(m: int, n: int, k: int, config: dict, only: list[str]) -> list[dict]:
+def run_variants(m: int, n: int, k: int, config: dict, only: list[str], rounds: int = 1) -> list[dict]:
+    """Checks each variant against a reference, then (on GPUs) times them all `rounds` times in turn:
+    one variant timed after another drifts with the clocks by more than the differences sought."""
     w = tridist.world()
     on_gpu = w.device.type == "cuda"
     torch.manual_seed(0)
@@ -141,34 +146,42 @@ def run_variants(m: int, n: int, k: int, config: dict, only: list[str]) -> list[
     flags = tridist.signals(per_shard)
     a_desc, b_desc = gemm.descriptors(a, b, config)
     programs = min(_protocol.programs_for(w.device), 2 * per_shard)
-    rows = []
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=w.device)
+    rows, calls = [], {}
     for name, (switches, with_flatten) in VARIANTS.items():
         if (only and name not in only) or (config["FLATTEN"] and not with_flatten):
             continue
         if not on_gpu and switches["PEER"] >= 2:
             continue  # TMA stores wait on the async proxy in PTX
-        calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=w.device)
-
-        def call():
-            epilogue_variant_kernel[(programs,)](a_desc, b_desc, out, tiles, tile_desc, half_desc, flags, calls,
-                                                 m, n, k, **switches, **config)
-        call()
+        calls_done = torch.zeros(1, dtype=torch.int64, device=w.device)
+        out.fill_(float("nan"))
+        calls[name] = functools.partial(epilogue_variant_kernel[(programs,)], a_desc, b_desc, out, tiles, tile_desc,
+                                         half_desc, flags, calls_done, m, n, k, **switches, **config)
+        calls[name]()
         expected = full[: m // 2] + (full[m // 2:].to(torch.bfloat16).float() if switches["SUMS"] else 0)
         error = ((out[: m // 2].float() - expected).abs().max() / expected.abs().max()).item()
         if not error < 2e-2:
             raise AssertionError(f"{name}: relative error {error:.1e} (bf16 output: expected below 2e-2)")
-        row = {"shape": f"{m}x{n}x{k}", "FLATTEN": config["FLATTEN"], "variant": name, "rel err": error}
-        if on_gpu:
-            row["us"] = timing.op_us(call)
-        rows.append(row)
+        rows.append({"shape": f"{m}x{n}x{k}", "FLATTEN": config["FLATTEN"], "variant": name, "rel err": error})
+    if on_gpu:
+        samples = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name, call in calls.items():
+                samples[name].append(timing.op_us(call))
+        for row in rows:
+            row["us"] = statistics.median(samples[row["variant"]])
+            row["min us"], row["max us"] = min(samples[row["variant"]]), max(samples[row["variant"]])
+    for row in rows:
         print(results.table([row], list(row)).splitlines()[-1], flush=True)
     tridist.symm_free(flags)
     return rows
 
 
-def main(only: list[str]) -> int:
-    unknown = [name for name in only if name not in VARIANTS]
+def main(argv: list[str]) -> int:
+    rounds = 1
+    if argv[:1] == ["--rounds"]:
+        rounds, argv = int(argv[1]), argv[2:]
+    unknown = [name for name in argv if name not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; name some of: {', '.join(map(repr, VARIANTS))}")
     w = tridist.init()
@@ -186,9 +199,9 @@ def main(only: list[str]) -> int:
         for config in gemm.configs(w.device):
             if (config["BLOCK_M"], config["BLOCK_N"]) == (gemm.GPU_CONFIGS[0]["BLOCK_M"], gemm.GPU_CONFIGS[0]["BLOCK_N"]) \
                     or not on_gpu:
-                rows += run_variants(m, n, k, config, only)
+                rows += run_variants(m, n, k, config, argv, rounds)
     if on_gpu:
-        print(results.table(rows, ["shape", "FLATTEN", "variant", "us", "rel err"]))
+        print(results.table(rows, ["shape", "FLATTEN", "variant", "us", "min us", "max us", "rel err"]))
         print("saved", results.save("gemm_rs-epilogue", rows, "benchmarks/results"))
     return 0
 

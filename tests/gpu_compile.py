@@ -215,6 +215,14 @@ def scalar_accesses(kernel, signature, compiled) -> list[str]:
     return re.findall(r"\b(?:ld|st)\.global\.b16\b", compiled.asm["ptx"])
 
 
+def aligned_barriers_in_asm(compiled) -> list[str]:
+    """Aligned barriers (`bar.sync`, `barrier.sync.aligned`) in tridist's own inline PTX (none
+    expected): LLVM may copy inline asm onto divergent paths (see `_gpu._sync_threads`), where an
+    aligned barrier hangs."""
+    blocks = re.findall(r"// begin inline asm\n(.*?)// end inline asm", compiled.asm["ptx"], re.S)
+    return [block.strip() for block in blocks if re.search(r"\bbar\.sync\b|\bbarrier\.sync\.aligned\b", block)]
+
+
 SHARED_MEMORY_LIMIT = 227 << 10  # bytes a block may use on sm_90 (H100, H200)
 
 
@@ -242,6 +250,8 @@ def _check(index: int, debug: bool) -> str:
         assert "cubin" in compiled.asm
         scalar = scalar_accesses(kernel, signature, compiled)
         assert not scalar, f"{len(scalar)} 2-byte accesses ({scalar[0]}) where 16-byte ones were expected"
+        aligned = aligned_barriers_in_asm(compiled)
+        assert not aligned, f"an aligned barrier in inline PTX ({aligned[0]}): use the unaligned barrier.sync"
         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, \
             f"{compiled.metadata.shared} bytes of shared memory: more than an sm_90 block may have"
         assert not unpipelined(constexprs, options[0] if options else {}, compiled), \

@@ -116,11 +116,17 @@ def _thread_index():
 
 @triton.jit
 def _sync_threads():
-    # bar.sync 0, as tl.debug_barrier lowers to, but through inline PTX: Triton 3.6's software
-    # pipeliner gives up on a loop that contains a gpu.barrier op, so a barrier in the epilogue of
-    # a persistent GEMM's tile loop (a flag raised after a tile's stores) would leave its loads
-    # unpipelined. As a side-effecting asm it keeps its place between the stores and the release.
-    tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    # Through inline PTX rather than tl.debug_barrier: Triton 3.6's software pipeliner gives up on a
+    # loop that contains a gpu.barrier op, so a barrier in the epilogue of a persistent GEMM's tile
+    # loop (a flag raised after a tile's stores) would leave its loads unpipelined. As a
+    # side-effecting asm it keeps its place between the stores and the release.
+    # The unaligned `barrier.sync`, not `bar.sync` (= barrier.sync.aligned): LLVM does not know that
+    # inline asm must not be duplicated onto divergent paths, and it unswitches a loop such as
+    # `for peer: _sync_threads(); if thread 0: signal` on the thread test, leaving thread 0 and the
+    # others at different copies of the barrier. An aligned barrier reached that way hung (dl.notify
+    # across nodes in a loop, on an H200, 2026-11-23); an unaligned one counts each thread's
+    # arrivals wherever they happen.
+    tl.inline_asm_elementwise("barrier.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
