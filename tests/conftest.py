@@ -1,6 +1,8 @@
 import pytest
 
-from .harness import WorldPool, default_worlds
+from .harness import WorldPool, default_worlds, parse_world
+
+LARGEST_WORLD_FOR_MARKED = 4  # ranks; see pytest_collection_modifyitems
 
 
 @pytest.fixture(scope="session", params=default_worlds())
@@ -10,3 +12,18 @@ def world(request):
     pool = WorldPool(request.param)
     yield pool
     pool.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "at_most_4_ranks: run only in worlds of up to 4 ranks (see conftest.py)")
+
+
+def pytest_collection_modifyitems(items):
+    """Worlds of 8 ranks cost the emulator, on CI's two cores, seconds per test. They run every
+    kernel's own tests, where a rank count or node shape could matter. Tests marked
+    `at_most_4_ranks` stop at 4 ranks and 2x2: they check what sits around the kernels (tuning,
+    torch.compile, examples, benchmarks' own kernels), which worlds of 1 to 4 ranks already cover."""
+    for item in items:
+        world = getattr(item, "callspec", None) and item.callspec.params.get("world")
+        if world and item.get_closest_marker("at_most_4_ranks") and parse_world(world)[0] > LARGEST_WORLD_FOR_MARKED:
+            item.add_marker(pytest.mark.skip(reason=f"marked at_most_4_ranks; world {world} has more"))

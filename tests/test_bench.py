@@ -16,6 +16,7 @@ def _primitives(w):
     primitives.round_trip_rows(rounds=5, timed=False)
 
 
+@pytest.mark.at_most_4_ranks
 def test_primitive_kernels_move_the_right_data(world):
     if world.size % 2:
         return  # the benchmark pairs rank r with rank r ^ 1

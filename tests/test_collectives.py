@@ -390,6 +390,7 @@ def _custom_ops(w):
         assert torch.ops.tridist.all_reduce(fake).shape == x.shape
 
 
+@pytest.mark.at_most_4_ranks
 def test_custom_ops_under_torch_compile(world):
     world.run(_custom_ops)
 

@@ -181,6 +181,7 @@ def _tune_and_check(w, folder):
     op.free()
 
 
+@pytest.mark.at_most_4_ranks
 def test_tuned_config(world, tmp_path):
     world.run(_tuned, folder=str(tmp_path))
 
@@ -213,6 +214,7 @@ def _custom_ops(w):
         assert torch.ops.tridist.gemm_ar(h, fake_down).shape == (w.world_size * rows, hidden)
 
 
+@pytest.mark.at_most_4_ranks
 def test_custom_ops_under_torch_compile(world):
     world.run(_custom_ops)
 
@@ -221,6 +223,7 @@ def _example(w):
     load_example("tensor_parallel_mlp").mlp_block(w)
 
 
+@pytest.mark.at_most_4_ranks
 def test_tensor_parallel_mlp_example(world):
     world.run(_example)
 
