@@ -18,6 +18,7 @@ and try other ways of doing them:
   nodes; it is a call, and the kernel uses 254 registers where the GEMM alone uses 194).
 On the CPU (emulator) it checks the variants without TMA stores at small shapes and times nothing.
 """
+import argparse
 import functools
 import statistics
 import sys
@@ -178,10 +179,11 @@ def run_variants(m: int, n: int, k: int, config: dict, only: list[str], rounds: 
 
 
 def main(argv: list[str]) -> int:
-    rounds = 1
-    if argv[:1] == ["--rounds"]:
-        rounds, argv = int(argv[1]), argv[2:]
-    unknown = [name for name in argv if name not in VARIANTS]
+    parser = argparse.ArgumentParser(description="gemm_rs's tile loop on one GPU, part by part")
+    parser.add_argument("--rounds", type=int, default=1, help="times every variant is timed, in turn")
+    parser.add_argument("variants", nargs="*", help="names from VARIANTS (default: all)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.variants if name not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; name some of: {', '.join(map(repr, VARIANTS))}")
     w = tridist.init()
@@ -199,7 +201,7 @@ def main(argv: list[str]) -> int:
         for config in gemm.configs(w.device):
             if (config["BLOCK_M"], config["BLOCK_N"]) == (gemm.GPU_CONFIGS[0]["BLOCK_M"], gemm.GPU_CONFIGS[0]["BLOCK_N"]) \
                     or not on_gpu:
-                rows += run_variants(m, n, k, config, argv, rounds)
+                rows += run_variants(m, n, k, config, args.variants, args.rounds)
     if on_gpu:
         print(results.table(rows, ["shape", "FLATTEN", "variant", "us", "min us", "max us", "rel err"]))
         print("saved", results.save("gemm_rs-epilogue", rows, "benchmarks/results"))
