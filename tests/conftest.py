@@ -2,8 +2,6 @@ import pytest
 
 from .harness import WorldPool, default_worlds, parse_world
 
-LARGEST_WORLD_FOR_MARKED = 4  # ranks; see pytest_collection_modifyitems
-
 
 @pytest.fixture(scope="session", params=default_worlds())
 def world(request):
@@ -25,5 +23,5 @@ def pytest_collection_modifyitems(items):
     torch.compile, examples, benchmarks' own kernels), which worlds of 1 to 4 ranks already cover."""
     for item in items:
         world = getattr(item, "callspec", None) and item.callspec.params.get("world")
-        if world and item.get_closest_marker("at_most_4_ranks") and parse_world(world)[0] > LARGEST_WORLD_FOR_MARKED:
+        if world and item.get_closest_marker("at_most_4_ranks") and parse_world(world)[0] > 4:
             item.add_marker(pytest.mark.skip(reason=f"marked at_most_4_ranks; world {world} has more"))

@@ -8,6 +8,7 @@ and the next test starts a fresh one.
 
 Worlds are named "N" (N ranks, one node) or "KxL" (K virtual nodes of L ranks each).
 """
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -17,6 +18,16 @@ import tempfile
 import traceback
 
 _BODY_TIMEOUT_S = float(os.environ.get("TRIDIST_TEST_TIMEOUT", "300"))
+
+
+def load_script(folder: str, name: str):
+    """The repository's `folder`/`name`.py (an example, a benchmark script) imported as a module, so
+    that tests run what users run rather than a copy of it."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), folder, f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def parse_world(name: str) -> tuple[int, int | None]:

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import tridist
 from tridist.bench import overlap, primitives, results, torch_fused
 
+from .harness import load_script
+
 
 def _primitives(w):
     primitives.transfer_rows([4096, 40000], programs=3, timed=False)
@@ -48,12 +50,7 @@ def test_sleep_async(world):
 def _gemm_rs_epilogue(w):
     """benchmarks/gemm_rs_epilogue.py's variants of gemm_rs's loop give the right sums (its kernel
     pretends a world of two on one rank; the TMA-store variants run only on GPUs)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gemm_rs_epilogue.py")
-    spec = importlib.util.spec_from_file_location("gemm_rs_epilogue", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks", "gemm_rs_epilogue")
     with pytest.raises(SystemExit, match="unknown variants"):
         module.main(["no such variant"])
     for config in module.gemm.configs(w.device):

@@ -1,6 +1,5 @@
 """The device API (`tridist.language`) on every world size, each test checked against a reference."""
 import contextlib
-import importlib.util
 import os
 
 import pytest
@@ -9,6 +8,8 @@ import triton.language as tl
 
 import tridist
 import tridist.language as dl
+
+from .harness import load_script
 
 # ---- identity -------------------------------------------------------------------------------------
 
@@ -37,11 +38,7 @@ def test_identity(world):
 def load_example(name):
     """The examples are what users copy first, so the tests run them too (the all-gather at every
     world of one node: it stores through symm_at, which reaches no other node)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples", name)
 
 
 push_allgather_kernel = load_example("allgather").allgather_push
