@@ -166,7 +166,7 @@ def _all_gather_symmetric(w, method, dtype, shape, calls, own_row):
 @pytest.mark.parametrize("method", ["push", "ce"])  # "ce" straight into out; the SM methods stage
 def test_all_gather_symmetric_out(world, method):
     if method == "ce" and (world.nnodes or 1) > 1:
-        return
+        pytest.skip("the copy engines reach peers on one node only")
     for dtype, shape in [(torch.float32, (37, 3)), (torch.uint8, (4, 12))]:
         for own_row in (False, True):
             world.run(_all_gather_symmetric, method=method, dtype=dtype, shape=shape, calls=4, own_row=own_row)
@@ -248,8 +248,9 @@ def _symmetric_mismatch(w):
 
 
 def test_symmetric_mismatch_fails_everywhere(world):
-    if world.size > 1:
-        world.run(_symmetric_mismatch)
+    if world.size == 1:
+        pytest.skip("needs a peer to disagree with")
+    world.run(_symmetric_mismatch)
 
 
 def _largest_steps(w, op_name, method):

@@ -4,6 +4,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from .harness import backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +25,7 @@ def gpus() -> int:
 
 
 def test_example_runs():
-    ranks = "2" if backend() == "nvshmem" else "3"
+    ranks = str(min(2, gpus())) if backend() == "nvshmem" else "3"
     result, _ = tridist_cli("run", "-n", ranks, "examples/allgather.py")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("all-gather correct") == int(ranks)
@@ -31,7 +33,7 @@ def test_example_runs():
 
 def test_dead_rank_ends_the_job():
     if backend() == "nvshmem" and gpus() < 2:
-        return
+        pytest.skip("needs 2 GPUs")
     result, elapsed = tridist_cli("run", "-n", "2", "tests/scripts/rank_dies.py", env={"TRIDIST_WAIT_TIMEOUT": "600"})
     assert result.returncode != 0
     assert elapsed < 120, f"the surviving rank was left waiting for {elapsed:.0f} s"
@@ -52,7 +54,7 @@ def test_bounded_wait_names_rank_kernel_and_signal():
 
 def test_more_ranks_than_gpus_is_refused():
     if backend() != "nvshmem":
-        return
+        pytest.skip("the emulator runs any number of ranks")
     result, _ = tridist_cli("run", "-n", str(gpus() + 1), "examples/allgather.py")
     assert result.returncode != 0 and "GPUs but this host has" in result.stderr
 

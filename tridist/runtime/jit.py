@@ -71,7 +71,9 @@ else:
         def run(self, *args, grid, warmup, **kwargs):
             kwargs.setdefault("extern_libs", {"libnvshmem_device": transport().device_library})
             kernel = super().run(*args, grid=grid, warmup=warmup, **kwargs)
-            if config.debug() and not warmup:
+            # A launch being captured into a CUDA graph has not run, and synchronising would end the
+            # capture; a wait that expires there traps at replay, and the replay's error names no kernel.
+            if config.debug() and not warmup and not torch.cuda.is_current_stream_capturing():
                 _synchronize_and_name(self.fn.__name__)
             return kernel
 
