@@ -15,6 +15,7 @@ import time
 
 os.environ["TRIDIST_BACKEND"] = "nvshmem"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -27,44 +28,52 @@ from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 from . import test_language as lang  # noqa: E402
 from . import test_shmem as shmem  # noqa: E402
 
+CUDA = torch.device("cuda")
+
 
 def _gemm_cases():
     """The GEMM kernels at the GPU's configs of the big tile (FLATTEN on and off), TMA descriptors
-    included."""
+    included, for bf16 operands and for fp8 (b's descriptor over its transpose, scales)."""
     cases = []
-    for config in [c for c in gemm.GPU_CONFIGS if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256)]:
-        flat = config["FLATTEN"]
-        config = dict(config)
-        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-        a = f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>"
-        b = f"tensordesc<bf16[{config['BLOCK_K']}, {config['BLOCK_N']}]>"
-        blocks = {name: "constexpr" for name in config}
-        ag_flags = (("*i32", 1, False), ("*i64", 4, True))
-        cases += [
-            (gemm.matmul_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-                                  **blocks}, config, options),
-            *[(allgather_gemm.ag_gemm_kernel, {"own_desc": a, "a_desc": a, "b_desc": b, "out_ptr": "*bf16",
-                                               "flags_ptr": flags, "calls_ptr": "*i64", "m_shard": "i32",
-                                               "N": "i32", "K": "i32", "slot_rows": "i32",
-                                               "FLAGS_PER_SHARD": "constexpr",
-                                               "EPOCH_FLAGS": "constexpr", **blocks},
-               {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
-              for flags, per_shard, epochs in ag_flags],
-            *[(gemm_reduce.gemm_reduce_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
-                                                "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr",
-                                                **blocks},
-               {"SCATTER": scatter, **config}, options) for scatter in ((True,) if flat else (True, False))],
-            *[(gemm_reduce.gemm_ar_ll_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*i32", "own_ptr": "*bf16",
-                                               "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                               "K": "i32", "row": "i32", "slot_numel": "i32", "DTYPE": "constexpr",
-                                               "STEP": "constexpr", **blocks},
-               {"DTYPE": tl.bfloat16, "STEP": 2048, **config}, options) for _ in (() if flat else (1,))],
-            *[(gemm_reduce.gemm_rs_2d_kernel, {"a_desc": a, "b_desc": b, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
-                                               "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                               "K": "i32", "local_world_size": "i32", **blocks}, config, options)
-              for _ in (() if flat else (1,))],
-        ]
+    for dtype in (torch.bfloat16, gemm.FP8):
+        fp8 = dtype == gemm.FP8
+        for config in [c for c in gemm.configs(CUDA, dtype=dtype) if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256)]:
+            flat = config["FLATTEN"]
+            config = dict(config)
+            options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+            element = "fp8e4nv" if fp8 else "bf16"
+            a = f"tensordesc<{element}[{config['BLOCK_M']}, {config['BLOCK_K']}]>"
+            b_block = (config["BLOCK_N"], config["BLOCK_K"]) if fp8 else (config["BLOCK_K"], config["BLOCK_N"])
+            b = f"tensordesc<{element}[{b_block[0]}, {b_block[1]}]>"
+            operands = {"a_desc": a, "b_desc": b, "scale_a_ptr": "*fp32" if fp8 else "constexpr",
+                        "scale_b_ptr": "*fp32" if fp8 else "constexpr"}
+            config.update({} if fp8 else {"scale_a_ptr": None, "scale_b_ptr": None})
+            blocks = {name: "constexpr" for name in config if name.isupper()}
+            ag_flags = (("*i32", 1, False), ("*i64", 4, True))
+            cases += [
+                (gemm.matmul_kernel, {**operands, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", **blocks},
+                 config, options),
+                *[(allgather_gemm.ag_gemm_kernel, {"own_desc": a, **operands, "out_ptr": "*bf16", "flags_ptr": flags,
+                                                   "calls_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32",
+                                                   "slot_rows": "i32", "FLAGS_PER_SHARD": "constexpr",
+                                                   "EPOCH_FLAGS": "constexpr", **blocks},
+                   {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
+                  for flags, per_shard, epochs in ag_flags],
+                *[(gemm_reduce.gemm_reduce_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
+                                                    "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                    "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr",
+                                                    **blocks},
+                   {"SCATTER": scatter, **config}, options) for scatter in ((True,) if flat else (True, False))],
+                *[(gemm_reduce.gemm_ar_ll_kernel, {**operands, "out_ptr": "*i32", "own_ptr": "*bf16",
+                                                   "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                   "K": "i32", "row": "i32", "slot_numel": "i32",
+                                                   "DTYPE": "constexpr", "STEP": "constexpr", **blocks},
+                   {"DTYPE": tl.bfloat16, "STEP": 2048, **config}, options) for _ in (() if flat else (1,))],
+                *[(gemm_reduce.gemm_rs_2d_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
+                                                   "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                   "K": "i32", "local_world_size": "i32", **blocks}, config, options)
+                  for _ in (() if flat else (1,))],
+            ]
     return cases
 
 
@@ -226,12 +235,13 @@ def aligned_barriers_in_asm(compiled) -> list[str]:
 SHARED_MEMORY_LIMIT = 227 << 10  # bytes a block may use on sm_90 (H100, H200)
 
 
-def unpipelined(constexprs, options, compiled) -> bool:
+def unpipelined(signature, constexprs, options, compiled) -> bool:
     """A GEMM compiled with FLATTEN whose operands do not get a shared-memory buffer per stage: its
     loop was not fused and pipelined (a gpu.barrier in the loop was enough to stop it, 2026-11-23)."""
     if not constexprs.get("FLATTEN"):  # (the GEMM cases always give their num_stages)
         return False
-    stage_bytes = 2 * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
+    itemsize = 1 if "fp8" in signature["a_desc"] else 2
+    stage_bytes = itemsize * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
     return compiled.metadata.shared < options["num_stages"] * stage_bytes
 
 
@@ -254,7 +264,7 @@ def _check(index: int, debug: bool) -> str:
         assert not aligned, f"an aligned barrier in inline PTX ({aligned[0]}): use the unaligned barrier.sync"
         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, \
             f"{compiled.metadata.shared} bytes of shared memory: more than an sm_90 block may have"
-        assert not unpipelined(constexprs, options[0] if options else {}, compiled), \
+        assert not unpipelined(signature, constexprs, options[0] if options else {}, compiled), \
             f"FLATTEN, but {compiled.metadata.shared} bytes of shared memory: the tile loop is not pipelined"
         return f"ok    {kernel.__name__} {constexprs or ''} ({time.monotonic() - start:.1f} s)"
     except Exception as error:  # noqa: BLE001 - every failure is listed

@@ -100,6 +100,91 @@ def test_gemm_reduce(world, scatter, method):
         world.run(_gemm_reduce, scatter=scatter, dtype=dtype, rows=rows, k=k, n=n, calls=3, method=method)
 
 
+def _fp8_operands(rows, k, n, seed, device):
+    """fp8 a (rows x k) and column-major fp8 b (k x n), as exact fp32 copies too for the reference."""
+    a = _random((rows, k), torch.float32, seed).to(gemm.FP8)
+    w = _random((n, k), torch.float32, seed + 1).to(gemm.FP8)
+    return a.to(device), w.to(device).t(), a.float(), w.float().t()
+
+
+def _scale(value, device):
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
+def _fp8(w, op_name, calls):
+    """bf16 out = scale_a * scale_b * (a @ b) for fp8 operands, back to back, scales differing by
+    call and (but for ag_gemm's scale_a, one for all of A) by rank."""
+    rows, k, n = 12, 32, 24
+    one_node = w.nnodes == 1
+    if op_name == "matmul":
+        op = gemm.matmul
+    elif op_name.startswith("ag_gemm"):
+        comm = op_name.split("-")[1]
+        if comm == "ce" and not one_node:
+            return
+        op = ops.AllGatherGEMM(rows, k, n, gemm.FP8, comm)
+    elif op_name == "gemm_rs":
+        op = ops.GemmReduceScatter(rows * w.world_size, k, n, gemm.FP8)
+    else:
+        method = "ll" if op_name == "gemm_ar-ll" else "one_shot"
+        if method == "ll" and not one_node:
+            return
+        op = ops.GemmAllReduce(rows, k, n, gemm.FP8, method)
+    rows_a = rows * w.world_size if op_name == "gemm_rs" else rows
+    outs, expected = [], []
+    for call in range(calls):
+        every = [_fp8_operands(rows_a, k, n, 100 * call + 10 * r, w.device) for r in range(w.world_size)]
+        scale_a = [0.5 + call + (0 if op_name.startswith("ag_gemm") else r) for r in range(w.world_size)]
+        scale_b = [0.25 * (r + 1) for r in range(w.world_size)]
+        a, b = every[w.rank][:2]
+        out_rows = rows * w.world_size if op_name.startswith("ag_gemm") else rows
+        outs.append(_poisoned((out_rows, n), torch.bfloat16, w.device))
+        op(a, b, out=outs[-1], scale_a=_scale(scale_a[w.rank], w.device), scale_b=_scale(scale_b[w.rank], w.device))
+        if op_name == "matmul":
+            total = scale_a[w.rank] * scale_b[w.rank] * (every[w.rank][2] @ every[w.rank][3])
+        elif op_name.startswith("ag_gemm"):
+            total = scale_a[w.rank] * scale_b[w.rank] * (torch.cat([e[2] for e in every]) @ every[w.rank][3])
+        else:
+            total = sum(sa * sb * (e[2].double() @ e[3].double()) for sa, sb, e in zip(scale_a, scale_b, every)).float()
+            if op_name == "gemm_rs":
+                total = total[w.rank * rows:(w.rank + 1) * rows]
+        expected.append(total)
+    for call in range(calls):
+        _assert_close(outs[call], expected[call], torch.bfloat16, f"{op_name} fp8 call {call}")
+    if op_name != "matmul":
+        tridist.barrier_all()
+        op.free()
+
+
+@pytest.mark.parametrize("op_name", ["matmul", "ag_gemm-ce", "ag_gemm-sm", "gemm_rs", "gemm_ar", "gemm_ar-ll"])
+def test_fp8(world, op_name):
+    world.run(_fp8, op_name=op_name, calls=3)
+
+
+def _fp8_bad_input(w):
+    a = torch.zeros((4, 32), dtype=gemm.FP8, device=w.device)
+    weight = torch.zeros((16, 32), dtype=gemm.FP8, device=w.device)
+    one = _scale(1.0, w.device)
+    with pytest.raises(ValueError, match="column-major"):
+        gemm.matmul(a, weight.t().contiguous(), scale_a=one, scale_b=one)
+    with pytest.raises(ValueError, match="need scale_b"):
+        gemm.matmul(a, weight.t(), scale_a=one)
+    with pytest.raises(ValueError, match="need scale_a"):
+        rows = 24 * w.world_size  # a multiple of the world size, so that the scale is what is wrong
+        ops.gemm_rs(torch.zeros((rows, 32), dtype=gemm.FP8, device=w.device), weight.t(),
+                    scale_a=torch.ones(2, device=w.device), scale_b=one)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.ag_gemm(torch.zeros((4, 24), dtype=gemm.FP8, device=w.device),
+                    torch.zeros((16, 24), dtype=gemm.FP8, device=w.device).t(), scale_a=one, scale_b=one)
+    with pytest.raises(ValueError, match="fp8 operands only"):
+        b16 = torch.zeros((8, 8), dtype=torch.bfloat16, device=w.device)
+        ops.gemm_ar(b16, b16, scale_a=one, scale_b=one)
+
+
+def test_fp8_bad_input(world):
+    world.run(_fp8_bad_input)
+
+
 def _graph_replays(w, replays):
     """Each op captured once in a CUDA graph and replayed back to back with inputs scaled by 1..4;
     every 25th replay is checked against the op's own eager result for that scale."""

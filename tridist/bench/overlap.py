@@ -9,7 +9,8 @@ and the "torch fused us" column here is read from the newest JSON it saved for t
 Shapes are (M, N, K) of the whole layer, tensor-parallel over the ranks:
 - ag_gemm: column-parallel; a_shard is M/world x K, b is K x N/world, out M x N/world.
 - gemm_rs, gemm_ar: row-parallel; a is M x K/world, b is K/world x N; out M/world x N (rs) or M x N.
-- gemm: the GEMM alone, on ag_gemm's local shape, every config against cuBLAS (torch.matmul).
+- gemm: the GEMM alone, on ag_gemm's local shape, every config against cuBLAS (torch.matmul; for
+  fp8, `--dtype float8_e4m3fn`, torch._scaled_mm with per-tensor scales and a bf16 out).
 The "GEMM alone" column is cuBLAS on the rank's local shape: the floor an overlapped op aims at.
 """
 import argparse
@@ -189,17 +190,24 @@ def run_gemm(shapes, dtype) -> list[dict]:
     w = tridist.world()
     rows = []
     for m, n, k in shapes:
-        a = torch.randn(m, k, device=w.device).to(dtype)
-        b = torch.randn(k, n // w.world_size, device=w.device).to(dtype)
+        a, b, *scales = gemm.random_operands(m, k, n // w.world_size, dtype, w.device)
+        if dtype == gemm.FP8:
+            scales = [torch.tensor([0.5], device=w.device), torch.tensor([0.25], device=w.device)]
+
+            def cublas():
+                return torch._scaled_mm(a, b, *scales, out_dtype=torch.bfloat16)
+        else:
+            def cublas():
+                return a @ b
         flops = 2 * m * k * b.shape[1]
-        cublas_us = op_us(lambda: a @ b)
-        expected = (a @ b).float()
-        for config in gemm.configs(w.device):
-            out = gemm.matmul(a, b, config=config)
+        cublas_us = op_us(cublas)
+        expected = cublas().float()
+        for config in gemm.configs(w.device, dtype=dtype):
+            out = gemm.matmul(a, b, None, config, *scales)
             error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
             if error > TOLERANCE:
                 raise AssertionError(f"matmul {m}x{b.shape[1]}x{k} {config}: relative error {error:.2e}")
-            us = op_us(lambda: gemm.matmul(a, b, out=out, config=config))
+            us = op_us(lambda: gemm.matmul(a, b, out, config, *scales))
             rows.append({"shape": f"{m}x{b.shape[1]}x{k}", "config": _config_name(config), "tridist us": us,
                          "cuBLAS us": cublas_us, "TFLOP/s": flops / us / 1e6, "vs cuBLAS": cublas_us / us})
             if w.rank == 0:
@@ -236,7 +244,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tridist bench <gemm|ag_gemm|gemm_rs|gemm_ar>")
     parser.add_argument("op", choices=list(SHAPES))
     parser.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK of the whole layer, comma separated")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
+                        help="float8_e4m3fn: `gemm` only")
     parser.add_argument("--tune", action="store_true", help="tune each op's GEMM config first (tridist.tune)")
     parser.add_argument("--out", default="benchmarks/results",
                         help="folder for JSON results (and where `tridist bench torch_fused` left its own)")
@@ -246,6 +255,8 @@ def main(argv=None) -> int:
         raise SystemExit("the GEMM benchmarks time GPUs against cuBLAS and NCCL; run them on a GPU box")
     shapes = args.shapes or SHAPES[args.op]
     dtype = getattr(torch, args.dtype)
+    if dtype == gemm.FP8 and args.op != "gemm":
+        raise SystemExit(f"--dtype {args.dtype} is timed for `gemm` alone so far; {args.op} takes bfloat16 or float16")
     config = "tune" if args.tune else None
     torch_fused, source = _torch_fused_us(args.op, args.out, w.world_size, args.dtype)
     rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype, config, torch_fused)
@@ -258,7 +269,7 @@ def main(argv=None) -> int:
         elif args.op in ("ag_gemm", "gemm_rs"):
             print(f"(no {TORCH_FUSED} results of {w.world_size} ranks in {args.dtype} for this device today in "
                   f"{args.out}: run `tridist bench torch_fused` first for the 'torch fused us' column)")
-        path = save(args.op, rows, args.out, extra)
+        path = save(args.op if args.dtype == "bfloat16" else f"{args.op}-{args.dtype}", rows, args.out, extra)
         plot(args.op, rows, path.replace(".json", ".png"), w.world_size)
         print(f"saved {path}")
     tridist.finalize()

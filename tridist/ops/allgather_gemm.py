@@ -1,7 +1,8 @@
 """AllGather-GEMM: out = all_gather(a_shard) @ b, with the gather hidden behind the GEMM.
 
 Shapes: a_shard is m_shard x K on every rank (M = world_size * m_shard rows in all), b is K x N
-(this rank's columns of the weight), out is M x N, rank r's rows of A at r * m_shard.
+(this rank's columns of the weight), out is M x N, rank r's rows of A at r * m_shard. dtypes and
+layouts as in `gemm`; with fp8, scale_a scales all of A, so every rank passes the same value.
 
 Protocol
 - The gathered A lives in a symmetric buffer `gathered` (slots x M x K), shard s at rows
@@ -41,13 +42,15 @@ PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so ea
 
 
 @jit
-def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_shard, N, K, slot_rows,
-                   FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
+def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, flags_ptr, calls_ptr, m_shard, N, K,
+                   slot_rows, FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+
     """own_desc covers a_shard (m_shard x K), a_desc `gathered` as (slots * M) x K. With EPOCH_FLAGS
     the flags of shard s in slot e % 2 are raised to the call epoch e; without, slot 0's are raised
     to 1 (and zeroed by the host)."""
     epoch = call_epoch(calls_ptr)
+    scale = gemm.load_scale(scale_a_ptr, scale_b_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     slot = 0
@@ -62,7 +65,7 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_sh
     for tile in tl.range(tl.program_id(0), per_shard, programs, flatten=FLATTEN):
         tm, tn = gemm.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = gemm.tile_product(own_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        gemm.store_tile(out_ptr, acc, me * m_shard + tm * BLOCK_M, tn * BLOCK_N, (me + 1) * m_shard, N, BLOCK_M,
+        gemm.store_tile(out_ptr, acc * scale, me * m_shard + tm * BLOCK_M, tn * BLOCK_N, (me + 1) * m_shard, N, BLOCK_M,
                         BLOCK_N)
     # Each program goes on where its walk over the tiles of all shards (program_id, program_id +
     # programs, ...) left this rank's shard.
@@ -79,7 +82,7 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, out_ptr, flags_ptr, calls_ptr, m_sh
         # Rows past the shard's end belong to the next shard, perhaps not there yet: they are
         # multiplied (rows are independent) but never stored.
         acc = gemm.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        gemm.store_tile(out_ptr, acc, row, tn * BLOCK_N, (shard + 1) * m_shard, N, BLOCK_M, BLOCK_N)
+        gemm.store_tile(out_ptr, acc * scale, row, tn * BLOCK_N, (shard + 1) * m_shard, N, BLOCK_M, BLOCK_N)
     finish_call(calls_ptr)
 
 
@@ -108,8 +111,8 @@ class AllGatherGEMM:
         self.config = gemm.resolve_config(
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
-            lambda: (torch.randn(m_shard, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
-            w.device, self.m, n, shards=w.world_size)
+            lambda: gemm.random_operands(m_shard, k, n, dtype, w.device), w.device, self.m, n, shards=w.world_size,
+            dtype=dtype)
         programs = _protocol.programs_for(w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
@@ -133,17 +136,18 @@ class AllGatherGEMM:
         w = self.world
         return self.gathered[w.rank * self.m_shard:(w.rank + 1) * self.m_shard]
 
-    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+                 scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
         gemm.check_operands(a_shard, b, "a_shard", "b")
         if tuple(a_shard.shape) != (self.m_shard, self.k) or tuple(b.shape) != (self.k, self.n) \
                 or a_shard.dtype != self.dtype:
             raise ValueError(f"this ag_gemm takes a_shard {self.dtype} ({self.m_shard}, {self.k}) and b "
                              f"({self.k}, {self.n}); got {a_shard.dtype} {tuple(a_shard.shape)} and {tuple(b.shape)}")
+        gemm.check_scales(self.dtype, scale_a, scale_b, a_shard.device)
         if out is None:
-            out = torch.empty((self.m, self.n), dtype=self.dtype, device=a_shard.device)
-        check_output(out, (self.m, self.n), self.dtype)
-        own_desc = TensorDescriptor.from_tensor(a_shard, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
-        b_desc = TensorDescriptor.from_tensor(b, [self.config["BLOCK_K"], self.config["BLOCK_N"]])
+            out = torch.empty((self.m, self.n), dtype=gemm.out_dtype(self.dtype), device=a_shard.device)
+        check_output(out, (self.m, self.n), gemm.out_dtype(self.dtype))
+        own_desc, b_desc = gemm.descriptors(a_shard, b, self.config)
         if self.comm == "ce":
             tridist.barrier_all_on_stream()  # every peer is done with the last call (see CopyEnginePush)
             self.push.push([a_shard.reshape(-1)] * self.world.world_size)
@@ -154,7 +158,8 @@ class AllGatherGEMM:
         tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
             triton.cdiv(self.n, self.config["BLOCK_N"])
         ag_gemm_kernel[(min(tiles, self.gemm_programs),)](
-            own_desc, self.a_desc, b_desc, out, flags, self.calls, self.m_shard, self.n, self.k, self.m,
+            own_desc, self.a_desc, b_desc, scale_a, scale_b, out, flags, self.calls, self.m_shard, self.n, self.k,
+            self.m,
             FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
         if self.comm == "ce":
             self.push.join()
@@ -188,22 +193,27 @@ class AllGatherGEMM:
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",
-            config: dict | str | None = None) -> torch.Tensor:
+            config: dict | str | None = None, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """all_gather(a_shard) @ b, the gather overlapped with the GEMM. A collective: every rank calls
-    it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream (see it for `config`)."""
+    it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream (see it for `config`).
+    fp8 operands take scales (see `gemm`)."""
     gemm.check_operands(a_shard, b, "a_shard", "b")
     op = _protocol.instance(
         lambda: AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm, config=config),
         AllGatherGEMM, tuple(a_shard.shape), b.shape[1], a_shard.dtype, comm, repr(config), device=a_shard.device)
-    return op(a_shard, b, out)
+    return op(a_shard, b, out, scale_a, scale_b)
 
 
 @torch.library.custom_op("tridist::ag_gemm", mutates_args=())
-def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto") -> torch.Tensor:
+def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto", scale_a: torch.Tensor | None = None,
+               scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """`ag_gemm` as a PyTorch custom op (`torch.ops.tridist.ag_gemm`), for torch.compile."""
-    return ag_gemm(a_shard, b, comm=comm)
+    return ag_gemm(a_shard, b, comm=comm, scale_a=scale_a, scale_b=scale_b)
 
 
 @ag_gemm_op.register_fake
-def _ag_gemm_shape(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto") -> torch.Tensor:
-    return a_shard.new_empty((tridist.world().world_size * a_shard.shape[0], b.shape[1]))
+def _ag_gemm_shape(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto", scale_a: torch.Tensor | None = None,
+                   scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    return a_shard.new_empty((tridist.world().world_size * a_shard.shape[0], b.shape[1]),
+                             dtype=gemm.out_dtype(a_shard.dtype))

@@ -5,8 +5,14 @@ A persistent kernel: one program per SM walks the output tiles `program_id, prog
 only issue matrix instructions), accumulate in fp32, and each tile is stored with a mask so that a
 caller can end tiles at any row (the overlapped kernels stop tiles at shard boundaries).
 
-out (M x N) = a (M x K) @ b (K x N); a and b row-major, bf16 or fp16. TMA needs every row to start
-on a 16-byte boundary: K and N must be multiples of 8.
+out (M x N) = a (M x K) @ b (K x N); a row-major, bf16, fp16 or fp8 (e4m3). TMA needs every row to
+start on a 16-byte boundary: K and N must be multiples of 8 (K of 16 for fp8).
+- bf16, fp16: b row-major, out in the operands' dtype.
+- fp8 with per-tensor scales: out = scale_a * scale_b * (a @ b) in bf16, the scales fp32 one-element
+  tensors on the device (read by the kernel, so they may change between calls and inside a CUDA
+  graph). b is column-major (b = w.t() for a contiguous N x K weight w, as torch._scaled_mm takes
+  it): Hopper's wgmma reads fp8 operands only along K, and a row-major fp8 b would be transposed
+  byte by byte in shared memory.
 """
 import torch
 import triton
@@ -19,12 +25,14 @@ from tridist.runtime.jit import jit
 from ..runtime.tune import tune
 from ._protocol import check_input, check_output, programs_for
 
-DTYPES = (torch.bfloat16, torch.float16)
+FP8 = torch.float8_e4m3fn
+DTYPES = (torch.bfloat16, torch.float16, FP8)
 
 # 128 x 256 x 64, 3 stages, 8 warps reached 90-99% of cuBLAS on an H200 (DESIGN.md). 4 stages of that
 # tile fit with FLATTEN (224 KB of shared memory) but were 1-11% slower on 2 x H200 (2026-11-23,
 # bench gemm). FLATTEN lets Triton pipeline the loads of a program's next tile behind the end of the
 # current one. Small-M configs give decode batches enough tiles for every SM.
+# fp8 configs take twice the BLOCK_K, so that a step loads as many bytes (`configs`).
 # The emulator gets small tiles, so that its shapes can stay small.
 GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, FLATTEN=True, num_stages=3, num_warps=8),
@@ -38,10 +46,17 @@ EMULATOR_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, FLATTEN=
                     dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, FLATTEN=True, num_stages=1, num_warps=4)]
 
 
-def configs(device: torch.device, flatten: bool = True) -> list[dict]:
-    """The configs to tune over; without those that FLATTEN where the kernel cannot."""
+def configs(device: torch.device, flatten: bool = True, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """The configs to tune over for operands of `dtype`; without those that FLATTEN where the kernel cannot."""
     candidates = GPU_CONFIGS if device.type == "cuda" else EMULATOR_CONFIGS
+    if dtype == FP8 and device.type == "cuda":
+        candidates = [{**c, "BLOCK_K": 2 * c["BLOCK_K"]} for c in candidates]
     return [c for c in candidates if flatten or not c["FLATTEN"]]
+
+
+def out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a product of `dtype` operands."""
+    return torch.bfloat16 if dtype == FP8 else dtype
 
 
 # Throughput of a full wave of each tile shape, relative to 128 x 256: the TFLOP/s of the GEMM
@@ -68,13 +83,14 @@ def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1)
     return min(candidates, key=finish)  # the first of equals
 
 
-def default_config(device: torch.device, m: int, n: int, flatten: bool = True, shards: int = 1) -> dict:
+def default_config(device: torch.device, m: int, n: int, flatten: bool = True, shards: int = 1,
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
     """Without tuning, for an m x n product. For a decode batch the tiles `tridist.tune` picked on
     2 x H200 (64 x 128 up to 64 rows, 128 x 64 up to 128; benchmarks/NOTES.md): there the GEMM
     streams B, so one row of tiles reads it once. With the big tile, M = 128 ran a tile per 256
     columns, 32 programs for N = 8192, and gemm_ar's GEMM alone took 23 us at 4 ranks (K = 2048)
     where 128 x 64 tiles had taken 22 us at 2 (K = 4096). Otherwise `pick_tile` (`shards`: see there)."""
-    candidates = configs(device, flatten)
+    candidates = configs(device, flatten, dtype)
     if device.type != "cuda":
         return candidates[0]
     if m <= 128:
@@ -84,12 +100,12 @@ def default_config(device: torch.device, m: int, n: int, flatten: bool = True, s
 
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
-                   flatten: bool = True, shards: int = 1) -> dict:
+                   flatten: bool = True, shards: int = 1, dtype: torch.dtype = torch.bfloat16) -> dict:
     """`config` as given; the default for an m x n product (in `shards` row shards) if None; with
     "tune", the config of `configs` under which `make_op(config)(*make_inputs())` is fastest on the
     slowest rank (`tridist.tune`, cached on disk). A collective when tuning."""
     if config is None:
-        return default_config(device, m, n, flatten, shards)
+        return default_config(device, m, n, flatten, shards, dtype)
     if config != "tune":
         return config
     built = []
@@ -106,7 +122,7 @@ def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.d
         return lambda: built[-1](*inputs)
 
     try:
-        return tune(name, key, configs(device, flatten), make_run)
+        return tune(name, key, configs(device, flatten, dtype), make_run)
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # nothing may still use the buffers that are given back
@@ -124,11 +140,28 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def load_scale(scale_a_ptr, scale_b_ptr):
+    """What a tile's product is multiplied by: scale_a * scale_b for fp8 operands, 1 without scales
+    (None). Kernels read it before their tile loop and multiply where they use a tile: a value
+    computed after the K loop and used in more than one branch stops Triton 3.6 from flattening
+    gemm_rs's loop nest (TritonGPUFuseNestedLoops fails)."""
+    if scale_a_ptr is not None:
+        return tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+    else:
+        return 1.0
+
+
+@triton.jit
 def tile_product(a_desc, b_desc, row, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """a[row:row+BLOCK_M, :] @ b[:, col:col+BLOCK_N] in fp32 (TMA fills rows and columns past the end with zeros)."""
+    """a[row:row+BLOCK_M, :] @ b[:, col:col+BLOCK_N] in fp32 (TMA fills rows and columns past the end
+    with zeros). fp8: b_desc covers b's transpose (N x K)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
-        acc = dl.dot(a_desc.load([row, k * BLOCK_K]), b_desc.load([k * BLOCK_K, col]), acc)
+        if b_desc.dtype == tl.float8e4nv:
+            b = b_desc.load([col, k * BLOCK_K]).T
+        else:
+            b = b_desc.load([k * BLOCK_K, col])
+        acc = dl.dot(a_desc.load([row, k * BLOCK_K]), b, acc)
     return acc
 
 
@@ -142,33 +175,43 @@ def store_tile(out_ptr, values, row, col, row_end, N, BLOCK_M: tl.constexpr, BLO
 
 
 @jit
-def matmul_kernel(a_desc, b_desc, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+def matmul_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+
+    scale = load_scale(scale_a_ptr, scale_b_ptr)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=FLATTEN):
         tm, tn = tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = tile_product(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, M, N, BLOCK_M, BLOCK_N)
+        store_tile(out_ptr, acc * scale, tm * BLOCK_M, tn * BLOCK_N, M, N, BLOCK_M, BLOCK_N)
 
 
 def check_sizes(op: str, dtype: torch.dtype, k: int, n: int) -> None:
     """What an op built for (.., k) x (k, n) operands of `dtype` needs before it allocates anything."""
     if dtype not in DTYPES:
         raise ValueError(f"{op} takes {', '.join(map(str, DTYPES))}; got {dtype}")
-    _check_aligned(k, n)
+    _check_aligned(dtype, k, n)
 
 
-def _check_aligned(k: int, n: int) -> None:
-    for name, size in (("K", k), ("N", n)):
-        if size % 8:
-            raise ValueError(f"{name} = {size} is not a multiple of 8: TMA needs 16-byte aligned rows; pad {name}")
+def _check_aligned(dtype: torch.dtype, k: int, n: int) -> None:
+    for name, size, multiple in (("K", k, 16 // dtype.itemsize), ("N", n, 8)):
+        if size % multiple:
+            raise ValueError(f"{name} = {size} is not a multiple of {multiple}: TMA needs 16-byte aligned rows; "
+                             f"pad {name}")
 
 
 def check_operands(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: str = "b") -> None:
-    """a (rows x K) and b (K x N), both 2-D, of one dtype, with K and N multiples of 8."""
+    """a (rows x K, row-major) and b (K x N: row-major, column-major for fp8), both 2-D, of one
+    dtype, with K and N multiples of 8 (K of 16 for fp8)."""
+    if isinstance(b, torch.Tensor) and b.dtype == FP8 and b.dim() == 2:
+        if not b.t().is_contiguous():
+            raise ValueError(f"fp8 {b_name} must be column-major (wgmma reads fp8 operands along K): pass w.t() for "
+                             f"a contiguous N x K weight w, or {b_name}.t().contiguous().t()")
+        check_input(b.t(), b_name, DTYPES)
+    else:
+        check_input(b, b_name, DTYPES)
     check_input(a, a_name, DTYPES)
-    check_input(b, b_name, DTYPES)
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"{a_name} and {b_name} must be matrices; got {a_name} of shape {tuple(a.shape)} and "
                          f"{b_name} of shape {tuple(b.shape)}")
@@ -176,30 +219,66 @@ def check_operands(a: torch.Tensor, b: torch.Tensor, a_name: str = "a", b_name: 
         raise ValueError(f"{a_name} is {a.dtype} but {b_name} is {b.dtype}; use one dtype")
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"{a_name} has {a.shape[1]} columns but {b_name} has {b.shape[0]} rows")
-    _check_aligned(a.shape[1], b.shape[1])
+    _check_aligned(a.dtype, a.shape[1], b.shape[1])
     for name, tensor in ((a_name, a), (b_name, b)):
         if tensor.data_ptr() % 16:
             raise ValueError(f"{name} does not start on a 16-byte boundary, as TMA needs (a view at an odd offset?): "
                              f"pass a tensor of its own, e.g. {name}.clone()")
 
 
+def check_scales(dtype: torch.dtype, scale_a, scale_b, device: torch.device) -> None:
+    """fp8 operands come with both scales, one-element fp32 tensors on `device`; others with none."""
+    if dtype != FP8:
+        if scale_a is not None or scale_b is not None:
+            raise ValueError(f"scale_a and scale_b go with fp8 operands only; these are {dtype}")
+        return
+    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != 1 \
+                or scale.device != device:
+            raise ValueError(f"fp8 operands need {name}: a one-element float32 tensor on {device} "
+                             f"(out = scale_a * scale_b * (a @ b)); got {_describe(scale)}")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of {value.numel()} elements on {value.device}"
+    return repr(value)
+
+
+def random_operands(m: int, k: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """What an op for an m x k by k x n product of `dtype` takes, random, for tuning: (a, b), and
+    for fp8 (a, b, None, scale_a, scale_b) with b column-major."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    if dtype != FP8:
+        return a, torch.randn(k, n, device=device).to(dtype)
+    one = torch.ones(1, device=device)
+    return a, torch.randn(n, k, device=device).to(dtype).t(), None, one, one
+
+
 def descriptors(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple[TensorDescriptor, TensorDescriptor]:
-    return (TensorDescriptor.from_tensor(a, [config["BLOCK_M"], config["BLOCK_K"]]),
-            TensorDescriptor.from_tensor(b, [config["BLOCK_K"], config["BLOCK_N"]]))
+    """TMA descriptors of a and b (of b's transpose for fp8, see the module docstring)."""
+    if b.dtype == FP8:
+        b_desc = TensorDescriptor.from_tensor(b.t(), [config["BLOCK_N"], config["BLOCK_K"]])
+    else:
+        b_desc = TensorDescriptor.from_tensor(b, [config["BLOCK_K"], config["BLOCK_N"]])
+    return TensorDescriptor.from_tensor(a, [config["BLOCK_M"], config["BLOCK_K"]]), b_desc
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """a @ b with the persistent TMA GEMM of the overlapped ops (on one rank, no communication)."""
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None,
+           scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with the persistent TMA GEMM of the overlapped ops (on one rank, no communication);
+    fp8 operands take scales (see the module docstring)."""
     check_operands(a, b)
+    check_scales(a.dtype, scale_a, scale_b, a.device)
     shape = (a.shape[0], b.shape[1])
     if out is None:
-        out = torch.empty(shape, dtype=a.dtype, device=a.device)
-    check_output(out, shape, a.dtype)
+        out = torch.empty(shape, dtype=out_dtype(a.dtype), device=a.device)
+    check_output(out, shape, out_dtype(a.dtype))
     if config is not None and not isinstance(config, dict):
-        raise ValueError(f"matmul takes a config dict (one of gemm.configs(device)) or None, got {config!r}")
-    config = config or default_config(a.device, a.shape[0], b.shape[1])
+        raise ValueError(f"matmul takes a config dict (one of gemm.configs(device, dtype=...)) or None, got {config!r}")
+    config = config or default_config(a.device, a.shape[0], b.shape[1], dtype=a.dtype)
     tiles = triton.cdiv(shape[0], config["BLOCK_M"]) * triton.cdiv(shape[1], config["BLOCK_N"])
     a_desc, b_desc = descriptors(a, b, config)
-    matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc, b_desc, out, shape[0], shape[1], a.shape[1],
-                                                         **config)
+    matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc, b_desc, scale_a, scale_b, out, shape[0], shape[1],
+                                                         a.shape[1], **config)
     return out

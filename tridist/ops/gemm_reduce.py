@@ -25,7 +25,8 @@ Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
   its node's partials and one sum per other node.
 - A tile goes to a peer on the node as stores through symm_at followed by a release of its flag;
   to another node as an NVSHMEM put with the signal attached, from this rank's symmetric copy.
-Partial tiles travel in the output dtype; sums accumulate in fp32.
+Partial tiles travel in the output dtype (bf16 for fp8 operands, each rank's partial scaled by
+its own scales); sums accumulate in fp32.
 """
 import torch
 import triton
@@ -74,9 +75,10 @@ def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr
 
 
 @jit
-def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size,
-                       SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+def gemm_reduce_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
+                       local_world_size, SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+
     """SCATTER: gemm_rs on one node (out is M/world x N), else gemm_ar (out is M x N). A slot of
     `tiles` holds world x (tiles per shard) tiles. FLATTEN (gemm_rs only) lets Triton load the
     next tile's operands during this one's epilogue. Triton 3.6's loop fusion fails on a value
@@ -84,6 +86,7 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
     computes its own addresses; gemm_ar's loop over peers beside the K loop cannot be fused."""
     tl.static_assert(SCATTER or not FLATTEN, "gemm_ar takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
+    scale = gemm.load_scale(scale_a_ptr, scale_b_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     rows = M
@@ -118,17 +121,18 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
                 late_peer = tl.cast(-1, tl.int32)
             if shard != me:
                 mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
-                tl.store(dl.symm_at(mine, shard) + offsets, acc.to(tiles_ptr.dtype.element_ty))
+                tl.store(dl.symm_at(mine, shard) + offsets, (acc * scale).to(tiles_ptr.dtype.element_ty))
                 late_peer = shard
                 late_flag = flags + me * per_shard + t
             else:
+                acc *= scale
                 for step in range(1, world):
                     acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
                 gemm.store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
         else:
             mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
             my_flag = flags + me * per_shard + t
-            values = acc.to(tiles_ptr.dtype.element_ty)
+            values = (acc * scale).to(tiles_ptr.dtype.element_ty)
             tl.store(mine + offsets, values)
             for step in range(1, world):
                 _send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M,
@@ -151,9 +155,10 @@ def gemm_reduce_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr,
 
 
 @jit
-def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K, local_world_size,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      FLATTEN: tl.constexpr):
+def gemm_rs_2d_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
+                      local_world_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+
     """gemm_rs across nodes, with L ranks per node and `nodes` nodes. A slot holds two regions of
     world x (tiles per shard) tiles, each with a flag per tile:
     - received[src, t]: a partial of tile t of this rank's shard from src on this node (src = this
@@ -164,6 +169,7 @@ def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, 
     compute and send every tile; sum and put the node's sums; sum this rank's own tiles."""
     tl.static_assert(not FLATTEN, "gemm_rs_2d_kernel takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
+    scale = gemm.load_scale(scale_a_ptr, scale_b_ptr)
     me, world, nodes, node, local = placement(local_world_size)
     rows = M // world
     tiles_m = tl.cdiv(rows, BLOCK_M)
@@ -180,7 +186,7 @@ def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, 
         tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gemm.tile_product(a_desc, b_desc, shard * rows + tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
                                 BLOCK_K)
-        values = acc.to(tiles_ptr.dtype.element_ty)
+        values = (acc * scale).to(tiles_ptr.dtype.element_ty)
         if shard // local_world_size == node:  # the owner is on this node (perhaps this rank)
             index = me * per_shard + t
             to = _tile(received, index, BLOCK_M, BLOCK_N)
@@ -217,9 +223,10 @@ def gemm_rs_2d_kernel(a_desc, b_desc, out_ptr, tiles_ptr, flags_ptr, calls_ptr, 
 
 
 @jit
-def gemm_ar_ll_kernel(a_desc, b_desc, out_ptr, own_ptr, packets_ptr, calls_ptr, M, N, K, row, slot_numel,
-                      DTYPE: tl.constexpr, STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+def gemm_ar_ll_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, own_ptr, packets_ptr, calls_ptr, M, N, K,
+                      row, slot_numel, DTYPE: tl.constexpr, STEP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+
     """gemm_ar in packets. out is viewed as M x N/2 int32 words (two outputs each); `own` holds this
     rank's tiles, BLOCK_M x BLOCK_N contiguous each, read back as words; row `src` of a packet slot
     holds rank src's tiles as words, tile t at t * BLOCK_M * BLOCK_N / 2. A program sends each of
@@ -227,6 +234,7 @@ def gemm_ar_ll_kernel(a_desc, b_desc, out_ptr, own_ptr, packets_ptr, calls_ptr, 
     tl.static_assert(not FLATTEN, "gemm_ar_ll_kernel takes configs with FLATTEN=False")
     TILE_WORDS: tl.constexpr = BLOCK_M * BLOCK_N // 2
     epoch = call_epoch(calls_ptr)
+    scale = gemm.load_scale(scale_a_ptr, scale_b_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -239,7 +247,7 @@ def gemm_ar_ll_kernel(a_desc, b_desc, out_ptr, own_ptr, packets_ptr, calls_ptr, 
         tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
         acc = gemm.tile_product(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         mine = _tile(own_ptr, t, BLOCK_M, BLOCK_N)
-        tl.store(mine + offsets, acc.to(own_ptr.dtype.element_ty))
+        tl.store(mine + offsets, (acc * scale).to(own_ptr.dtype.element_ty))
         tl.debug_barrier()  # the words are read back by other threads than stored them
         mine_words = mine.to(tl.pointer_type(tl.int32))
         for step in range(1, world):
@@ -277,6 +285,7 @@ class _GemmReduce:
             raise ValueError(f"gemm_rs splits the M = {m} rows of the product over {w.world_size} ranks: make M a "
                              "multiple of the world size")
         self.name, self.m, self.k, self.n, self.dtype, self.scatter = name, m, k, n, dtype, scatter
+        self.out_dtype = gemm.out_dtype(dtype)
         self.two_levels = scatter and w.nnodes > 1  # gemm_rs_2d_kernel, with two regions per slot
         flatten = scatter and not self.two_levels  # only gemm_reduce_kernel's gemm_rs loop can be fused
         if isinstance(config, dict) and config.get("FLATTEN") and not flatten:
@@ -287,37 +296,40 @@ class _GemmReduce:
         self.method = method
         self.config = gemm.resolve_config(
             config, name, (m, k, n, str(dtype), method), lambda c: self._with_config(c),
-            lambda: (torch.randn(m, k, device=w.device).to(dtype), torch.randn(k, n, device=w.device).to(dtype)),
-            w.device, m, n, flatten=flatten)  # every rank computes all m rows
+            lambda: gemm.random_operands(m, k, n, dtype, w.device), w.device, m, n, flatten=flatten,
+            dtype=dtype)  # every rank computes all m rows
         block_m, block_n = self.config["BLOCK_M"], self.config["BLOCK_N"]
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
         self.programs = min(_protocol.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
         if method == "ll":
-            tile_bytes = block_m * block_n * dtype.itemsize
+            tile_bytes = block_m * block_n * self.out_dtype.itemsize
             self.workspace = PacketRows(name, self.per_shard * tile_bytes, self.programs)
-            self.own = torch.empty(self.per_shard * block_m * block_n, dtype=dtype, device=w.device)
+            self.own = torch.empty(self.per_shard * block_m * block_n, dtype=self.out_dtype, device=w.device)
             return
         slot_tiles = (2 if self.two_levels else 1) * w.world_size * self.per_shard
-        self.workspace = Workspace(slot_tiles * block_m * block_n, dtype, slot_tiles)
+        self.workspace = Workspace(slot_tiles * block_m * block_n, self.out_dtype, slot_tiles)
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+                 scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
         gemm.check_operands(a, b)
         if tuple(a.shape) != (self.m, self.k) or tuple(b.shape) != (self.k, self.n) or a.dtype != self.dtype:
             raise ValueError(f"this {self.name} takes a {self.dtype} ({self.m}, {self.k}) and b ({self.k}, {self.n}); "
                              f"got {a.dtype} {tuple(a.shape)} and {tuple(b.shape)}")
+        gemm.check_scales(self.dtype, scale_a, scale_b, a.device)
         if out is None:
-            out = torch.empty((self.rows, self.n), dtype=self.dtype, device=a.device)
-        check_output(out, (self.rows, self.n), self.dtype)
+            out = torch.empty((self.rows, self.n), dtype=self.out_dtype, device=a.device)
+        check_output(out, (self.rows, self.n), self.out_dtype)
         ws = self.workspace
         a_desc, b_desc = gemm.descriptors(a, b, self.config)
         if self.method == "ll":
             gemm_ar_ll_kernel[(self.programs,)](
-                a_desc, b_desc, out.view(torch.int32), self.own, ws.staging, ws.calls, self.m, self.n, self.k, ws.row,
-                ws.slot_numel, DTYPE=_protocol.TRITON_DTYPES[self.dtype],
+                a_desc, b_desc, scale_a, scale_b, out.view(torch.int32), self.own, ws.staging, ws.calls, self.m, self.n,
+                self.k, ws.row, ws.slot_numel, DTYPE=_protocol.TRITON_DTYPES[self.out_dtype],
                 STEP=min(2048, self.config["BLOCK_M"] * self.config["BLOCK_N"] // 2),
                 **self.config)
             return out
-        args = (a_desc, b_desc, out, ws.staging, ws.flags, ws.calls, self.m, self.n, self.k, self.world.local_world_size)
+        args = (a_desc, b_desc, scale_a, scale_b, out, ws.staging, ws.flags, ws.calls, self.m, self.n, self.k,
+                self.world.local_world_size)
         if self.two_levels:
             gemm_rs_2d_kernel[(self.programs,)](*args, **self.config)
         else:
@@ -364,42 +376,49 @@ def choose_gemm_ar(m: int, world) -> str:
 
 
 def _cached(cls, a: torch.Tensor, b: torch.Tensor, config, **options):
+    """The instance for these operands' shapes and dtype, `config` and `options`, on the current stream."""
     gemm.check_operands(a, b)
     return _protocol.instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, **options),
                               cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), *options.values(),
                               device=a.device)
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-            config: dict | str | None = None) -> torch.Tensor:
-    """reduce_scatter(a @ b) over the ranks, overlapped with the GEMM. A collective."""
-    return _cached(GemmReduceScatter, a, b, config)(a, b, out)
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | str | None = None,
+            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    """reduce_scatter(a @ b) over the ranks, overlapped with the GEMM. A collective. fp8 operands
+    take scales (see `gemm`)."""
+    return _cached(GemmReduceScatter, a, b, config)(a, b, out, scale_a, scale_b)
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto",
-            config: dict | str | None = None) -> torch.Tensor:
+            config: dict | str | None = None, scale_a: torch.Tensor | None = None,
+            scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective. `method`: see
-    `GemmAllReduce`."""
-    return _cached(GemmAllReduce, a, b, config, method=method)(a, b, out)
+    `GemmAllReduce`; fp8 operands take scales (see `gemm`)."""
+    return _cached(GemmAllReduce, a, b, config, method=method)(a, b, out, scale_a, scale_b)
 
 
 @torch.library.custom_op("tridist::gemm_rs", mutates_args=())
-def gemm_rs_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def gemm_rs_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
+               scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """`gemm_rs` as a PyTorch custom op (`torch.ops.tridist.gemm_rs`), for torch.compile."""
-    return gemm_rs(a, b)
+    return gemm_rs(a, b, scale_a=scale_a, scale_b=scale_b)
 
 
 @gemm_rs_op.register_fake
-def _gemm_rs_shape(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.new_empty((a.shape[0] // tridist.world().world_size, b.shape[1]))
+def _gemm_rs_shape(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
+                   scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    return a.new_empty((a.shape[0] // tridist.world().world_size, b.shape[1]), dtype=gemm.out_dtype(a.dtype))
 
 
 @torch.library.custom_op("tridist::gemm_ar", mutates_args=())
-def gemm_ar_op(a: torch.Tensor, b: torch.Tensor, method: str = "auto") -> torch.Tensor:
+def gemm_ar_op(a: torch.Tensor, b: torch.Tensor, method: str = "auto", scale_a: torch.Tensor | None = None,
+               scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """`gemm_ar` as a PyTorch custom op (`torch.ops.tridist.gemm_ar`), for torch.compile."""
-    return gemm_ar(a, b, method=method)
+    return gemm_ar(a, b, method=method, scale_a=scale_a, scale_b=scale_b)
 
 
 @gemm_ar_op.register_fake
-def _gemm_ar_shape(a: torch.Tensor, b: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]))
+def _gemm_ar_shape(a: torch.Tensor, b: torch.Tensor, method: str = "auto", scale_a: torch.Tensor | None = None,
+                   scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=gemm.out_dtype(a.dtype))
