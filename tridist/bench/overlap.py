@@ -9,9 +9,10 @@ and the "torch fused us" column here is read from the newest JSON it saved for t
 Shapes are (M, N, K) of the whole layer, tensor-parallel over the ranks:
 - ag_gemm: column-parallel; a_shard is M/world x K, b is K x N/world, out M x N/world.
 - gemm_rs, gemm_ar: row-parallel; a is M x K/world, b is K/world x N; out M/world x N (rs) or M x N.
-- gemm: the GEMM alone, on ag_gemm's local shape, every config against cuBLAS (torch.matmul; for
-  fp8, `--dtype float8_e4m3fn`, torch._scaled_mm with per-tensor scales and a bf16 out).
+- gemm: the GEMM alone, on ag_gemm's local shape, every config against cuBLAS (torch.matmul).
 The "GEMM alone" column is cuBLAS on the rank's local shape: the floor an overlapped op aims at.
+With `--dtype float8_e4m3fn` the operands are fp8 with per-tensor scales (b column-major) and
+cuBLAS is torch._scaled_mm with a bf16 out; PyTorch's fused ops have no fp8 column.
 """
 import argparse
 import os
@@ -49,21 +50,30 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
 
 
 def operands(name: str, m: int, n: int, k: int, dtype, world_size: int, device):
-    """This rank's inputs for layer shape (M, N, K) split over `world_size` ranks (see the top)."""
+    """This rank's inputs for layer shape (M, N, K) split over `world_size` ranks (see the top):
+    (a, b, scales), scales () for 16-bit operands and (scale_a, scale_b) for fp8, the same on every
+    rank (ag_gemm's scale_a must be)."""
     split = {"ag_gemm": "MN", "gemm": "MN", "gemm_rs": "MK", "gemm_ar": "K"}[name]
     if any(dict(zip("MNK", (m, n, k)))[size] % world_size for size in split):
         raise ValueError(f"{name} {m}x{n}x{k}: {' and '.join(split)} must be divisible by the {world_size} ranks")
     p = world_size
-    if name in ("ag_gemm", "gemm"):
-        a = torch.randn(m // p, k, device=device).to(dtype)
-        b = torch.randn(k, n // p, device=device).to(dtype)
-    else:
-        a = torch.randn(m, k // p, device=device).to(dtype)
-        b = torch.randn(k // p, n, device=device).to(dtype)
-    return a / k ** 0.25, b / k ** 0.25  # sums of K products stay near 1
+    rows, inner, cols = (m // p, k, n // p) if name in ("ag_gemm", "gemm") else (m, k // p, n)
+    # sums of K products stay near 1
+    a = (torch.randn(rows, inner, device=device) / k ** 0.25).to(dtype)
+    if dtype != gemm.FP8:
+        return a, (torch.randn(inner, cols, device=device) / k ** 0.25).to(dtype), ()
+    b = (torch.randn(cols, inner, device=device) / k ** 0.25).to(dtype).t()
+    return a, b, (torch.tensor([0.5], device=device), torch.tensor([0.25], device=device))
 
 
-def sequential(name: str, a, b):
+def product(a, b, scales):
+    """a @ b by cuBLAS: torch._scaled_mm for fp8 operands (bf16 out)."""
+    if scales:
+        return torch._scaled_mm(a, b, *scales, out_dtype=torch.bfloat16)
+    return a @ b
+
+
+def sequential(name: str, a, b, scales):
     """The same op as NCCL and cuBLAS one after the other: the reference and the baseline."""
     world_size = dist.get_world_size()
     if name == "ag_gemm":
@@ -71,29 +81,29 @@ def sequential(name: str, a, b):
 
         def run():
             dist.all_gather_into_tensor(gathered, a)
-            return gathered @ b
+            return product(gathered, b, scales)
     elif name == "gemm_rs":
-        out = torch.empty(a.shape[0] // world_size, b.shape[1], dtype=a.dtype, device=a.device)
+        out = torch.empty(a.shape[0] // world_size, b.shape[1], dtype=gemm.out_dtype(a.dtype), device=a.device)
 
         def run():
-            dist.reduce_scatter_tensor(out, a @ b)
+            dist.reduce_scatter_tensor(out, product(a, b, scales))
             return out
     else:
         def run():
-            product = a @ b
-            dist.all_reduce(product)
-            return product
+            total = product(a, b, scales)
+            dist.all_reduce(total)
+            return total
     return run
 
 
-def _local_gemm_us(name: str, a, b, config: dict | None = None) -> float:
+def _local_gemm_us(name: str, a, b, scales, config: dict | None = None) -> float:
     """This rank's GEMM with no communication: cuBLAS, or tridist's GEMM with `config`."""
     if name == "ag_gemm":
         a = torch.randn(a.shape[0] * tridist.world().world_size, a.shape[1], device=a.device).to(a.dtype)
     if config is None:
-        return op_us(lambda: a @ b)
-    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    return op_us(lambda: gemm.matmul(a, b, out=out, config=config))
+        return op_us(lambda: product(a, b, scales))
+    out = torch.empty(a.shape[0], b.shape[1], dtype=gemm.out_dtype(a.dtype), device=a.device)
+    return op_us(lambda: gemm.matmul(a, b, out, config, *scales))
 
 
 def check(name: str, result, a, b, expected) -> None:
@@ -104,10 +114,10 @@ def check(name: str, result, a, b, expected) -> None:
                              "NCCL + cuBLAS")
 
 
-def _checked(name: str, op, a, b, expected) -> float:
+def _checked(name: str, op, a, b, scales, expected) -> float:
     """Microseconds per call of `op`, once its result matches `expected`."""
-    check(name, op(a, b), a, b, expected)
-    return op_us(lambda: op(a, b))
+    check(name, op(a, b, None, *scales), a, b, expected)
+    return op_us(lambda: op(a, b, None, *scales))
 
 
 def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None) -> list[dict]:
@@ -118,30 +128,30 @@ def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = Non
     torch_fused = torch_fused or {}
     rows = []
     for m, n, k in shapes:
-        a, b = operands(name, m, n, k, dtype, w.world_size, w.device)
+        a, b, scales = operands(name, m, n, k, dtype, w.world_size, w.device)
         sizes = (a.shape[0], a.shape[1], b.shape[1], dtype)
         variants = {"ag_gemm": {"": lambda: ops.AllGatherGEMM(*sizes, comm="ce", config=config),
                                 " sm": lambda: ops.AllGatherGEMM(*sizes, comm="sm", config=config)},
                     "gemm_rs": {"": lambda: ops.GemmReduceScatter(*sizes, config=config)},
                     "gemm_ar": {"": lambda: ops.GemmAllReduce(*sizes, "one_shot", config=config),
                                 " ll": lambda: ops.GemmAllReduce(*sizes, "ll", config=config)}}[name]
-        baseline = sequential(name, a, b)
+        baseline = sequential(name, a, b, scales)
         expected = baseline().float()
         row = {"shape": f"{m}x{n}x{k}"}
         for suffix, build in variants.items():
             op = build()
             row[f"config{suffix}"] = _config_name(op.config)
-            row[f"tridist{suffix} us"] = _checked(name, op, a, b, expected)
+            row[f"tridist{suffix} us"] = _checked(name, op, a, b, scales, expected)
             if name == "ag_gemm" and suffix == "":  # the shard already in the symmetric buffer: no copy
                 op.input_buffer().copy_(a)
-                row["tridist in place us"] = _checked(name, op, op.input_buffer(), b, expected)
+                row["tridist in place us"] = _checked(name, op, op.input_buffer(), b, scales, expected)
             tridist.barrier_all()
             op.free()
         row["sequential us"] = op_us(baseline)
         if row["shape"] in torch_fused:
             row["torch fused us"] = torch_fused[row["shape"]]
-        row["GEMM alone us"] = _local_gemm_us(name, a, b)
-        row["tridist GEMM alone us"] = _local_gemm_us(name, a, b, _config_of(row["config"]))
+        row["GEMM alone us"] = _local_gemm_us(name, a, b, scales)
+        row["tridist GEMM alone us"] = _local_gemm_us(name, a, b, scales, _config_of(row["config"], dtype))
         row["vs sequential"] = row["sequential us"] / row["tridist us"]
         if "torch fused us" in row:
             row["vs torch fused"] = row["torch fused us"] / row["tridist us"]
@@ -181,8 +191,8 @@ def _config_name(config: dict) -> str:
             f"w{config['num_warps']}{' flat' if config['FLATTEN'] else ''}")
 
 
-def _config_of(name: str) -> dict:
-    return next(c for c in gemm.GPU_CONFIGS if _config_name(c) == name)
+def _config_of(name: str, dtype) -> dict:
+    return next(c for c in gemm.configs(torch.device("cuda"), dtype=dtype) if _config_name(c) == name)
 
 
 def run_gemm(shapes, dtype) -> list[dict]:
@@ -190,18 +200,10 @@ def run_gemm(shapes, dtype) -> list[dict]:
     w = tridist.world()
     rows = []
     for m, n, k in shapes:
-        a, b, *scales = gemm.random_operands(m, k, n // w.world_size, dtype, w.device)
-        if dtype == gemm.FP8:
-            scales = [torch.tensor([0.5], device=w.device), torch.tensor([0.25], device=w.device)]
-
-            def cublas():
-                return torch._scaled_mm(a, b, *scales, out_dtype=torch.bfloat16)
-        else:
-            def cublas():
-                return a @ b
+        a, b, scales = operands("gemm", w.world_size * m, n, k, dtype, w.world_size, w.device)
         flops = 2 * m * k * b.shape[1]
-        cublas_us = op_us(cublas)
-        expected = cublas().float()
+        cublas_us = op_us(lambda: product(a, b, scales))
+        expected = product(a, b, scales).float()
         for config in gemm.configs(w.device, dtype=dtype):
             out = gemm.matmul(a, b, None, config, *scales)
             error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
@@ -245,7 +247,7 @@ def main(argv=None) -> int:
     parser.add_argument("op", choices=list(SHAPES))
     parser.add_argument("--shapes", type=parse_shapes, default=None, help="MxNxK of the whole layer, comma separated")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
-                        help="float8_e4m3fn: `gemm` only")
+                        help="float8_e4m3fn: per-tensor scales, bf16 out")
     parser.add_argument("--tune", action="store_true", help="tune each op's GEMM config first (tridist.tune)")
     parser.add_argument("--out", default="benchmarks/results",
                         help="folder for JSON results (and where `tridist bench torch_fused` left its own)")
@@ -255,8 +257,6 @@ def main(argv=None) -> int:
         raise SystemExit("the GEMM benchmarks time GPUs against cuBLAS and NCCL; run them on a GPU box")
     shapes = args.shapes or SHAPES[args.op]
     dtype = getattr(torch, args.dtype)
-    if dtype == gemm.FP8 and args.op != "gemm":
-        raise SystemExit(f"--dtype {args.dtype} is timed for `gemm` alone so far; {args.op} takes bfloat16 or float16")
     config = "tune" if args.tune else None
     torch_fused, source = _torch_fused_us(args.op, args.out, w.world_size, args.dtype)
     rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype, config, torch_fused)
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
         if source:
             extra["torch fused us"] = source
             print(f"torch fused us: {source}")
-        elif args.op in ("ag_gemm", "gemm_rs"):
+        elif args.op in ("ag_gemm", "gemm_rs") and dtype != gemm.FP8:
             print(f"(no {TORCH_FUSED} results of {w.world_size} ranks in {args.dtype} for this device today in "
                   f"{args.out}: run `tridist bench torch_fused` first for the 'torch fused us' column)")
         path = save(args.op if args.dtype == "bfloat16" else f"{args.op}-{args.dtype}", rows, args.out, extra)

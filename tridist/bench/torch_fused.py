@@ -88,8 +88,8 @@ def _fused(name: str, a, b, group: str):
 
 def _measure(name: str, shape: tuple[int, int, int], dtype, device, group: str) -> float:
     """Microseconds per call of PyTorch's fused `name` (the slowest rank), once its result is right."""
-    a, b = operands(name, *shape, dtype, dist.get_world_size(), device)
-    expected = sequential(name, a, b)().float()
+    a, b, scales = operands(name, *shape, dtype, dist.get_world_size(), device)
+    expected = sequential(name, a, b, scales)().float()
     fused = _fused(name, a, b, group)
     check(f"torch fused {name}", fused(), a, b, expected)
     return op_us(fused)
