@@ -297,6 +297,13 @@ def _custom_ops(w):
         assert h.shape == (w.world_size * rows, inner // w.world_size)
         assert torch.ops.tridist.gemm_rs(h, fake_down).shape == (rows, hidden)
         assert torch.ops.tridist.gemm_ar(h, fake_down).shape == (w.world_size * rows, hidden)
+        # fp8 operands (b column-major) with their scales give bf16
+        one = mode.from_tensor(torch.ones(1, device=w.device))
+        a8 = mode.from_tensor(torch.zeros((rows, 32), dtype=gemm.FP8, device=w.device))
+        b8 = mode.from_tensor(torch.zeros((hidden, 32), dtype=gemm.FP8, device=w.device)).t()
+        for out in (torch.ops.tridist.ag_gemm(a8, b8, "auto", one, one), torch.ops.tridist.gemm_rs(a8, b8, one, one),
+                    torch.ops.tridist.gemm_ar(a8, b8, "auto", one, one)):
+            assert out.dtype == torch.bfloat16
 
 
 @pytest.mark.at_most_4_ranks
