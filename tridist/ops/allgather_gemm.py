@@ -45,7 +45,6 @@ PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so ea
 def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, flags_ptr, calls_ptr, m_shard, N, K,
                    slot_rows, FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-
     """own_desc covers a_shard (m_shard x K), a_desc `gathered` as (slots * M) x K. With EPOCH_FLAGS
     the flags of shard s in slot e % 2 are raised to the call epoch e; without, slot 0's are raised
     to 1 (and zeroed by the host)."""

@@ -177,7 +177,6 @@ def store_tile(out_ptr, values, row, col, row_end, N, BLOCK_M: tl.constexpr, BLO
 @jit
 def matmul_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-
     scale = load_scale(scale_a_ptr, scale_b_ptr)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)

@@ -78,7 +78,6 @@ def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr
 def gemm_reduce_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
                        local_world_size, SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-
     """SCATTER: gemm_rs on one node (out is M/world x N), else gemm_ar (out is M x N). A slot of
     `tiles` holds world x (tiles per shard) tiles. FLATTEN (gemm_rs only) lets Triton load the
     next tile's operands during this one's epilogue. Triton 3.6's loop fusion fails on a value
@@ -158,7 +157,6 @@ def gemm_reduce_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_
 def gemm_rs_2d_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
                       local_world_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-
     """gemm_rs across nodes, with L ranks per node and `nodes` nodes. A slot holds two regions of
     world x (tiles per shard) tiles, each with a flag per tile:
     - received[src, t]: a partial of tile t of this rank's shard from src on this node (src = this
@@ -226,7 +224,6 @@ def gemm_rs_2d_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_p
 def gemm_ar_ll_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, own_ptr, packets_ptr, calls_ptr, M, N, K,
                       row, slot_numel, DTYPE: tl.constexpr, STEP: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-
     """gemm_ar in packets. out is viewed as M x N/2 int32 words (two outputs each); `own` holds this
     rank's tiles, BLOCK_M x BLOCK_N contiguous each, read back as words; row `src` of a packet slot
     holds rank src's tiles as words, tile t at t * BLOCK_M * BLOCK_N / 2. A program sends each of
