@@ -47,7 +47,8 @@ def _gemm_cases():
             b = f"tensordesc<{element}[{b_block[0]}, {b_block[1]}]>"
             operands = {"a_desc": a, "b_desc": b, "scale_a_ptr": "*fp32" if fp8 else "constexpr",
                         "scale_b_ptr": "*fp32" if fp8 else "constexpr"}
-            config.update({} if fp8 else {"scale_a_ptr": None, "scale_b_ptr": None})
+            if not fp8:  # no scales: the kernels specialise on None
+                config.update(scale_a_ptr=None, scale_b_ptr=None)
             blocks = {name: "constexpr" for name in config if name.isupper()}
             ag_flags = (("*i32", 1, False), ("*i64", 4, True))
             cases += [

@@ -121,6 +121,8 @@ def _fp8(w, op_name, calls):
     elif op_name.startswith("ag_gemm"):
         comm = op_name.split("-")[1]
         if comm == "ce" and not one_node:
+            with pytest.raises(ValueError, match="within one node"):
+                ops.AllGatherGEMM(rows, k, n, gemm.FP8, comm)
             return
         op = ops.AllGatherGEMM(rows, k, n, gemm.FP8, comm)
     elif op_name == "gemm_rs":
@@ -128,6 +130,8 @@ def _fp8(w, op_name, calls):
     else:
         method = "ll" if op_name == "gemm_ar-ll" else "one_shot"
         if method == "ll" and not one_node:
+            with pytest.raises(ValueError, match="within one node"):
+                ops.GemmAllReduce(rows, k, n, gemm.FP8, method)
             return
         op = ops.GemmAllReduce(rows, k, n, gemm.FP8, method)
     rows_a = rows * w.world_size if op_name == "gemm_rs" else rows

@@ -106,6 +106,7 @@ class AllGatherGEMM:
         if self.comm == "ce" and w.nnodes > 1:
             raise ValueError(f"ag_gemm comm='ce' works within one node; this world has {w.nnodes} nodes: use comm='sm'")
         self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
+        self.out_dtype = gemm.out_dtype(dtype)
         self.m = w.world_size * m_shard
         self.config = gemm.resolve_config(
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
@@ -144,8 +145,8 @@ class AllGatherGEMM:
                              f"({self.k}, {self.n}); got {a_shard.dtype} {tuple(a_shard.shape)} and {tuple(b.shape)}")
         gemm.check_scales(self.dtype, scale_a, scale_b, a_shard.device)
         if out is None:
-            out = torch.empty((self.m, self.n), dtype=gemm.out_dtype(self.dtype), device=a_shard.device)
-        check_output(out, (self.m, self.n), gemm.out_dtype(self.dtype))
+            out = torch.empty((self.m, self.n), dtype=self.out_dtype, device=a_shard.device)
+        check_output(out, (self.m, self.n), self.out_dtype)
         own_desc, b_desc = gemm.descriptors(a_shard, b, self.config)
         if self.comm == "ce":
             tridist.barrier_all_on_stream()  # every peer is done with the last call (see CopyEnginePush)
@@ -158,8 +159,7 @@ class AllGatherGEMM:
             triton.cdiv(self.n, self.config["BLOCK_N"])
         ag_gemm_kernel[(min(tiles, self.gemm_programs),)](
             own_desc, self.a_desc, b_desc, scale_a, scale_b, out, flags, self.calls, self.m_shard, self.n, self.k,
-            self.m,
-            FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
+            self.m, FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
         if self.comm == "ce":
             self.push.join()
         elif self.side_stream is not None:
