@@ -17,6 +17,8 @@ what=${1:-all}; shift || true
 OUT=${OUT:-out}
 mkdir -p "$OUT" benchmarks/results
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# NVLink multicast must stay off on the lent machines even if Python fails before tridist sets it:
+# the same values as SAFE_ENVIRONMENT in tridist/runtime/nvshmem.py (tests/test_bench.py checks).
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export TRITON_CACHE_DIR=$PWD/.triton-cache
 if compgen -G ".triton-cache-parts/triton-cache.part-*" >/dev/null; then
@@ -48,7 +50,7 @@ fi
 # A call carries at most 64 MiB: the entries of kernels no longer in the code go before the cache does.
 for dir in .triton-cache/*/; do
   name=$(ls "$dir" | sed -n 's/^\([A-Za-z0-9_]*\)\.json$/\1/p' | grep -v '^__grp__' | head -n 1)
-  if [ -n "$name" ] && ! grep -rqw "$name" tridist tests; then rm -rf "$dir"; fi
+  if [ -n "$name" ] && ! grep -rqw --include='*.py' "$name" tridist tests benchmarks examples; then rm -rf "$dir"; fi
 done
 tar cz .triton-cache 2>/dev/null | split -b 15M - "$OUT/triton-cache.part-"
 exit $status

@@ -131,3 +131,40 @@ def test_collective_bench_arguments(capsys):
     with pytest.raises(SystemExit):
         collectives.main(["allgather", "--programs", "many"])
     assert "--programs takes" in capsys.readouterr().err
+
+
+def test_bench_help_and_bad_rank_counts(capsys, monkeypatch):
+    """`tridist bench -h` lists the benchmarks; `NAME -h` prints NAME's options without starting ranks;
+    a bad `-n` is refused with a sentence, not a traceback."""
+    from tridist import cli
+    from tridist.bench import cli as bench_cli
+
+    monkeypatch.delenv("RANK", raising=False)  # outside a launcher: `-n` would start ranks
+    assert cli.main(["bench", "-h"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in bench_cli.BENCHMARKS) and "-n RANKS" in out
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", "gemm_ar", "-n", "2", "--help"])
+    assert stop.value.code == 0 and "--shapes" in capsys.readouterr().out
+    for bad in (["-n"], ["-n", "two"], ["-n", "0"]):
+        assert cli.main(["bench", "gemm_ar", *bad]) == 2
+        assert "-n takes a number of ranks" in capsys.readouterr().err
+    assert cli.main(["bench", "no_such_benchmark"]) == 2
+    assert "unknown benchmark 'no_such_benchmark'" in capsys.readouterr().err
+
+
+def test_gpu_suite_keeps_multicast_off_like_the_runtime():
+    """scripts/gpu_suite.sh exports NVLink-multicast-off itself, in case Python fails first: the same
+    values as the runtime's SAFE_ENVIRONMENT."""
+    from tridist.runtime.nvshmem import SAFE_ENVIRONMENT
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "scripts", "gpu_suite.sh")) as f:
+        exported = dict(word.split("=", 1) for line in f if line.startswith("export ")
+                        for word in line.split()[1:] if "=" in word)
+    assert {key: exported.get(key) for key in SAFE_ENVIRONMENT} == SAFE_ENVIRONMENT
+
+
+def test_relative_error_is_against_the_largest_expected_value():
+    expected = torch.tensor([[4.0, -2.0], [0.5, 0.0]])
+    assert results.relative_error(expected.to(torch.bfloat16), expected) == 0.0
+    assert results.relative_error(expected + torch.tensor([[0.0, 0.0], [0.0, -0.2]]), expected) == pytest.approx(0.05)

@@ -4,7 +4,15 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="tridist", description="Distributed Triton kernels on GPUs or the CPU emulator")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # `bench` reads its own arguments (`tridist bench -h` included): argparse's REMAINDER would
+        # refuse any that start with a dash before the benchmark's name.
+        from .bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="tridist",
+                                     description="Distributed Triton kernels on GPUs or the CPU emulator")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="start N ranks of a Python script")
@@ -16,8 +24,7 @@ def main(argv=None) -> int:
 
     commands.add_parser("info", help="backend, devices, peer access, NVSHMEM device library, versions")
 
-    bench = commands.add_parser("bench", help="benchmarks (see `tridist bench -h`)", add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    commands.add_parser("bench", help="benchmarks (see `tridist bench -h`)")  # listed here, parsed above
 
     args = parser.parse_args(argv)
     if args.command == "run":
@@ -26,14 +33,10 @@ def main(argv=None) -> int:
         from .runtime.launcher import run as launch
 
         return launch(args.nproc, args.script, nnodes=args.nnodes, backend=args.backend)
-    if args.command == "info":
-        from .runtime.info import report
+    from .runtime.info import report
 
-        print(report())
-        return 0
-    from .bench.cli import main as bench_main
-
-    return bench_main(args.rest)
+    print(report())
+    return 0
 
 
 if __name__ == "__main__":

@@ -10,19 +10,43 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
               "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused"}
 SINGLE = ("primitives", "torch_fused")  # modules with one benchmark: their `main` takes no benchmark name
+DEFAULT_RANKS = 2
+USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
+HELP = f"""{USAGE}
+
+Each benchmark checks its result, then times it next to a baseline in the same run (GPUs only).
+
+NAME:
+  primitives      put, get, putmem, LL packets and the copy engine between GPU pairs; signal round trip
+  allgather, reducescatter, allreduce
+                  tridist's methods against NCCL (sizes 4K..256M by default)
+  gemm            tridist's GEMM alone, every config, against cuBLAS on ag_gemm's local shapes
+  ag_gemm, gemm_rs, gemm_ar
+                  the overlapped GEMMs against NCCL + cuBLAS one after the other, and against
+                  PyTorch's fused ops where torch_fused saved their times today
+  torch_fused     PyTorch's fused ag_gemm and gemm_rs, in a process that never starts tridist
+
+options:
+  -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them
+  -h, --help      this list; `tridist bench NAME -h` lists NAME's options and their defaults
+Results (JSON, and PNG plots where matplotlib is installed) go to benchmarks/results by default."""
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(HELP)
+        return 0
     if not argv or argv[0] not in BENCHMARKS:
-        print(f"usage: tridist bench {{{','.join(BENCHMARKS)}}} [-n RANKS] [options]", file=sys.stderr)
+        problem = f"unknown benchmark {argv[0]!r}" if argv else "no benchmark named"
+        print(f"{USAGE}\ntridist bench: {problem}; NAME is one of {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
-    name, rest = argv[0], argv[1:]
-    if "RANK" not in os.environ:
-        nproc = 2
-        if "-n" in rest:
-            i = rest.index("-n")
-            nproc = int(rest[i + 1])
-            rest = rest[:i] + rest[i + 2:]
+    name, (nproc, rest) = argv[0], _ranks(argv[1:])
+    if nproc is None:
+        print(f"{USAGE}\ntridist bench: -n takes a number of ranks of at least 1, e.g. -n 2", file=sys.stderr)
+        return 2
+    if "-h" in rest or "--help" in rest:  # printed here, not once by every rank it would start
+        print(f"-n RANKS: ranks to start (default {DEFAULT_RANKS})\n")
+    elif "RANK" not in os.environ:
         from ..runtime.launcher import run
 
         return run(nproc, ["-m", "tridist", "bench", name, *rest])
@@ -30,3 +54,16 @@ def main(argv: list[str]) -> int:
 
     module = importlib.import_module(BENCHMARKS[name])
     return module.main(rest if name in SINGLE else [name, *rest])
+
+
+def _ranks(rest: list[str]) -> tuple[int | None, list[str]]:
+    """(the ranks `-n` asks for, the arguments without it); (None, rest) when its value is missing or
+    not a positive integer. Under a launcher `-n` is dropped too: the launcher has started the ranks."""
+    if "-n" not in rest:
+        return DEFAULT_RANKS, rest
+    i = rest.index("-n")
+    try:
+        nproc = int(rest[i + 1])
+    except (IndexError, ValueError):
+        return None, rest
+    return (nproc, rest[:i] + rest[i + 2:]) if nproc >= 1 else (None, rest)

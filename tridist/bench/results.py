@@ -21,6 +21,13 @@ def environment() -> dict:
     return info
 
 
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest |actual - expected| over largest |expected|, in fp32 on `expected`'s device: rounding
+    to 16 or 8 bits errs in proportion to the values, so the largest one sets the scale."""
+    expected = expected.float()
+    return ((actual.float().to(expected.device) - expected).abs().max() / expected.abs().max()).item()
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     def cell(value):
         return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -36,20 +36,17 @@ def time_us(fn, inner: int = 20, repetitions: int = 15, warmup: int = 3, graph: 
         with torch.cuda.graph(cuda_graph):
             for _ in range(inner):
                 fn()
-        run = cuda_graph.replay
-        calls_per_run, runs = inner, 1
-    else:
-        calls_per_run, runs = inner, inner
+        run = cuda_graph.replay  # one replay makes `inner` calls
     samples = []
     for _ in range(repetitions):
         _start_together()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(1 if graph else runs):
+        for _ in range(1 if graph else inner):
             run()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / calls_per_run)
+        samples.append(start.elapsed_time(end) * 1000 / inner)
     return statistics.median(samples)
 
 
@@ -70,6 +67,12 @@ def _start_together() -> None:
         dist.barrier()
         torch.cuda._sleep(HEAD_START_CYCLES)
         dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
+
+
+def all_ranks(ok: bool) -> bool:
+    """Whether `ok` holds on every rank. A collective that gives every rank the same answer: a rank
+    that went on to time an op while a peer skipped it would wait for that peer forever."""
+    return slowest(0.0 if ok else 1.0) == 0.0
 
 
 def slowest(value: float) -> float:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..runtime.nvshmem import SAFE_ENVIRONMENT
 from .overlap import SHAPES, TORCH_FUSED, check, operands, parse_shapes, sequential, torch_fused_column
 from .results import save, table
-from .timing import op_us, slowest
+from .timing import all_ranks, op_us
 
 OPS = ("ag_gemm", "gemm_rs")
 
@@ -42,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="PyTorch's fused all-gather+matmul and matmul+reduce-scatter, in a process without tridist")
     parser.add_argument("--shapes", type=parse_shapes, default=None,
                         help="MxNxK of the whole layer, comma separated (default: ag_gemm's and gemm_rs's)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON results")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="default %(default)s")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     args.shapes = args.shapes or default_shapes()
     return args
@@ -109,7 +109,7 @@ def run(shapes, dtype, device, group: str) -> tuple[list[dict], list[str]]:
                 failures.append(f"{name} {row['shape']}: {type(error).__name__}: {error}")
                 print(f"rank {rank}: torch fused {failures[-1]}", file=sys.stderr, flush=True)
             # A value only where every rank measured one, so that rank 0 saves what all of them agree on.
-            if slowest(0.0 if us is not None else 1.0) == 0.0:
+            if all_ranks(us is not None):
                 row[torch_fused_column(name)] = us
             torch.cuda.empty_cache()
         rows.append(row)

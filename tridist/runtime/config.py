@@ -23,6 +23,20 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"cannot read {text!r} as a size; write bytes or a number with K, M or G") from None
 
 
+def _setting(name: str, default: str, parse, expected: str):
+    """`parse(value)` of the environment variable `name` (`default` when unset or empty). A value that
+    `parse` refuses, or that parses to 0 or less, raises a ValueError naming the variable: these are
+    read deep inside init or a launch, where the traceback alone does not say which setting is wrong."""
+    value = os.environ.get(name) or default
+    try:
+        parsed = parse(value)
+    except ValueError:
+        parsed = None
+    if parsed is None or not parsed > 0:
+        raise ValueError(f"{name}={value!r}: expected {expected}")
+    return parsed
+
+
 def requested_backend() -> str:
     """TRIDIST_BACKEND as given, lower case; empty when unset (`runtime/backend.py` then chooses)."""
     return os.environ.get("TRIDIST_BACKEND", "").strip().lower()
@@ -30,20 +44,21 @@ def requested_backend() -> str:
 
 def virtual_nodes() -> int | None:
     """TRIDIST_NNODES: split the ranks of one host into this many nodes; None when unset."""
-    value = os.environ.get("TRIDIST_NNODES", "")
-    return int(value) if value else None
+    if not os.environ.get("TRIDIST_NNODES"):
+        return None
+    return _setting("TRIDIST_NNODES", "", int, "a positive integer, the number of virtual nodes")
 
 
 def heap_bytes(backend: str) -> int:
     """Size of each rank's symmetric heap (TRIDIST_HEAP_SIZE)."""
     default = "4G" if backend == "nvshmem" else "256M"
-    return parse_bytes(os.environ.get("TRIDIST_HEAP_SIZE", default))
+    return _setting("TRIDIST_HEAP_SIZE", default, parse_bytes, "bytes, or a number with K, M or G (e.g. 256M)")
 
 
 def wait_timeout_s() -> float:
     """How long a bounded wait spins before it reports (TRIDIST_WAIT_TIMEOUT, seconds). GPU kernels
     take it when tridist is imported; the emulator reads it again at every wait."""
-    return float(os.environ.get("TRIDIST_WAIT_TIMEOUT", "60"))
+    return _setting("TRIDIST_WAIT_TIMEOUT", "60", float, "a number of seconds above 0")
 
 
 # Read once: GPU kernels compile their waits bounded or not when tridist is imported, and the host
@@ -58,7 +73,7 @@ def debug() -> bool:
 
 def emulator_threads() -> int:
     """Programs of one launch that the emulator runs at once, like resident blocks on a GPU."""
-    return int(os.environ.get("TRIDIST_EMU_THREADS", "64"))
+    return _setting("TRIDIST_EMU_THREADS", "64", int, "a positive integer")
 
 
 def emulator_folder() -> str | None:

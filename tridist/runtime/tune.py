@@ -78,7 +78,9 @@ def tune(name: str, key, configs: Sequence[dict], make_run: Callable[[dict], Cal
         for i, (config, (ranks_ns, failed, error)) in enumerate(zip(configs, results)):
             outcome = f"{max(ranks_ns) / 1e3:10.1f} us" if ranks_ns else f"skipped, {_describe_failure(failed, error)}"
             print(f"tridist.tune {name} {key!r}: {config} {outcome}{'  <- chosen' if i == best else ''}", flush=True)
-    if use_cache and w.local_rank == 0:  # the node's ranks share the folder: one of them writes
+    # One rank of each node writes, as hosts need not share the folder. Virtual nodes (TRIDIST_NNODES)
+    # make that several writers on one host, of the same entry to the same file: _write_cache allows it.
+    if use_cache and w.local_rank == 0:
         _write_cache(path, cache_key, {
             "config": json.loads(configs_text[best]),
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -136,8 +138,10 @@ def _cached_index(path: str, cache_key: str, configs_text: list) -> int:
 
 
 def _write_cache(path: str, cache_key: str, entry: dict) -> None:
-    # Read, merge and replace atomically: readers never see half a file. Two hosts' writers racing
-    # on a shared folder can drop each other's new entry, which costs a re-tune, never a wrong choice.
+    # Read, merge and replace atomically: readers never see half a file, and concurrent writers (the
+    # virtual nodes of one host, hosts sharing a folder) each write a temp file of their own. The
+    # last replace wins: a racing writer's different new entry can be dropped, which costs a
+    # re-tune, never a wrong choice; the virtual nodes of one job write the same entry anyway.
     folder = os.path.dirname(path)
     temp = None
     try:
