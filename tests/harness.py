@@ -14,7 +14,6 @@ import multiprocessing.connection
 import os
 import shutil
 import socket
-import tempfile
 import traceback
 
 _BODY_TIMEOUT_S = float(os.environ.get("TRIDIST_TEST_TIMEOUT", "300"))
@@ -106,8 +105,9 @@ class WorldPool:
         if self.nnodes:
             env["TRIDIST_NNODES"] = str(self.nnodes)
         if self.backend == "emulator":
-            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._folder = tempfile.mkdtemp(prefix="tridist-test-", dir=root)
+            from tridist.runtime.emulator import make_shared_folder  # not at the top: see SAFE_ENVIRONMENT
+
+            self._folder = make_shared_folder("tridist-test-")
             env.update(TRITON_INTERPRET="1", TRIDIST_EMU_DIR=self._folder,
                        TRIDIST_HEAP_SIZE=os.environ.get("TRIDIST_HEAP_SIZE", "64M"))
         else:

@@ -1,6 +1,7 @@
 """The device API (`tridist.language`) on every world size, each test checked against a reference."""
 import contextlib
 import os
+import re
 
 import pytest
 import torch
@@ -200,6 +201,53 @@ def test_notify_checks(world):
     if world.backend != "emulator":
         return  # on GPUs an unknown comm_scope fails to compile, and a store to a null pointer faults
     world.run(_notify_checks)
+
+
+# Each call with an argument the GPU lowering refuses to compile (a static_assert there), and the
+# emulator's error for it.
+BAD_ARGUMENTS = {
+    "notify_sig_op": "dl.notify with sig_op=10; use one of 'set', 'add'",
+    "signal_op_sig_op": "shmem.signal_op with sig_op='add'; use one of dl.shmem.SIGNAL_SET, dl.shmem.SIGNAL_ADD",
+    "signal_wait_until_cmp": "shmem.signal_wait_until with cmp=7; use one of dl.shmem.CMP_EQ",
+    "ld_release": "dl.ld with semantic='release'; use one of 'relaxed', 'acquire'",
+    "st_acquire": "dl.st with semantic='acquire'; use one of 'relaxed', 'release'",
+    "wait_scope": "dl.wait with scope='system'; use one of 'gpu', 'sys'",
+    "atomic_add_semantic": "dl.atomic_add with semantic='acqrel'; use one of 'relaxed', 'acquire', 'release', "
+                           "'acq_rel'",
+}
+
+
+@tridist.jit
+def bad_argument_kernel(flag_ptr, CASE: tl.constexpr):
+    if CASE == "notify_sig_op":
+        dl.notify(flag_ptr, dl.rank(), sig_op=dl.shmem.SIGNAL_ADD)
+    elif CASE == "signal_op_sig_op":
+        dl.shmem.signal_op(flag_ptr, 1, "add", dl.rank())
+    elif CASE == "signal_wait_until_cmp":
+        dl.shmem.signal_wait_until(flag_ptr, 7, 0)
+    elif CASE == "ld_release":
+        dl.ld(flag_ptr, semantic="release")
+    elif CASE == "st_acquire":
+        dl.st(flag_ptr, 1, semantic="acquire")
+    elif CASE == "wait_scope":
+        dl.wait(flag_ptr, 1, scope="system", waitValue=0)
+    else:
+        dl.atomic_add(flag_ptr, 1, semantic="acqrel")
+
+
+def _bad_arguments(w):
+    flag = tridist.signals(1)
+    for case, message in BAD_ARGUMENTS.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bad_argument_kernel[(1,)](flag, CASE=case)
+    assert int(flag.item()) == 0, "nothing was signalled"
+    tridist.symm_free(flag)
+
+
+def test_bad_arguments(world):
+    if world.backend != "emulator":
+        return  # on GPUs these fail to compile (tests/gpu_compile.py compiles only valid calls)
+    world.run(_bad_arguments)
 
 
 @contextlib.contextmanager

@@ -5,24 +5,26 @@ library) and `_emulated.py` (Python under Triton's interpreter). The backend cho
 (`tridist.runtime.backend`) decides which one these names are bound to.
 
 Scopes are "gpu" (this GPU) or "sys" (every GPU and the host); semantics are "relaxed",
-"acquire", "release" and "acq_rel". A device function is called by every thread of a Triton
-program; where NVSHMEM has per-thread, per-warp and per-block forms, the plain form is issued by one
-thread of the program, the `_warp` form by its first warp, and the `_block` form by all its threads.
+"acquire", "release" and "acq_rel" (`ld` and `wait` cannot release, `st` cannot acquire). A
+device function is called by every thread of a Triton program; where NVSHMEM has per-thread,
+per-warp and per-block forms, the plain form is issued by one thread of the program, the `_warp`
+form by its first warp, and the `_block` form by all its threads.
 
 `fence_async_proxy` orders this thread's earlier memory accesses (a wait's acquire) before the
 tensor-memory-accelerator loads that follow (TMA runs in the "async proxy"). `dot` is `tl.dot`,
-and in the emulator a `tl.dot` that is exact for bf16.
+and in the emulator a `tl.dot` that is exact for bf16. `global_time_ns` reads the GPU's
+nanosecond timer (the host's clock in the emulator).
 """
 from ..runtime.backend import is_emulator
 
 if is_emulator():
-    from ._emulated import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy, ld,
-                            notify, num_ranks, rank, st, symm_at, wait)
+    from ._emulated import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy,
+                            global_time_ns, ld, notify, num_ranks, rank, st, symm_at, wait)
 else:
-    from ._gpu import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy, ld, notify,
-                       num_ranks, rank, st, symm_at, wait)
+    from ._gpu import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy,
+                       global_time_ns, ld, notify, num_ranks, rank, st, symm_at, wait)
 
 from . import ll, shmem
 
 __all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "ld", "st", "atomic_add",
-           "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "dot", "shmem", "ll"]
+           "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "dot", "global_time_ns", "shmem", "ll"]

@@ -7,6 +7,7 @@ read-modify-writes under the lock every rank shares. Waits spin in Python, bound
 peers (see `runtime/emulator.py`). The GPU lowering in `_gpu.py` has the same names and meanings.
 """
 import ctypes
+import time
 
 import numpy as np
 import triton.language as tl
@@ -15,12 +16,14 @@ from triton.runtime.interpreter import _interpreter as _memory
 
 from ..runtime import emulator
 from ..runtime.world import heap, transport, world
-from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SIGNAL_ADD, SIGNAL_SET
+from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SCOPES, SEMANTICS, SIGNAL_ADD, SIGNAL_SET
 
 _COMPARE = {CMP_EQ.value: (np.equal, "=="), CMP_NE.value: (np.not_equal, "!="), CMP_GT.value: (np.greater, ">"),
             CMP_GE.value: (np.greater_equal, ">="), CMP_LT.value: (np.less, "<"), CMP_LE.value: (np.less_equal, "<=")}
-_SIGNAL_OPS = {"set": SIGNAL_SET.value, "add": SIGNAL_ADD.value, SIGNAL_SET.value: SIGNAL_SET.value,
-               SIGNAL_ADD.value: SIGNAL_ADD.value}
+# What the GPU lowering compiles: `dl.notify` takes its operation by name (a constexpr string),
+# `dl.shmem`'s functions by NVSHMEM's code (an int32 argument).
+_NOTIFY_OPS = ("set", "add")
+_SHMEM_SIGNAL_OPS = (SIGNAL_SET.value, SIGNAL_ADD.value)
 _COMM_SCOPES = ("gpu", "intra_node", "inter_node")
 
 
@@ -57,6 +60,21 @@ def _element(ptr):
     return ptr.type.scalar.element_ty
 
 
+def _check_choice(what: str, name: str, value, valid, valid_text: str | None = None) -> None:
+    """Raise a ValueError naming the valid values where the GPU lowering would not compile (or, for
+    a run-time value, would hand NVSHMEM a code it does not know)."""
+    if value not in valid:
+        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {what} with {name}={value!r}; "
+                         f"use one of {valid_text or ', '.join(map(repr, valid))}")
+
+
+def _check_order(what: str, kind: str, scope, semantic) -> None:
+    """Scope and semantic change nothing here (the emulator's accesses are all ordered); they are
+    checked so that what runs here also compiles on GPUs (see `_gpu._check_order`)."""
+    _check_choice(what, "scope", _value(scope), SCOPES)
+    _check_choice(what, "semantic", _value(semantic), SEMANTICS[kind])
+
+
 def _where(address: int) -> str:
     """Names a heap address the way a person debugging a hang wants it."""
     h = heap()
@@ -83,6 +101,11 @@ def _translate(addresses: np.ndarray, peer: int, what: str, allow_remote_node: b
     return (offsets + transport().peer_base(peer)).astype(np.uint64)
 
 
+def _peer_ptr(ptr, peer, what: str, allow_remote_node: bool) -> tl.tensor:
+    """`ptr` (a pointer or a block of them) moved to `peer`'s copy of the heap."""
+    return _like(ptr, _translate(_addresses(ptr), int(_value(peer)), what, allow_remote_node))
+
+
 # ---- identity and addressing ---------------------------------------------------------------------
 def rank():
     return _scalar(world().rank, tl.int32)
@@ -93,36 +116,46 @@ def num_ranks():
 
 
 def symm_at(ptr, peer, aligned=True):
-    return _like(ptr, _translate(_addresses(ptr), int(_value(peer)), "symm_at", allow_remote_node=False))
+    return _peer_ptr(ptr, peer, "symm_at", allow_remote_node=False)
 
 
 # ---- memory order --------------------------------------------------------------------------------
 def ld(ptr, scope="gpu", semantic="acquire"):
+    _check_order("dl.ld", "load", scope, semantic)
     return tl.load(ptr, volatile=True)
 
 
 def st(ptr, value, scope="gpu", semantic="release"):
+    _check_order("dl.st", "store", scope, semantic)
     tl.store(ptr, value)
 
 
 def atomic_add(ptr, value, scope="gpu", semantic="acq_rel"):
+    _check_order("dl.atomic_add", "atomic", scope, semantic)
     return tl.atomic_add(ptr, value)
 
 
 def atomic_cas(ptr, compare, value, scope="gpu", semantic="acq_rel"):
+    _check_order("dl.atomic_cas", "atomic", scope, semantic)
     return tl.atomic_cas(ptr, compare, value)
 
 
 def atomic_xchg(ptr, value, scope="gpu", semantic="acq_rel"):
+    _check_order("dl.atomic_xchg", "atomic", scope, semantic)
     return tl.atomic_xchg(ptr, value)
 
 
 def fence(scope="sys"):
-    pass
+    _check_order("dl.fence", "atomic", scope, "acq_rel")
 
 
 def fence_async_proxy():
     pass
+
+
+# ---- time ----------------------------------------------------------------------------------------
+def global_time_ns():
+    return _scalar(time.time_ns(), tl.int64)
 
 
 # ---- compute -------------------------------------------------------------------------------------
@@ -150,11 +183,12 @@ def _wait_until(addresses: np.ndarray, dtype, compare: int, expected, what: str)
                 f"{_where(int(addresses.reshape(-1)[0]))} ({box[0].size} word(s)): expected {text} {expected}, "
                 f"observed {box[0].reshape(-1).tolist()}")
 
-    emulator.spin_until(done, describe, world=transport())
+    emulator.spin_until(done, describe, transport=transport())
     return box[0]
 
 
 def wait(ptr, num, scope="gpu", semantic="acquire", waitValue=1):
+    _check_order("dl.wait", "load", scope, semantic)
     num, expected, dtype = int(_value(num)), _value(waitValue), _element(ptr)
     first = _addresses(ptr).reshape(-1)[0]
     flags = first + np.arange(num, dtype=np.uint64) * np.uint64(dtype.primitive_bitwidth // 8)
@@ -166,11 +200,12 @@ def consume_token(x, token):
     return x
 
 
-def _signal(ptr, peer, signal, sig_op, what: str, allow_remote_node: bool):
-    """Set or add `signal` to `peer`'s word at `ptr` atomically; returns the word's old value."""
-    remote = _like(ptr, _translate(_addresses(ptr), int(_value(peer)), what, allow_remote_node))
+def _signal(ptr, peer, signal, add: bool, what: str, allow_remote_node: bool):
+    """Add `signal` to `peer`'s word at `ptr` (or set the word to it) atomically; returns the word's
+    old value."""
+    remote = _peer_ptr(ptr, peer, what, allow_remote_node)
     signal = _value(signal)
-    if _SIGNAL_OPS[_value(sig_op)] == SIGNAL_ADD:
+    if add:
         return tl.atomic_add(remote, signal)
     return tl.atomic_xchg(remote, signal)
 
@@ -178,11 +213,10 @@ def _signal(ptr, peer, signal, sig_op, what: str, allow_remote_node: bool):
 def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu"):
     # Only "inter_node" may reach another node: on GPUs the others store through symm_at, which has
     # no address there.
-    comm_scope = _value(comm_scope)
-    if comm_scope not in _COMM_SCOPES:
-        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: dl.notify with "
-                         f"comm_scope={comm_scope!r}; use one of {', '.join(map(repr, _COMM_SCOPES))}")
-    _signal(ptr, peer, signal, sig_op, "dl.notify", allow_remote_node=comm_scope == "inter_node")
+    comm_scope, sig_op = _value(comm_scope), _value(sig_op)
+    _check_choice("dl.notify", "comm_scope", comm_scope, _COMM_SCOPES)
+    _check_choice("dl.notify", "sig_op", sig_op, _NOTIFY_OPS)
+    _signal(ptr, peer, signal, sig_op == "add", "dl.notify", allow_remote_node=comm_scope == "inter_node")
 
 
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------
@@ -224,18 +258,27 @@ def getmem(dest, source, nbytes, pe):
     _copy(_local(dest), _remote(source, pe, "getmem"), int(_value(nbytes)))
 
 
+def _shmem_signal(sig_addr, signal, sig_op, pe, what: str):
+    sig_op = _value(sig_op)
+    _check_choice(what, "sig_op", sig_op, _SHMEM_SIGNAL_OPS, "dl.shmem.SIGNAL_SET, dl.shmem.SIGNAL_ADD")
+    _signal(sig_addr, pe, signal, sig_op == SIGNAL_ADD.value, what, allow_remote_node=True)
+
+
 def signal_op(sig_addr, signal, sig_op, pe):
-    _signal(sig_addr, pe, signal, sig_op, "shmem.signal_op", allow_remote_node=True)
+    _shmem_signal(sig_addr, signal, sig_op, pe, "shmem.signal_op")
 
 
 def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
     putmem(dest, source, nbytes, pe)
-    signal_op(sig_addr, signal, sig_op, pe)
+    _shmem_signal(sig_addr, signal, sig_op, pe, "shmem.putmem_signal")
 
 
 def signal_wait_until(sig_addr, cmp, cmp_value):
-    observed = _wait_until(_addresses(sig_addr).reshape(-1)[:1], _element(sig_addr), int(_value(cmp)),
-                           _value(cmp_value), "shmem.signal_wait_until")
+    cmp = _value(cmp)
+    _check_choice("shmem.signal_wait_until", "cmp", cmp, _COMPARE,
+                  "dl.shmem.CMP_EQ, CMP_NE, CMP_GT, CMP_GE, CMP_LT, CMP_LE")
+    observed = _wait_until(_addresses(sig_addr).reshape(-1)[:1], _element(sig_addr), cmp, _value(cmp_value),
+                           "shmem.signal_wait_until")
     return _scalar(observed[0], _element(sig_addr))
 
 
@@ -263,31 +306,27 @@ sync_all = barrier_all
 
 
 def p(dest, value, pe):
-    remote = _like(dest, _translate(_addresses(dest), int(_value(pe)), "shmem.p", allow_remote_node=True))
-    tl.store(remote, value)
+    tl.store(_peer_ptr(dest, pe, "shmem.p", allow_remote_node=True), value)
 
 
 def g(source, pe):
-    remote = _like(source, _translate(_addresses(source), int(_value(pe)), "shmem.g", allow_remote_node=True))
-    return tl.load(remote, volatile=True)
+    return tl.load(_peer_ptr(source, pe, "shmem.g", allow_remote_node=True), volatile=True)
 
 
 def atomic_fetch_add(dest, value, pe):
-    return _signal(dest, pe, value, "add", "shmem.atomic_fetch_add", allow_remote_node=True)
+    return _signal(dest, pe, value, True, "shmem.atomic_fetch_add", allow_remote_node=True)
 
 
 def atomic_inc(dest, pe):
-    _signal(dest, pe, 1, "add", "shmem.atomic_inc", allow_remote_node=True)
+    _signal(dest, pe, 1, True, "shmem.atomic_inc", allow_remote_node=True)
 
 
 def atomic_set(dest, value, pe):
-    _signal(dest, pe, value, "set", "shmem.atomic_set", allow_remote_node=True)
+    _signal(dest, pe, value, False, "shmem.atomic_set", allow_remote_node=True)
 
 
 def atomic_compare_swap(dest, cond, value, pe):
-    remote = _like(dest, _translate(_addresses(dest), int(_value(pe)), "shmem.atomic_compare_swap",
-                                    allow_remote_node=True))
-    return tl.atomic_cas(remote, cond, value)
+    return tl.atomic_cas(_peer_ptr(dest, pe, "shmem.atomic_compare_swap", allow_remote_node=True), cond, value)
 
 
 # The emulator copies synchronously, so every issuing form and every ordering call is the same.
@@ -321,7 +360,7 @@ def wait_packets(ptrs, mask, flag):
                     f"never carried flag {flag}; {stale.size} of {box[0].size} stale, the first at "
                     f"{_where(int(watched[stale[0]]))} with flag {int(flags[stale[0]])}")
 
-        emulator.spin_until(done, describe, world=transport())
+        emulator.spin_until(done, describe, transport=transport())
         words[active] = box[0]
     return tl.tensor(TensorHandle(words, tl.int64), ptrs.type.with_element_ty(tl.int64)
                      if ptrs.type.is_block() else tl.int64)

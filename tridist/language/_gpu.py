@@ -130,7 +130,8 @@ def _sync_threads():
 
 
 @triton.jit
-def _global_time_ns():
+def global_time_ns():
+    """Nanoseconds on the GPU's global timer (PTX's %globaltimer), for timing inside a kernel."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
@@ -168,7 +169,24 @@ def symm_at(ptr, peer, aligned: tl.constexpr = True):
 
 # ---- memory order --------------------------------------------------------------------------------
 @triton.jit
+def _check_order(what: tl.constexpr, kind: tl.constexpr, scope: tl.constexpr, semantic: tl.constexpr):
+    # PTX takes scope and semantic as text, so a typo would surface as a ptxas error far from the
+    # call. The sets are `_constants.SCOPES` and `SEMANTICS`, which the emulator checks.
+    tl.static_assert(scope == "gpu" or scope == "sys", what + ": scope is 'gpu' or 'sys'")
+    if kind == "load":
+        tl.static_assert(semantic == "relaxed" or semantic == "acquire",
+                         what + ": semantic is 'relaxed' or 'acquire' (a load cannot release)")
+    elif kind == "store":
+        tl.static_assert(semantic == "relaxed" or semantic == "release",
+                         what + ": semantic is 'relaxed' or 'release' (a store cannot acquire)")
+    else:
+        tl.static_assert(semantic == "relaxed" or semantic == "acquire" or semantic == "release"
+                         or semantic == "acq_rel", what + ": semantic is 'relaxed', 'acquire', 'release' or 'acq_rel'")
+
+
+@triton.jit
 def ld(ptr, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acquire")):
+    _check_order("dl.ld", "load", scope, semantic)
     if ptr.dtype.element_ty.primitive_bitwidth == 64:
         return tl.inline_asm_elementwise("ld.global." + semantic + "." + scope + ".b64 $0, [$1];", "=l,l", [ptr],
                                          dtype=ptr.dtype.element_ty, is_pure=False, pack=1)
@@ -179,6 +197,7 @@ def ld(ptr, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = 
 
 @triton.jit
 def st(ptr, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("release")):
+    _check_order("dl.st", "store", scope, semantic)
     if ptr.dtype.element_ty.primitive_bitwidth == 64:
         tl.inline_asm_elementwise("st.global." + semantic + "." + scope + ".b64 [$1], $2; mov.u32 $0, 0;",
                                   "=r,l,l", [ptr, tl.cast(value, ptr.dtype.element_ty)], dtype=tl.int32, is_pure=False,
@@ -191,22 +210,26 @@ def st(ptr, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.const
 
 @triton.jit
 def atomic_add(ptr, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acq_rel")):
+    _check_order("dl.atomic_add", "atomic", scope, semantic)
     return tl.atomic_add(ptr, value, sem=semantic, scope=scope)
 
 
 @triton.jit
 def atomic_cas(ptr, compare, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acq_rel")):
+    _check_order("dl.atomic_cas", "atomic", scope, semantic)
     element = ptr.dtype.element_ty
     return tl.atomic_cas(ptr, tl.cast(compare, element), tl.cast(value, element), sem=semantic, scope=scope)
 
 
 @triton.jit
 def atomic_xchg(ptr, value, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acq_rel")):
+    _check_order("dl.atomic_xchg", "atomic", scope, semantic)
     return tl.atomic_xchg(ptr, value, sem=semantic, scope=scope)
 
 
 @triton.jit
 def fence(scope: tl.constexpr = tl.constexpr("sys")):
+    _check_order("dl.fence", "atomic", scope, "acq_rel")
     tl.inline_asm_elementwise("fence.acq_rel." + scope + "; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -247,9 +270,9 @@ def _spin(ptr, cmp: tl.constexpr, value, scope: tl.constexpr, semantic: tl.const
     """Spin on one word until it compares true; bounded and reporting under TRIDIST_DEBUG."""
     observed = ld(ptr, scope, semantic)
     if DEBUG:
-        start = _global_time_ns()
+        start = global_time_ns()
         while not _compare(observed, cmp, value):
-            if _global_time_ns() - start > TIMEOUT_NS:
+            if global_time_ns() - start > TIMEOUT_NS:
                 tl.device_print("tridist wait timed out: rank, signal address, expected, observed", _my_pe(),
                                 ptr.to(tl.int64), value, observed)
                 _trap()
@@ -262,6 +285,7 @@ def _spin(ptr, cmp: tl.constexpr, value, scope: tl.constexpr, semantic: tl.const
 
 @triton.jit
 def wait(ptr, num, scope: tl.constexpr = tl.constexpr("gpu"), semantic: tl.constexpr = tl.constexpr("acquire"), waitValue=1):
+    _check_order("dl.wait", "load", scope, semantic)
     token = ld(ptr, scope, semantic)
     for i in range(num):
         token = _spin(ptr + i, CMP_EQ, waitValue, scope, semantic)
@@ -282,6 +306,8 @@ def consume_token(x, token):
 def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm_scope: tl.constexpr = tl.constexpr("gpu")):
     tl.static_assert(comm_scope == "gpu" or comm_scope == "intra_node" or comm_scope == "inter_node",
                      "dl.notify: comm_scope is 'gpu', 'intra_node' or 'inter_node'")
+    tl.static_assert(sig_op == "set" or sig_op == "add",
+                     "dl.notify: sig_op is 'set' or 'add' (dl.shmem.SIGNAL_* are for dl.shmem's functions)")
     # Every thread's earlier writes must be visible before the signal: the barrier makes them
     # visible to the signalling thread, and its release (or NVSHMEM's fence) carries them along.
     _sync_threads()
@@ -306,108 +332,118 @@ n_pes = num_ranks
 ptr = symm_at
 
 
+# Which threads of the program call an NVSHMEM function (`threads` of `_issue_copy`): the plain
+# forms are per-thread calls, made by thread 0 alone; NVSHMEM's `_warp` forms are collective over a
+# warp, so all 32 threads of the first warp call them; its `_block` forms are collective over the
+# block, so every thread of the program calls them.
+_ONE_THREAD = tl.constexpr(1)
+_FIRST_WARP = tl.constexpr(32)
+_WHOLE_BLOCK = tl.constexpr(0)
+
+
 @triton.jit
 def _issue_copy(symbol: tl.constexpr, threads: tl.constexpr, dest, source, nbytes, pe):
-    if threads == 1:
+    if threads == _ONE_THREAD:
         if _thread_index() == 0:
             _copy(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), pe)
-    elif threads == 32:
+    elif threads == _FIRST_WARP:
         if _thread_index() < 32:
             _copy(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), pe)
-    else:
+    else:  # _WHOLE_BLOCK
         _copy(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), pe)
 
 
 @triton.jit
 def putmem(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_putmem", 1, dest, source, nbytes, pe)
+    _issue_copy("nvshmem_putmem", _ONE_THREAD, dest, source, nbytes, pe)
 
 
 @triton.jit
 def putmem_nbi(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_putmem_nbi", 1, dest, source, nbytes, pe)
+    _issue_copy("nvshmem_putmem_nbi", _ONE_THREAD, dest, source, nbytes, pe)
 
 
 @triton.jit
 def putmem_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_warp", 32, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_putmem_warp", _FIRST_WARP, dest, source, nbytes, pe)
 
 
 @triton.jit
 def putmem_nbi_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_nbi_warp", 32, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_putmem_nbi_warp", _FIRST_WARP, dest, source, nbytes, pe)
 
 
 @triton.jit
 def putmem_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_block", 0, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_putmem_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
 
 
 @triton.jit
 def putmem_nbi_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_nbi_block", 0, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_putmem_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
 
 
 @triton.jit
 def getmem(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_getmem", 1, dest, source, nbytes, pe)
+    _issue_copy("nvshmem_getmem", _ONE_THREAD, dest, source, nbytes, pe)
 
 
 @triton.jit
 def getmem_nbi(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_getmem_nbi", 1, dest, source, nbytes, pe)
+    _issue_copy("nvshmem_getmem_nbi", _ONE_THREAD, dest, source, nbytes, pe)
 
 
 @triton.jit
 def getmem_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_warp", 32, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_getmem_warp", _FIRST_WARP, dest, source, nbytes, pe)
 
 
 @triton.jit
 def getmem_nbi_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_nbi_warp", 32, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_getmem_nbi_warp", _FIRST_WARP, dest, source, nbytes, pe)
 
 
 @triton.jit
 def getmem_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_block", 0, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_getmem_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
 
 
 @triton.jit
 def getmem_nbi_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_nbi_block", 0, dest, source, nbytes, pe)
+    _issue_copy("nvshmemx_getmem_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
 
 
 @triton.jit
 def _issue_copy_signal(symbol: tl.constexpr, threads: tl.constexpr, dest, source, nbytes, sig_addr, signal, sig_op,
                        pe):
-    if threads == 1:
+    if threads == _ONE_THREAD:
         if _thread_index() == 0:
             _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), sig_addr.to(tl.int64),
                          tl.cast(signal, tl.uint64), sig_op, pe)
-    else:
+    else:  # _WHOLE_BLOCK
         _copy_signal(symbol, dest.to(tl.int64), source.to(tl.int64), tl.cast(nbytes, tl.int64), sig_addr.to(tl.int64),
                      tl.cast(signal, tl.uint64), sig_op, pe)
 
 
 @triton.jit
 def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    _issue_copy_signal("nvshmem_putmem_signal", 1, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+    _issue_copy_signal("nvshmem_putmem_signal", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op, pe)
 
 
 @triton.jit
 def putmem_signal_nbi(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    _issue_copy_signal("nvshmem_putmem_signal_nbi", 1, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+    _issue_copy_signal("nvshmem_putmem_signal_nbi", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op, pe)
 
 
 @triton.jit
 def putmem_signal_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    _issue_copy_signal("nvshmemx_putmem_signal_block", 0, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+    _issue_copy_signal("nvshmemx_putmem_signal_block", _WHOLE_BLOCK, dest, source, nbytes, sig_addr, signal, sig_op, pe)
 
 
 @triton.jit
 def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    _issue_copy_signal("nvshmemx_putmem_signal_nbi_block", 0, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+    _issue_copy_signal("nvshmemx_putmem_signal_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, sig_addr, signal,
+                       sig_op, pe)
 
 
 @triton.jit
@@ -418,6 +454,8 @@ def signal_op(sig_addr, signal, sig_op, pe):
 
 @triton.jit
 def signal_wait_until(sig_addr, cmp: tl.constexpr, cmp_value):
+    tl.static_assert(cmp == CMP_EQ or cmp == CMP_NE or cmp == CMP_GT or cmp == CMP_GE or cmp == CMP_LT
+                     or cmp == CMP_LE, "shmem.signal_wait_until: cmp is one of dl.shmem.CMP_*")
     if DEBUG:
         return _spin(sig_addr, cmp, cmp_value, "sys", "acquire")
     else:
@@ -524,9 +562,9 @@ def _report_stale(ptrs, packets, mask, flag):
 def wait_packets(ptrs, mask, flag):
     packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
     if DEBUG:
-        start = _global_time_ns()
+        start = global_time_ns()
         while _stale(packets, mask, flag) > 0:
-            if _global_time_ns() - start > TIMEOUT_NS:
+            if global_time_ns() - start > TIMEOUT_NS:
                 _report_stale(ptrs, packets, mask, flag)
                 _trap()
             packets = tl.load(ptrs, mask=mask, other=0, volatile=True)

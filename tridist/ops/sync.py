@@ -3,7 +3,7 @@ import torch
 
 
 from .. import language as dl
-from ..language._gpu import _global_time_ns
+from ..language import global_time_ns as _global_time_ns
 from ..runtime import config
 from ..runtime.backend import is_emulator
 from ..runtime.jit import jit

@@ -1,8 +1,9 @@
 """The CPU emulator's shared-memory world: one process per rank, heaps in shared memory.
 
-Every rank creates two files in the world's folder (TRIDIST_EMU_DIR, made by `tridist run`):
-`heap.<rank>`, its symmetric heap, and `ctl.<rank>`, a small control block of 64-bit words that
-the host side of the runtime uses (state, pid, barrier count, a gather slot). Every rank maps every
+The ranks share a folder (TRIDIST_EMU_DIR, made by `tridist run` with `make_shared_folder`). Every
+rank creates two files there: `heap.<rank>`, its symmetric heap, and `ctl.<rank>`, a small control
+block of 64-bit words that the host side of the runtime uses (state, pid, barrier count, a gather
+slot); and all of them lock `atomics.lock` around atomic read-modify-writes. Every rank maps every
 other rank's heap, so a peer's buffer is plain memory at `peer_base + offset`.
 
 Waits here are always bounded, and while they spin they watch the peers: a peer that failed or
@@ -11,6 +12,7 @@ whose process is gone ends the wait at once with `PeerFailedError` instead of a 
 import fcntl
 import mmap
 import os
+import tempfile
 import threading
 import time
 
@@ -19,10 +21,12 @@ import torch
 from . import config
 from .errors import PeerFailedError, WaitTimeoutError
 
-# Control block layout (64-bit words).
-_STATE, _PID, _BARRIER, _GATHER_SEQ, _GATHER_LEN, _GATHER = 0, 1, 2, 3, 4, 8
-_GATHER_MAX = 56
-_CTL_WORDS = _GATHER + _GATHER_MAX
+# Control block layout, in 64-bit words: state, pid, host barrier count, then the gather slot
+# (sequence number, length, values). 64 words hold the longest gather, a symmetric allocation's
+# description (`heap._agree`: 5 words and a shape of up to 8), with room to spare.
+_STATE, _PID, _BARRIER, _GATHER_SEQ, _GATHER_LEN, _GATHER = range(6)
+_CTL_WORDS = 64
+_GATHER_MAX = _CTL_WORDS - _GATHER
 _READY, _FINISHED, _FAILED = 1, 2, 3
 _STARTUP_TIMEOUT_S = 300.0
 
@@ -57,11 +61,18 @@ def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def spin_until(done, describe, world: "EmulatorWorld | None" = None, timeout_s: float | None = None) -> None:
+def make_shared_folder(prefix: str) -> str:
+    """A new folder for a world's heaps, in /dev/shm where there is one (so that the heaps live in
+    memory), else in the default temporary folder; whoever makes it removes it."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
+def spin_until(done, describe, transport: "EmulatorTransport | None" = None, timeout_s: float | None = None) -> None:
     """Spin until `done()`; past the timeout raise `WaitTimeoutError(describe())`.
 
     Backs off from busy polling to 1 ms sleeps, so that a 2-core machine running four ranks and
-    their programs' threads still makes progress.
+    their programs' threads still makes progress. With `transport`, a failed or vanished peer ends
+    the wait at once (`PeerFailedError`).
     """
     if done():
         return
@@ -75,8 +86,8 @@ def spin_until(done, describe, world: "EmulatorWorld | None" = None, timeout_s: 
         if now >= next_check:
             if state is not None and state.failed.is_set():
                 raise LaunchAborted()
-            if world is not None:
-                world.check_peers()
+            if transport is not None:
+                transport.check_peers()
             if now - start > timeout_s:
                 raise WaitTimeoutError(f"{describe()} (waited {now - start:.1f} s; TRIDIST_WAIT_TIMEOUT raises the limit)")
             next_check = now + 0.05
@@ -84,8 +95,9 @@ def spin_until(done, describe, world: "EmulatorWorld | None" = None, timeout_s: 
         pause = min(pause * 2 or 1e-5, 1e-3)
 
 
-class EmulatorWorld:
-    """This rank's view of an emulated world: all heaps mapped, host barrier and gather."""
+class EmulatorTransport:
+    """This rank's view of an emulated world, the emulator's counterpart of `NvshmemTransport`: all
+    heaps mapped, host barrier and gather."""
 
     def __init__(self, folder: str, rank: int, world_size: int, heap_bytes: int):
         self.folder, self.rank, self.world_size, self.heap_bytes = folder, rank, world_size, heap_bytes
@@ -152,7 +164,7 @@ class EmulatorWorld:
             lambda: all(int(c[_BARRIER]) >= target for c in self._ctl),
             lambda: f"rank {self.rank}: host barrier #{target} timed out; barrier counts per rank: "
             f"{[int(c[_BARRIER]) for c in self._ctl]}",
-            world=self,
+            transport=self,
         )
 
     def allgather_ints(self, values: tuple) -> list:
@@ -166,7 +178,7 @@ class EmulatorWorld:
         mine[_GATHER_SEQ] = self._gathers
         seq = self._gathers
         spin_until(lambda: all(int(c[_GATHER_SEQ]) >= seq for c in self._ctl),
-                   lambda: f"rank {self.rank}: host gather #{seq} timed out", world=self)
+                   lambda: f"rank {self.rank}: host gather #{seq} timed out", transport=self)
         out = [tuple(int(v) for v in c[_GATHER:_GATHER + int(c[_GATHER_LEN])]) for c in self._ctl]
         self.barrier()  # nobody overwrites its slot before everyone has read it
         return out

@@ -102,46 +102,47 @@ def _synchronize_and_name(kernel: str) -> None:
                            "printed its signal, expected and observed values above.") from error
 
 
-def _launch(function, fn, grid, args, kwargs):
-    """Run one launch in the emulator (see the module docstring)."""
+def _launch(kernel, python_fn, grid, args, kwargs):
+    """Run one launch of `kernel` (an `EmulatedFunction`) in the emulator (see the module docstring);
+    `python_fn` is its Python function as the interpreter rewrote it, which each program calls."""
     from . import emulator
 
-    for name, value in list(zip(function.arg_names, args)) + list(kwargs.items()):
+    for name, value in list(zip(kernel.arg_names, args)) + list(kwargs.items()):
         if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            raise ValueError(f"{function.__name__}: argument {name} is on {value.device}; the emulator runs on "
+            raise ValueError(f"{kernel.__name__}: argument {name} is on {value.device}; the emulator runs on "
                              "CPU tensors (symm_empty gives them)")
-    argspec = inspect.getfullargspec(fn)
+    argspec = inspect.getfullargspec(python_fn)
     kwargs = {k: v for k, v in kwargs.items() if k in argspec.args}
-    patches = _interpreter._patch_lang(fn)
+    patches = _interpreter._patch_lang(python_fn)
     try:
-        bound = inspect.getcallargs(fn, *args, **kwargs)
-        annotations = {k: triton.runtime.jit._normalize_ty(t) for k, t in fn.__annotations__.items()}
-        constexprs = {k for k in function.arg_names if annotations.get(k) == "constexpr"}
+        bound = inspect.getcallargs(python_fn, *args, **kwargs)
+        annotations = {k: triton.runtime.jit._normalize_ty(t) for k, t in python_fn.__annotations__.items()}
+        constexprs = {k for k in kernel.arg_names if annotations.get(k) == "constexpr"}
         bound = {k: v if k in constexprs else _interpreter._implicit_cvt(v) for k, v in bound.items()}
         grid = grid(bound) if callable(grid) else grid
         grid = tuple(grid) + (1,) * (3 - len(grid))
         _interpreter.interpreter_builder.set_grid_dim(*grid)
         programs = [(x, y, z) for x in range(grid[0]) for y in range(grid[1]) for z in range(grid[2])]
-        state = emulator._LaunchState(function.__name__)
+        state = emulator._LaunchState(kernel.__name__)
         if len(programs) == 1:
-            _run_program(fn, bound, programs[0], state)
+            _run_program(python_fn, bound, programs[0], state)
         else:
             workers = min(len(programs), config.emulator_threads())
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tridist-program") as pool:
-                for future in [pool.submit(_run_program, fn, bound, p, state) for p in programs]:
+                for future in [pool.submit(_run_program, python_fn, bound, p, state) for p in programs]:
                     future.result()
     finally:
         patches.restore()
 
 
-def _run_program(fn, bound, program, state) -> None:
+def _run_program(python_fn, bound, program, state) -> None:
     from . import emulator
 
     emulator._launch.state = state
     emulator._launch.kernel = state.kernel
     _interpreter.interpreter_builder.set_grid_idx(*program)
     try:
-        fn(**bound)
+        python_fn(**bound)
     except emulator.LaunchAborted:
         return
     except Exception as error:

@@ -8,10 +8,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 from . import backend as _backend
+from .emulator import make_shared_folder
 from .nvshmem import SAFE_ENVIRONMENT
 
 _GRACE_S = 5.0
@@ -44,8 +44,7 @@ def _run_torchrun(nproc: int, script: list[str], env: dict) -> int:
 
 
 def _run_emulated(nproc: int, script: list[str], env: dict) -> int:
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = tempfile.mkdtemp(prefix="tridist-", dir=root)
+    folder = make_shared_folder("tridist-")
     env.update(TRITON_INTERPRET="1", TRIDIST_EMU_DIR=folder, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     ranks = []
     try:

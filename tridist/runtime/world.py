@@ -11,7 +11,6 @@ import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 
 import torch
 
@@ -23,6 +22,18 @@ from .heap import SymmetricHeap
 
 @dataclasses.dataclass(frozen=True)
 class World:
+    """Who this rank is and where it stands (see the module docstring).
+
+    rank, world_size: this rank and the number of ranks, as torchrun's RANK and WORLD_SIZE.
+    local_rank, local_world_size: this rank's index on its node and the ranks per node, where a
+        node is a *virtual* one when TRIDIST_NNODES (or `init(nnodes=...)`) splits a host; not
+        torchrun's LOCAL_RANK, which counts ranks on the host and picks the GPU.
+    node, nnodes: this rank's node and the number of nodes; ranks on one node reach each other's
+        symmetric memory through pointers, others only through put/get.
+    backend: "emulator" or "nvshmem" (`tridist.BACKEND`).
+    device: this rank's device: its GPU, or the CPU in the emulator.
+    """
+
     rank: int
     world_size: int
     local_rank: int
@@ -95,10 +106,10 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
     rank, world_size, local_rank, local_world_size, node, nnodes = _layout(nnodes)
     heap_bytes = config.heap_bytes(_backend.BACKEND)
     if _backend.BACKEND == _backend.EMULATOR:
-        from .emulator import EmulatorWorld
+        from .emulator import EmulatorTransport
 
         device = torch.device("cpu")
-        transport = EmulatorWorld(_emulator_folder(world_size), rank, world_size, heap_bytes)
+        transport = EmulatorTransport(_emulator_folder(world_size), rank, world_size, heap_bytes)
     else:
         from .nvshmem import NvshmemTransport
 
@@ -139,8 +150,9 @@ def _emulator_folder(world_size: int) -> str:
             f"WORLD_SIZE={world_size} in the emulator needs the ranks' shared folder; start the job with "
             f"`tridist run -n {world_size} script.py`"
         )
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = tempfile.mkdtemp(prefix="tridist-", dir=root)
+    from .emulator import make_shared_folder
+
+    folder = make_shared_folder("tridist-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
 
