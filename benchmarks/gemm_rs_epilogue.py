@@ -10,12 +10,13 @@ into the tile layout (kept local) with its flag raised one tile late, as if send
 computes shard 0 and adds the tile "received" for the same t. Switches turn the parts on and off
 and try other ways of doing them:
 - PEER: how shard 1's tiles are written. 0: into `out` like any GEMM tile (the baseline);
-  1: `tl.store` into the tile layout (as gemm_reduce_kernel does); 2: one TMA store of the tile;
+  1: `tl.store` into the tile layout (as gemm_rs_kernel does); 2: one TMA store of the tile;
   3: TMA stores of its two halves (a whole tile's 64 KB buffer does not fit beside 3 stages).
 - SUMS: how the received tile is read. 0: not at all; 1: `tl.load` (as committed); 2: one TMA
   load; 3: TMA loads of two halves.
-- QUIET: the `dl.shmem.quiet()` gemm_reduce_kernel ends with (needed only by gemm_ar's puts across
-  nodes; it is a call, and the kernel uses 254 registers where the GEMM alone uses 194).
+- QUIET: a closing `dl.shmem.quiet()`, which gemm_rs's kernel had until it was split from gemm_ar's
+  (needed only by gemm_ar's puts across nodes). Without it gemm_rs_kernel still compiles to 254
+  registers where the GEMM alone takes 194 (ptxas for sm_90a, 2026-11-23).
 On the CPU (emulator) it checks the variants without TMA stores at small shapes and times nothing.
 """
 import argparse
@@ -110,7 +111,7 @@ def epilogue_variant_kernel(a_desc, b_desc, out_ptr, tiles_ptr, tile_desc, half_
     finish_call(calls_ptr)
 
 
-# name: (switches, run with FLATTEN too). gemm_reduce_kernel as committed is "layout+flags+sums+quiet".
+# name: (switches, run with FLATTEN too). gemm_rs_kernel is "layout+flags+sums" (until 2026-11-23, "+quiet").
 VARIANTS = {
     "plain": (dict(PEER=0, FLAGS=False, SUMS=0, QUIET=False), True),
     "plain+quiet": (dict(PEER=0, FLAGS=False, SUMS=0, QUIET=True), True),
@@ -160,7 +161,7 @@ def run_variants(m: int, n: int, k: int, config: dict, only: list[str], rounds: 
                                          half_desc, flags, calls_done, m, n, k, **switches, **config)
         calls[name]()
         expected = full[: m // 2] + (full[m // 2:].to(torch.bfloat16).float() if switches["SUMS"] else 0)
-        error = ((out[: m // 2].float() - expected).abs().max() / expected.abs().max()).item()
+        error = results.relative_error(out[: m // 2], expected)
         if not error < 2e-2:
             raise AssertionError(f"{name}: relative error {error:.1e} (bf16 output: expected below 2e-2)")
         rows.append({"shape": f"{m}x{n}x{k}", "FLATTEN": config["FLATTEN"], "variant": name, "rel err": error})

@@ -60,11 +60,11 @@ def _gemm_cases():
                                                    "EPOCH_FLAGS": "constexpr", **blocks},
                    {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
                   for flags, per_shard, epochs in ag_flags],
-                *[(gemm_reduce.gemm_reduce_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
-                                                    "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                    "K": "i32", "local_world_size": "i32", "SCATTER": "constexpr",
-                                                    **blocks},
-                   {"SCATTER": scatter, **config}, options) for scatter in ((True,) if flat else (True, False))],
+                *[(kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16", "flags_ptr": "*i64",
+                            "calls_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "local_world_size": "i32",
+                            **blocks}, config, options)
+                  for kernel in ((gemm_reduce.gemm_rs_kernel,) if flat else
+                                 (gemm_reduce.gemm_rs_kernel, gemm_reduce.gemm_ar_kernel))],
                 *[(gemm_reduce.gemm_ar_ll_kernel, {**operands, "out_ptr": "*i32", "own_ptr": "*bf16",
                                                    "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
                                                    "K": "i32", "row": "i32", "slot_numel": "i32",
@@ -248,8 +248,8 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
 
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
-                "all_reduce_one_shot_kernel", "gemm_reduce_kernel", "reduce_ll_kernel", "reduce_ce_kernel",
-                "gemm_ar_ll_kernel", "_bounded_barrier_kernel"}
+                "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
+                "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

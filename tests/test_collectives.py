@@ -1,6 +1,5 @@
 """all_gather, reduce_scatter and all_reduce: every method, several dtypes and shapes, random data,
 poisoned outputs, back-to-back calls with no host synchronisation in between."""
-import contextlib
 import functools
 
 import pytest
@@ -28,17 +27,11 @@ def _poisoned(shape, dtype, device):
     return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
 
 
-@contextlib.contextmanager
 def _small_pieces():
-    """Ops built inside cut their copy-engine transfers in chunks of 64 bytes and their sliced
+    """Ops built inside cut their copy-engine transfers in chunks of 64 elements and their sliced
     kernels' work in slices of 256 bytes, so that the small test shapes travel in several chunks and
     the programs take several slices each."""
-    saved = _protocol.CE_CHUNK_BYTES, _protocol.SLICE_BYTES
-    _protocol.CE_CHUNK_BYTES, _protocol.SLICE_BYTES = 64, 256
-    try:
-        yield
-    finally:
-        _protocol.CE_CHUNK_BYTES, _protocol.SLICE_BYTES = saved
+    return _protocol.piece_sizes(slice_bytes=256, chunk_bytes=64)
 
 
 def _all_gather(w, method, dtype, shape, calls):

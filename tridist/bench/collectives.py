@@ -8,7 +8,6 @@ NCCL keeps regular tensors. Bus bandwidth: bytes * (n-1)/n / t, twice that for a
 as CUDA-graph replays, so launch overhead is not what gets measured.
 """
 import argparse
-import contextlib
 import sys
 
 import torch
@@ -20,7 +19,7 @@ from tridist.ops import _protocol, allgather, allreduce
 
 from ..runtime.config import parse_bytes
 from .results import save, table
-from .timing import slowest, time_us
+from .timing import all_ranks, slowest, time_us
 
 CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
 METHODS = {"allgather": allgather.METHODS, "reducescatter": allreduce.REDUCE_SCATTER_METHODS,
@@ -119,7 +118,7 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, var
                 label = column(method, cap, slice_bytes).removesuffix(" us")
                 options, source, result = _tridist_buffers(name, x, out, symmetric)
                 try:
-                    with _slices_of(slice_bytes):
+                    with _protocol.piece_sizes(slice_bytes=slice_bytes):
                         op = getattr(ops, CLASSES[name])(x.numel(), dtype, method, programs=cap, **options)
                     op(source, result)
                     torch.cuda.synchronize()
@@ -133,7 +132,7 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, var
                     ok = torch.equal(result, reference)
                 else:
                     ok = torch.allclose(result.float(), reference, rtol=1e-2, atol=1e-2)
-                if slowest(0.0 if ok else 1.0) == 0.0:
+                if all_ranks(ok):
                     us = slowest(time_us(lambda: op(source, result), graph=graph))
                     row[column(method, cap, slice_bytes)] = us
                     if method == "auto":
@@ -171,17 +170,6 @@ def column(method: str, programs, slice_bytes) -> str:
             + " us")
 
 
-@contextlib.contextmanager
-def _slices_of(slice_bytes):
-    """Ops built inside cut their sliced kernels' work in `slice_bytes` slices (None: the default)."""
-    saved = _protocol.SLICE_BYTES
-    _protocol.SLICE_BYTES = saved if slice_bytes is None else slice_bytes
-    try:
-        yield
-    finally:
-        _protocol.SLICE_BYTES = saved
-
-
 def plot(name: str, rows: list[dict], path: str) -> None:
     try:
         import matplotlib
@@ -192,8 +180,8 @@ def plot(name: str, rows: list[dict], path: str) -> None:
         return
     sizes = [r["bytes"] for r in rows]
     figure, axis = plt.subplots(figsize=(7, 4))
-    for column in [c for c in rows[0] if c.endswith(" us") and c != "best us"]:
-        axis.plot(sizes, [r.get(column) for r in rows], marker="o", label=column.removesuffix(" us"))
+    for key in [c for c in rows[0] if c.endswith(" us") and c != "best us"]:
+        axis.plot(sizes, [r.get(key) for r in rows], marker="o", label=key.removesuffix(" us"))
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set_xlabel("bytes")
@@ -207,9 +195,11 @@ def plot(name: str, rows: list[dict], path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tridist bench <allgather|reducescatter|allreduce>")
     parser.add_argument("op", choices=list(CLASSES))
-    parser.add_argument("--sizes", default="4K..256M", help="'4K..256M' (powers of 4) or a list '4K,1M'")
+    parser.add_argument("--sizes", default="4K..256M",
+                        help="'4K..256M' (powers of 4) or a list '4K,1M' (default %(default)s)")
     parser.add_argument("--method", default=None, help="one method (default: all of them)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="default %(default)s")
     parser.add_argument("--programs", default="default",
                         help="programs caps to time each method at, e.g. 'default,16,64' (default: the op's own)")
     parser.add_argument("--slice-bytes", default="default",
@@ -217,7 +207,8 @@ def main(argv=None) -> int:
                              "'default,32K' (default: _protocol.SLICE_BYTES)")
     parser.add_argument("--symmetric", action="store_true",
                         help="all-gather into a symmetric output, all-reduce in place on a symmetric buffer")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for JSON and PNG results")
+    parser.add_argument("--out", default="benchmarks/results",
+                        help="folder for JSON and PNG results (default %(default)s)")
     args = parser.parse_args(argv)
     if args.symmetric and args.op == "reducescatter":
         parser.error("--symmetric is for allgather and allreduce")

@@ -1,4 +1,10 @@
-"""What the collectives share: double-buffered symmetric workspaces and the call epoch.
+"""What the ops share: the call protocol, the checks of their arguments, how they size their work,
+and the copy-engine transfers.
+
+In this file, top down: the protocol (epochs, flags, `Workspace`, the LL `PacketRows`); checks and
+the per-stream instance cache; device helpers that copy, push and split; sizing (`steps_for`,
+`slices_for`, `warps_for`, `programs_for`, and `piece_sizes` to change the sizes while testing);
+the copy engines (`SideStream`, `PeerStreams`, `CopyEnginePush`).
 
 Protocol. Each op instance owns a symmetric workspace with two slots, and a counter of its calls
 kept on the device (so that CUDA-graph replays count too). Call `e` (counting from 1) uses slot
@@ -109,9 +115,6 @@ class PacketRows(Workspace):
 
     def __init__(self, what: str, nbytes: int, programs: int):
         w = tridist.world()
-        if w.nnodes > 1:
-            raise ValueError(f"{what} method 'll' works within one node; this world has {w.nnodes} nodes: use "
-                             "method='auto'")
         if nbytes % 4:
             raise ValueError(f"{what} method 'll' moves 4-byte words: each rank's part must be a multiple of 4 "
                              f"bytes, got {nbytes}")
@@ -145,7 +148,8 @@ def check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, op: str, dtypes=
     """x is what an op instance built for `numel` elements of `dtype` takes."""
     check_input(x, "x", dtypes)
     if x.numel() != numel or x.dtype != dtype:
-        raise ValueError(f"this {op} was built for {numel} {dtype} elements per rank; x has {x.numel()} {x.dtype}")
+        raise ValueError(f"this {op} was built for {numel} {dtype} elements per rank; x has {x.numel()} {x.dtype}: "
+                         "build another instance, or call the op's function in tridist.ops, which keeps one per shape")
 
 
 def check_output(out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -168,6 +172,14 @@ def instance(build, *key, device: torch.device):
 
 def method_error(op: str, method: str, methods) -> ValueError:
     return ValueError(f"{op}: unknown method {method!r}; choose one of {', '.join(methods)}")
+
+
+def require_one_node(what: str, instead: str) -> None:
+    """`what` (e.g. "all_gather method 'll'") reaches its peers through `symm_at` or the copy
+    engines, which reach the ranks of this node only."""
+    nnodes = tridist.world().nnodes
+    if nnodes > 1:
+        raise ValueError(f"{what} works within one node; this world has {nnodes} nodes: use {instead}")
 
 
 @triton.jit
@@ -215,7 +227,8 @@ def split_bounds(n, split, splits, BLOCK: tl.constexpr):
 
 
 def row_stride(numel: int) -> int:
-    """Staging rows start at multiples of 64 elements (at least 128 bytes), for aligned accesses."""
+    """Staging rows start at multiples of 64 elements (64 bytes for 1-byte types), so that every row
+    admits 16-byte vector accesses."""
     return triton.cdiv(numel, 64) * 64
 
 
@@ -246,7 +259,7 @@ def steps_for(numel: int, itemsize: int, programs: int, step_bytes: int = STEP_B
     return block, splits_for(numel, block, programs), warps_for(block, itemsize)
 
 
-SLICE_BYTES = 128 << 10
+SLICE_BYTES = 128 << 10  # see `slices_for`
 
 
 def slices_for(numel: int, itemsize: int, splits: int) -> int:
@@ -310,34 +323,64 @@ def raise_flag(flags: torch.Tensor, index: int) -> None:
 
 
 CE_CHUNK_BYTES = 8 << 20  # per copy-engine transfer: the copy-out of the last chunk is what shows
+
+
 # Steps of the kernels that wait for copy-engine flags: 8 KB keeps them on 4 warps (at most 255
 # registers a thread, half an SM's register file), so an SM they wait on has room left for the
 # flags' memset; 16 KB steps take 8 warps and the whole register file.
 CE_STEP_BYTES = 8 << 10
 
 
+@contextlib.contextmanager
+def piece_sizes(slice_bytes: int | None = None, chunk_bytes: int | None = None):
+    """Ops built inside cut their sliced kernels' work in slices of `slice_bytes` (`slices_for`) and
+    their copy-engine transfers in chunks of `chunk_bytes` (`CopyEnginePush`; rounded up to whole
+    rows, `row_stride`); None keeps the default. For tests, which want small data in many pieces,
+    and for the benchmark's `--slice-bytes` sweep. Sizes are read when an op is built."""
+    global SLICE_BYTES, CE_CHUNK_BYTES
+    saved = SLICE_BYTES, CE_CHUNK_BYTES
+    SLICE_BYTES = SLICE_BYTES if slice_bytes is None else slice_bytes
+    CE_CHUNK_BYTES = CE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    try:
+        yield
+    finally:
+        SLICE_BYTES, CE_CHUNK_BYTES = saved
+
+
+class SideStream:
+    """A stream beside the current one (GPUs only: in the emulator, work runs in order anyway)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def fork(self):
+        """A context that queues work on the side stream, after what the current stream has queued so far."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(self.stream)
+
+    def join(self) -> None:
+        """The current stream waits for what the side stream has queued."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+
 class PeerStreams:
-    """A side stream per peer of this node (GPUs only), so that copies to different peers run on
-    different copy engines at once. `peers` lists them in the order copies are queued, the next rank
-    first."""
+    """A side stream per peer of this node, so that copies to different peers run on different copy
+    engines at once. `peers` lists them in the order copies are queued, the next rank first."""
 
     def __init__(self, world):
         self.peers = [(world.rank + step) % world.world_size for step in range(1, world.world_size)]
-        self.streams = [torch.cuda.Stream(world.device) for _ in self.peers] if world.device.type == "cuda" else []
+        self.streams = [SideStream(world.device) for _ in self.peers]
 
     def side(self, index: int):
-        """A context that queues work on the stream of peer `peers[index]`, after what the current
-        stream has queued so far."""
-        if not self.streams:
-            return contextlib.nullcontext()
-        stream = self.streams[index]
-        stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(stream)
+        """A context that queues work on the stream of peer `peers[index]` (`SideStream.fork`)."""
+        return self.streams[index].fork()
 
     def join(self) -> None:
-        """The current stream waits for what the side streams have queued."""
         for stream in self.streams:
-            torch.cuda.current_stream().wait_stream(stream)
+            stream.join()
 
 
 class CopyEnginePush:
@@ -358,10 +401,7 @@ class CopyEnginePush:
     def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None):
         """`row`: elements from one row of staging to the next (at least `numel`; default `numel`
         rounded up to whole 64-element blocks)."""
-        w = tridist.world()
-        if w.nnodes > 1:
-            raise ValueError(f"copy-engine methods work within one node; this world has {w.nnodes} nodes")
-        self.world = w
+        self.world = w = tridist.world()
         self.chunk = row_stride(max(CE_CHUNK_BYTES // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row

@@ -241,9 +241,8 @@ class AllGather:
         self.method = choose_method(nbytes * w.world_size, w, symmetric_out) if method == "auto" else method
         self.symmetric_out = symmetric_out
         self.direct = symmetric_out and self.method == "ce" and w.world_size > 1
-        if self.method in ("pull", "ll", "ce") and w.nnodes > 1:
-            raise ValueError(f"all_gather method {self.method!r} works within one node; this world has {w.nnodes} "
-                             "nodes: use method='2d' or 'push'")
+        if self.method in ("pull", "ll", "ce"):
+            _protocol.require_one_node(f"all_gather method {self.method!r}", "method='2d' or 'push'")
         limit = _protocol.programs_limit(programs, w)
         per_peer = max(1, limit // w.world_size)
         if self.method == "ll":
@@ -265,7 +264,7 @@ class AllGather:
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         elif self.direct:
             self.streams = PeerStreams(w)
-        else:
+        else:  # "ce" through staging
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer,
                                                                       _protocol.CE_STEP_BYTES)
             self.transfer = CopyEnginePush(numel, dtype)
@@ -308,7 +307,7 @@ class AllGather:
             ws = self.workspace
             all_gather_ll_kernel[grid](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), ws.staging,
                                        ws.calls, ws.words, ws.row, ws.slot_numel, splits=self.splits, BLOCK=LL_BLOCK)
-        else:
+        else:  # "ce" through staging
             transfer = self.transfer
             tridist.barrier_all_on_stream()
             transfer.push([x.view(-1)] * w.world_size)

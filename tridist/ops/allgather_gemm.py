@@ -23,8 +23,6 @@ Protocol
   (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM runs on the remaining SMs, so
   both are resident at once. Two slots and call epochs (see `_protocol.py`), no barriers.
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -35,7 +33,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol, allgather, gemm
-from ._protocol import after_flags, call_epoch, check_output, finish_call
+from ._protocol import after_flags, call_epoch, finish_call
 
 COMMS = ("auto", "ce", "sm")
 PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
@@ -103,10 +101,9 @@ class AllGatherGEMM:
             _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the shard with comm='sm'")
         self.world = w = tridist.world()
         self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
-        if self.comm == "ce" and w.nnodes > 1:
-            raise ValueError(f"ag_gemm comm='ce' works within one node; this world has {w.nnodes} nodes: use comm='sm'")
+        if self.comm == "ce":
+            _protocol.require_one_node("ag_gemm comm='ce'", "comm='sm'")
         self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
-        self.out_dtype = gemm.out_dtype(dtype)
         self.m = w.world_size * m_shard
         self.config = gemm.resolve_config(
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
@@ -117,7 +114,9 @@ class AllGatherGEMM:
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
             self.gathered = tridist.symm_empty((2 * self.m, k), dtype)
-            self.side_stream = torch.cuda.Stream(w.device) if w.device.type == "cuda" else None
+            self.side = _protocol.SideStream(w.device)
+            # A few SMs push (8 of an H200's 132), the GEMM keeps the others; "sm" is there for several
+            # nodes, where the network, not these programs, sets the pace.
             self.comm_programs = comm_programs or max(1, programs // 16)
             self.push_tasks = allgather.spread_tasks(w)
             self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
@@ -130,23 +129,10 @@ class AllGatherGEMM:
             self.gemm_programs = programs
         self.a_desc = TensorDescriptor.from_tensor(self.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
 
-    def input_buffer(self) -> torch.Tensor:
-        """Where this rank's shard may be written before a call to spare a copy (comm="ce"): pass
-        this tensor as a_shard."""
-        w = self.world
-        return self.gathered[w.rank * self.m_shard:(w.rank + 1) * self.m_shard]
-
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
-        gemm.check_operands(a_shard, b, "a_shard", "b")
-        if tuple(a_shard.shape) != (self.m_shard, self.k) or tuple(b.shape) != (self.k, self.n) \
-                or a_shard.dtype != self.dtype:
-            raise ValueError(f"this ag_gemm takes a_shard {self.dtype} ({self.m_shard}, {self.k}) and b "
-                             f"({self.k}, {self.n}); got {a_shard.dtype} {tuple(a_shard.shape)} and {tuple(b.shape)}")
-        gemm.check_scales(self.dtype, scale_a, scale_b, a_shard.device)
-        if out is None:
-            out = torch.empty((self.m, self.n), dtype=self.out_dtype, device=a_shard.device)
-        check_output(out, (self.m, self.n), self.out_dtype)
+        out = gemm.check_call(a_shard, b, scale_a, scale_b, out, self.m, "a_shard",
+                              built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
         own_desc, b_desc = gemm.descriptors(a_shard, b, self.config)
         if self.comm == "ce":
             tridist.barrier_all_on_stream()  # every peer is done with the last call (see CopyEnginePush)
@@ -162,20 +148,13 @@ class AllGatherGEMM:
             self.m, FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
         if self.comm == "ce":
             self.push.join()
-        elif self.side_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.side_stream)
+        else:
+            self.side.join()
         return out
-
-    def _fork(self):
-        """The side stream, after what the current stream has queued (a no-op context in the emulator)."""
-        if self.side_stream is None:
-            return contextlib.nullcontext()
-        self.side_stream.wait_stream(torch.cuda.current_stream())
-        return torch.cuda.stream(self.side_stream)
 
     def _push_shard(self, a_shard: torch.Tensor) -> None:
         w = self.world
-        with self._fork():
+        with self.side.fork():
             # Shards lie back to back in `gathered` (row = shard size), as the GEMM's TMA reads them;
             # without the copy-out, `out` (here `gathered`) is never written.
             n = a_shard.numel()
@@ -197,10 +176,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
     """all_gather(a_shard) @ b, the gather overlapped with the GEMM. A collective: every rank calls
     it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream (see it for `config`).
     fp8 operands take scales (see `gemm`)."""
-    gemm.check_operands(a_shard, b, "a_shard", "b")
-    op = _protocol.instance(
-        lambda: AllGatherGEMM(a_shard.shape[0], a_shard.shape[1], b.shape[1], a_shard.dtype, comm, config=config),
-        AllGatherGEMM, tuple(a_shard.shape), b.shape[1], a_shard.dtype, comm, repr(config), device=a_shard.device)
+    op = gemm.cached(AllGatherGEMM, a_shard, b, config, "a_shard", comm=comm)
     return op(a_shard, b, out, scale_a, scale_b)
 
 

@@ -399,29 +399,28 @@ class ReduceScatter:
             raise ValueError(f"reduce_scatter needs a multiple of world_size={w.world_size} elements, got {numel}")
         self.numel, self.dtype = numel, dtype
         self.method = choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
-        if self.method in ("ll", "ce") and w.nnodes > 1:
-            raise ValueError(f"reduce_scatter method {self.method!r} works within one node; this world has {w.nnodes} "
-                             "nodes: use method='2d' or 'one_shot'")
+        if self.method in ("ll", "ce"):
+            _protocol.require_one_node(f"reduce_scatter method {self.method!r}", "method='2d' or 'one_shot'")
         self.chunk = numel // w.world_size
         limit = _protocol.programs_limit(programs, w)
+        if self.method == "ll":  # all the programs, `PacketRows` splits them
+            self.workspace = PacketRows("reduce_scatter", self.chunk * dtype.itemsize, limit)
+            return
         if self.method in ("ce", "one_shot"):  # programs per destination; `ring` and `2d` take all of them
             limit = max(1, limit // w.world_size)
         step_bytes = _protocol.CE_STEP_BYTES if self.method == "ce" else _protocol.STEP_BYTES
         self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit, step_bytes)
-        self.row = row_stride(self.chunk)
-        if self.method == "ll":
-            self.workspace = PacketRows("reduce_scatter", self.chunk * dtype.itemsize, limit)
-        elif self.method == "ce":
+        self.row = row = row_stride(self.chunk)
+        if self.method == "ce":
             self.transfer = CopyEnginePush(self.chunk, dtype)
         elif self.method == "ring":  # fp32 partials: world-1 received and world-1 sent rows
-            self.workspace = Workspace(2 * max(1, w.world_size - 1) * self.row, torch.float32,
-                                       w.world_size * self.splits)
+            self.workspace = Workspace(2 * max(1, w.world_size - 1) * row, torch.float32, w.world_size * self.splits)
         elif self.method == "2d":  # flags for the rows, then for the node sums
-            self.workspace = Workspace(w.world_size * self.row, dtype, (w.world_size + w.nnodes) * self.splits)
-            self.sums = tridist.symm_empty((2, 2 * w.nnodes * self.row), torch.float32)
-        else:
+            self.workspace = Workspace(w.world_size * row, dtype, (w.world_size + w.nnodes) * self.splits)
+            self.sums = tridist.symm_empty((2, 2 * w.nnodes * row), torch.float32)
+        else:  # "one_shot"
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.slices)
+            self.workspace = Workspace(w.world_size * row, dtype, w.world_size * self.slices)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
@@ -450,12 +449,11 @@ class ReduceScatter:
             reduce_scatter_2d_kernel[(self.splits,)](x, out, ws.staging, self.sums, ws.flags, ws.calls, self.chunk,
                                                      self.row, ws.slot_numel, w.local_world_size, splits=self.splits,
                                                      BLOCK=self.block, num_warps=self.warps)
-            return out
-        if self.method == "ring":
+        elif self.method == "ring":
             reduce_scatter_ring_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.chunk, self.row,
                                                        ws.slot_numel, w.local_world_size, splits=self.splits,
                                                        BLOCK=self.block, num_warps=self.warps)
-        else:
+        else:  # "one_shot"
             reduce_scatter_kernel[(w.world_size, self.splits)](x, out, ws.staging, ws.flags, ws.calls, self.chunk,
                                                                self.row, ws.slot_numel, w.local_world_size,
                                                                self.slices, BLOCK=self.block, num_warps=self.warps)
@@ -489,9 +487,8 @@ class AllReduce:
                        else method)
         self.direct = symmetric_in_place and self.method == "two_shot" and w.nnodes == 1
         limit = _protocol.programs_limit(programs, w)
-        if self.method == "ce" and w.nnodes > 1:
-            raise ValueError(f"all_reduce method 'ce' works within one node; this world has {w.nnodes} nodes: use "
-                             "method='one_shot' or 'two_shot'")
+        if self.method in ("ll", "ce"):
+            _protocol.require_one_node(f"all_reduce method {self.method!r}", "method='one_shot' or 'two_shot'")
         if self.method == "ll":
             self.workspace = PacketRows("all_reduce", numel * dtype.itemsize, limit)
         elif self.method == "one_shot":
@@ -512,7 +509,7 @@ class AllReduce:
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit)
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
             self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1))
-        else:
+        else:  # "two_shot" through staging
             self.chunk = triton.cdiv(numel, w.world_size)
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
                                                                       max(1, limit // w.world_size))

@@ -23,7 +23,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ..runtime.tune import tune
-from ._protocol import check_input, check_output, programs_for
+from ._protocol import check_input, check_output, instance, programs_for
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.bfloat16, torch.float16, FP8)
@@ -238,6 +238,34 @@ def check_scales(dtype: torch.dtype, scale_a, scale_b, device: torch.device) -> 
                              f"(out = scale_a * scale_b * (a @ b)); got {_describe(scale)}")
 
 
+def check_call(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out: torch.Tensor | None, out_rows: int,
+               a_name: str = "a", built: tuple | None = None) -> torch.Tensor:
+    """Checks the operands, scales and `out` (out_rows x N, of `out_dtype`) of a GEMM call; returns
+    `out`, a new tensor if None. `built`: (op name, a's shape, b's shape, dtype) of the op instance
+    called, which takes nothing else."""
+    check_operands(a, b, a_name)
+    if built is not None:
+        op, a_shape, b_shape, dtype = built
+        if (tuple(a.shape), tuple(b.shape), a.dtype) != (a_shape, b_shape, dtype):
+            raise ValueError(f"this {op} takes {a_name} {dtype} {a_shape} and b {b_shape}; got {a.dtype} "
+                             f"{tuple(a.shape)} and {tuple(b.shape)}: build another instance, or call "
+                             f"`tridist.ops.{op}`, which keeps one per shape")
+    check_scales(a.dtype, scale_a, scale_b, a.device)
+    shape = (out_rows, b.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype(a.dtype), device=a.device)
+    check_output(out, shape, out_dtype(a.dtype))
+    return out
+
+
+def cached(cls, a: torch.Tensor, b: torch.Tensor, config, a_name: str = "a", **options):
+    """The instance of `cls` (an overlapped GEMM op) for these operands' shapes and dtype, `config`
+    and `options`, on the current stream (`_protocol.instance`)."""
+    check_operands(a, b, a_name)
+    return instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, **options),
+                    cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), *options.values(), device=a.device)
+
+
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of {value.numel()} elements on {value.device}"
@@ -267,12 +295,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, co
            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b with the persistent TMA GEMM of the overlapped ops (on one rank, no communication);
     fp8 operands take scales (see the module docstring)."""
-    check_operands(a, b)
-    check_scales(a.dtype, scale_a, scale_b, a.device)
-    shape = (a.shape[0], b.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype(a.dtype), device=a.device)
-    check_output(out, shape, out_dtype(a.dtype))
+    out = check_call(a, b, scale_a, scale_b, out, a.shape[0])
+    shape = tuple(out.shape)
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"matmul takes a config dict (one of gemm.configs(device, dtype=...)) or None, got {config!r}")
     config = config or default_config(a.device, a.shape[0], b.shape[1], dtype=a.dtype)

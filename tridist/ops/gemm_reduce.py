@@ -9,11 +9,11 @@ Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
 - `tiles` is a symmetric buffer of partial tiles: tiles[slot, src, t] holds rank src's partial
   product of output tile t, BLOCK_M x BLOCK_N contiguous elements; flag (slot, src, t) says it has
   arrived.
-- gemm_rs: tile t of shard s is computed by every rank and sent to rank s, which sums it. Each rank
+- gemm_rs (`gemm_rs_kernel`): tile t of shard s is computed by every rank and sent to rank s, which sums it. Each rank
   takes the shards in the order rank+1, rank+2, ..., its own last: by the time it reaches its own
   tiles, every peer has long sent its part of them, so the reductions rarely wait; the sum is
   added to the fp32 accumulator of this rank's own part and stored once.
-- gemm_ar: every rank computes every tile and sends it to every peer; a second pass over the same
+- gemm_ar (`gemm_ar_kernel`): every rank computes every tile and sends it to every peer; a second pass over the same
   tiles sums the partials of ranks 0, 1, ... in that order, so every rank ends with the same bits.
   method="ll" (`gemm_ar_ll_kernel`, one node) sends the tiles as low-latency packets (`dl.ll`):
   each 4-byte word of two outputs travels with the call epoch as its flag, so no release of a flag
@@ -37,10 +37,13 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from . import _protocol, gemm
-from ._protocol import (PacketRows, Workspace, after_flags, call_epoch, check_output, finish_call, pack_halves,
-                        placement, unpack_halves)
+from ._protocol import (PacketRows, Workspace, after_flags, call_epoch, finish_call, pack_halves, placement,
+                        unpack_halves)
 
 GEMM_AR_METHODS = ("auto", "one_shot", "ll")
+# Words (two 16-bit values each) gemm_ar's LL kernel moves per loop step, or a whole tile if it holds
+# fewer: a step of 2048, 16 KB of packets, compiled for Hopper without spilling registers.
+LL_STEP = 2048
 
 
 @triton.jit
@@ -50,11 +53,24 @@ def _tile(tiles, index, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _slot(tiles_ptr, flags_ptr, epoch, tiles_per_slot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tiles and the flags of this call's slot (`_protocol.py`: call e uses slot e % 2)."""
+    slot = epoch % 2
+    return _tile(tiles_ptr, slot * tiles_per_slot, BLOCK_M, BLOCK_N), flags_ptr + slot * tiles_per_slot
+
+
+@triton.jit
+def _tile_offsets(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets of the elements of a BLOCK_M x BLOCK_N tile stored contiguously, row by row."""
+    return tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+
+
+@triton.jit
 def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world_size, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """Write `values` to `peer`'s copy of the tile at `tile_ptr` and raise its flag to `epoch`;
     across nodes through `staging_ptr`, a symmetric tile of this rank's."""
-    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    offsets = _tile_offsets(BLOCK_M, BLOCK_N)
     if peer // local_world_size == dl.rank() // local_world_size:
         tl.store(dl.symm_at(tile_ptr, peer) + offsets, values)
         dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
@@ -70,85 +86,95 @@ def _send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world
 def _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rank src's partial tile t of this slot, once its flag says it is here."""
     tile_ptr = after_flags(_tile(tiles, src * per_shard + t, BLOCK_M, BLOCK_N), flags + src * per_shard + t, 1, epoch)
-    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    offsets = _tile_offsets(BLOCK_M, BLOCK_N)
     return tl.load(tile_ptr + offsets).to(tl.float32)
 
 
 @jit
-def gemm_reduce_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
-                       local_world_size, SCATTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-    """SCATTER: gemm_rs on one node (out is M/world x N), else gemm_ar (out is M x N). A slot of
-    `tiles` holds world x (tiles per shard) tiles. FLATTEN (gemm_rs only) lets Triton load the
-    next tile's operands during this one's epilogue. Triton 3.6's loop fusion fails on a value
-    computed after the K loop and used only inside a branch of the epilogue, so every branch
-    computes its own addresses; gemm_ar's loop over peers beside the K loop cannot be fused."""
-    tl.static_assert(SCATTER or not FLATTEN, "gemm_ar takes configs with FLATTEN=False")
+def gemm_rs_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
+                   local_world_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """gemm_rs on one node: out is M/world x N. A slot of `tiles` holds world x (tiles per shard)
+    tiles, rank src's partial of tile t of this rank's shard at src * per_shard + t. The tiles of
+    shard rank+1 come first, this rank's own last: by then the peers' partials of them have arrived.
+    FLATTEN lets Triton load the next tile's operands during this one's epilogue. Triton 3.6's loop
+    fusion fails on a value computed after the K loop and used only inside a branch of the
+    epilogue, so every branch computes its own addresses."""
     epoch = call_epoch(calls_ptr)
     scale = gemm.load_scale(scale_a_ptr, scale_b_ptr)
     me = dl.rank()
     world = dl.num_ranks()
-    rows = M
-    shards = 1
-    if SCATTER:
-        rows = M // world
-        shards = world
+    rows = M // world
     tiles_m = tl.cdiv(rows, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_shard = tiles_m * tiles_n
-    slot = epoch % 2
-    tiles = _tile(tiles_ptr, slot * world * per_shard, BLOCK_M, BLOCK_N)
-    flags = flags_ptr + slot * world * per_shard
-    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    # gemm_rs raises a peer's flag for a tile one tile late: by then the tile's stores have
-    # drained over NVLink and the release costs nothing, where at once it would stall the program.
+    tiles, flags = _slot(tiles_ptr, flags_ptr, epoch, world * per_shard, BLOCK_M, BLOCK_N)
+    offsets = _tile_offsets(BLOCK_M, BLOCK_N)
+    # A peer's flag for a tile goes up one tile late: by then the tile's stores have drained over
+    # NVLink and the release costs nothing, where at once it would stall the program.
     late_peer = tl.cast(-1, tl.int32)
     late_flag = flags
-    for tile in tl.range(tl.program_id(0), shards * per_shard, tl.num_programs(0), flatten=FLATTEN):
-        shard = me
-        if SCATTER:
-            shard = (me + 1 + tile // per_shard) % world
+    for tile in tl.range(tl.program_id(0), world * per_shard, tl.num_programs(0), flatten=FLATTEN):
+        shard = (me + 1 + tile // per_shard) % world
         t = tile % per_shard
         tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
-        first_row = tm * BLOCK_M
-        if SCATTER:
-            first_row += shard * rows
-        acc = gemm.tile_product(a_desc, b_desc, first_row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        if SCATTER:
-            if late_peer >= 0:  # before any wait below: a peer may be waiting for this flag
-                dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
-                late_peer = tl.cast(-1, tl.int32)
-            if shard != me:
-                mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
-                tl.store(dl.symm_at(mine, shard) + offsets, (acc * scale).to(tiles_ptr.dtype.element_ty))
-                late_peer = shard
-                late_flag = flags + me * per_shard + t
-            else:
-                acc *= scale
-                for step in range(1, world):
-                    acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
-                gemm.store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
-        else:
+        acc = gemm.tile_product(a_desc, b_desc, tm * BLOCK_M + shard * rows, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                                BLOCK_K)
+        if late_peer >= 0:  # before any wait below: a peer may be waiting for this flag
+            dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
+            late_peer = tl.cast(-1, tl.int32)
+        if shard != me:
             mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
-            my_flag = flags + me * per_shard + t
-            values = (acc * scale).to(tiles_ptr.dtype.element_ty)
-            tl.store(mine + offsets, values)
+            tl.store(dl.symm_at(mine, shard) + offsets, (acc * scale).to(tiles_ptr.dtype.element_ty))
+            late_peer = shard
+            late_flag = flags + me * per_shard + t
+        else:
+            acc *= scale
             for step in range(1, world):
-                _send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M,
-                           BLOCK_N)
+                acc += _received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
+            gemm.store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
     if late_peer >= 0:
         dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
-    if not SCATTER:
-        tl.debug_barrier()  # this program's own tiles, stored by all its threads, are read back below
-        for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
-            tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for src in range(world):
-                if src == me:
-                    total += tl.load(_tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N) + offsets).to(tl.float32)
-                else:
-                    total += _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M, BLOCK_N)
-            gemm.store_tile(out_ptr, total, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
+    finish_call(calls_ptr)
+
+
+@jit
+def gemm_ar_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
+                   local_world_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """gemm_ar, one-shot: out is M x N. A slot of `tiles` holds world x (tiles of out) tiles, rank
+    src's partial of tile t at src * per_shard + t. A program sends each of its tiles to every rank
+    as soon as it is computed, then sums the same tiles over the ranks in rank order. Its loop over
+    the peers beside the K loop cannot be fused: no FLATTEN."""
+    tl.static_assert(not FLATTEN, "gemm_ar takes configs with FLATTEN=False")
+    epoch = call_epoch(calls_ptr)
+    scale = gemm.load_scale(scale_a_ptr, scale_b_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_shard = tiles_m * tiles_n
+    tiles, flags = _slot(tiles_ptr, flags_ptr, epoch, world * per_shard, BLOCK_M, BLOCK_N)
+    offsets = _tile_offsets(BLOCK_M, BLOCK_N)
+    for t in tl.range(tl.program_id(0), per_shard, tl.num_programs(0), flatten=FLATTEN):
+        tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        acc = gemm.tile_product(a_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        mine = _tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
+        my_flag = flags + me * per_shard + t
+        values = (acc * scale).to(tiles_ptr.dtype.element_ty)
+        tl.store(mine + offsets, values)
+        for step in range(1, world):
+            _send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M, BLOCK_N)
+    tl.debug_barrier()  # this program's own tiles, stored by all its threads, are read back below
+    for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
+        tm, tn = gemm.tile_coords(t, tiles_m, tiles_n, GROUP_M)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for src in range(world):
+            if src == me:
+                total += tl.load(_tile(tiles, me * per_shard + t, BLOCK_M, BLOCK_N) + offsets).to(tl.float32)
+            else:
+                total += _received_tile(tiles, flags, src, t, per_shard, epoch, BLOCK_M, BLOCK_N)
+        gemm.store_tile(out_ptr, total, tm * BLOCK_M, tn * BLOCK_N, M, N, BLOCK_M, BLOCK_N)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -237,7 +263,7 @@ def gemm_ar_ll_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, own_ptr
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     stage = packets_ptr + (epoch % 2) * slot_numel
-    offsets = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    offsets = _tile_offsets(BLOCK_M, BLOCK_N)
     words = tl.arange(0, STEP)
     every = words < STEP
     for t in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
@@ -284,7 +310,7 @@ class _GemmReduce:
         self.name, self.m, self.k, self.n, self.dtype, self.scatter = name, m, k, n, dtype, scatter
         self.out_dtype = gemm.out_dtype(dtype)
         self.two_levels = scatter and w.nnodes > 1  # gemm_rs_2d_kernel, with two regions per slot
-        flatten = scatter and not self.two_levels  # only gemm_reduce_kernel's gemm_rs loop can be fused
+        flatten = scatter and not self.two_levels  # only gemm_rs_kernel's loop can be fused
         if isinstance(config, dict) and config.get("FLATTEN") and not flatten:
             what = "gemm_rs across nodes" if scatter else name
             raise ValueError(f"{what} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got "
@@ -299,6 +325,7 @@ class _GemmReduce:
         self.per_shard = triton.cdiv(self.rows, block_m) * triton.cdiv(n, block_n)
         self.programs = min(_protocol.programs_for(w.device), (w.world_size if scatter else 1) * self.per_shard)
         if method == "ll":
+            _protocol.require_one_node("gemm_ar method 'll'", "method='one_shot'")
             tile_bytes = block_m * block_n * self.out_dtype.itemsize
             self.workspace = PacketRows(name, self.per_shard * tile_bytes, self.programs)
             self.own = torch.empty(self.per_shard * block_m * block_n, dtype=self.out_dtype, device=w.device)
@@ -308,29 +335,25 @@ class _GemmReduce:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
-        gemm.check_operands(a, b)
-        if tuple(a.shape) != (self.m, self.k) or tuple(b.shape) != (self.k, self.n) or a.dtype != self.dtype:
-            raise ValueError(f"this {self.name} takes a {self.dtype} ({self.m}, {self.k}) and b ({self.k}, {self.n}); "
-                             f"got {a.dtype} {tuple(a.shape)} and {tuple(b.shape)}")
-        gemm.check_scales(self.dtype, scale_a, scale_b, a.device)
-        if out is None:
-            out = torch.empty((self.rows, self.n), dtype=self.out_dtype, device=a.device)
-        check_output(out, (self.rows, self.n), self.out_dtype)
+        out = gemm.check_call(a, b, scale_a, scale_b, out, self.rows,
+                              built=(self.name, (self.m, self.k), (self.k, self.n), self.dtype))
         ws = self.workspace
         a_desc, b_desc = gemm.descriptors(a, b, self.config)
         if self.method == "ll":
             gemm_ar_ll_kernel[(self.programs,)](
                 a_desc, b_desc, scale_a, scale_b, out.view(torch.int32), self.own, ws.staging, ws.calls, self.m, self.n,
                 self.k, ws.row, ws.slot_numel, DTYPE=_protocol.TRITON_DTYPES[self.out_dtype],
-                STEP=min(2048, self.config["BLOCK_M"] * self.config["BLOCK_N"] // 2),
+                STEP=min(LL_STEP, self.config["BLOCK_M"] * self.config["BLOCK_N"] // 2),
                 **self.config)
             return out
         args = (a_desc, b_desc, scale_a, scale_b, out, ws.staging, ws.flags, ws.calls, self.m, self.n, self.k,
                 self.world.local_world_size)
         if self.two_levels:
             gemm_rs_2d_kernel[(self.programs,)](*args, **self.config)
+        elif self.scatter:
+            gemm_rs_kernel[(self.programs,)](*args, **self.config)
         else:
-            gemm_reduce_kernel[(self.programs,)](*args, SCATTER=self.scatter, **self.config)
+            gemm_ar_kernel[(self.programs,)](*args, **self.config)
         return out
 
     def free(self) -> None:
@@ -372,19 +395,11 @@ def choose_gemm_ar(m: int, world) -> str:
     return "ll" if world.nnodes == 1 and m <= 128 else "one_shot"
 
 
-def _cached(cls, a: torch.Tensor, b: torch.Tensor, config, **options):
-    """The instance for these operands' shapes and dtype, `config` and `options`, on the current stream."""
-    gemm.check_operands(a, b)
-    return _protocol.instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, **options),
-                              cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), *options.values(),
-                              device=a.device)
-
-
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | str | None = None,
             scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """reduce_scatter(a @ b) over the ranks, overlapped with the GEMM. A collective. fp8 operands
     take scales (see `gemm`)."""
-    return _cached(GemmReduceScatter, a, b, config)(a, b, out, scale_a, scale_b)
+    return gemm.cached(GemmReduceScatter, a, b, config)(a, b, out, scale_a, scale_b)
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto",
@@ -392,7 +407,7 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, m
             scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective. `method`: see
     `GemmAllReduce`; fp8 operands take scales (see `gemm`)."""
-    return _cached(GemmAllReduce, a, b, config, method=method)(a, b, out, scale_a, scale_b)
+    return gemm.cached(GemmAllReduce, a, b, config, method=method)(a, b, out, scale_a, scale_b)
 
 
 @torch.library.custom_op("tridist::gemm_rs", mutates_args=())
