@@ -111,3 +111,28 @@ def test_use_before_init():
         tridist.world()
     with pytest.raises(tridist.NotInitializedError):
         tridist.symm_empty((4,), torch.float32)
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("TRIDIST_HEAP_SIZE", "lots", "TRIDIST_HEAP_SIZE='lots': expected bytes"),
+    ("TRIDIST_NNODES", "two", "TRIDIST_NNODES='two': expected a positive integer"),
+    ("TRIDIST_NNODES", "0", "TRIDIST_NNODES='0'"),
+    ("TRIDIST_WAIT_TIMEOUT", "-1", "TRIDIST_WAIT_TIMEOUT='-1': expected a number of seconds"),
+    ("TRIDIST_EMU_THREADS", "many", "TRIDIST_EMU_THREADS='many'"),
+])
+def test_bad_settings_name_the_variable(monkeypatch, name, value, expected):
+    from tridist.runtime import config
+
+    monkeypatch.setenv(name, value)
+    read = {"TRIDIST_HEAP_SIZE": lambda: config.heap_bytes("emulator"), "TRIDIST_NNODES": config.virtual_nodes,
+            "TRIDIST_WAIT_TIMEOUT": config.wait_timeout_s, "TRIDIST_EMU_THREADS": config.emulator_threads}[name]
+    with pytest.raises(ValueError, match=expected):
+        read()
+
+
+def test_bad_launcher_setting_names_the_variable(monkeypatch):
+    from tridist.runtime import world
+
+    monkeypatch.setenv("RANK", "first")
+    with pytest.raises(tridist.TridistError, match="RANK='first': expected an integer"):
+        world._layout(None)

@@ -20,6 +20,8 @@ SAFE_ENVIRONMENT = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 }
+# NVSHMEM's symmetric heap holds ours and whatever else is allocated in it (PyTorch's symmetric
+# memory adds a signal pad to each allocation; NVSHMEM keeps state of its own there): room for those.
 _HEAP_HEADROOM = 1 << 30
 _INSTALL_HINT = ("install the NVSHMEM wheel that matches your CUDA: `pip install tridist[gpu]`, or "
                  "`pip install nvidia-nvshmem-cu13` (CUDA 13) / `nvidia-nvshmem-cu12` (CUDA 12); or point "

@@ -62,8 +62,14 @@ _state = _State()
 
 
 def _env_int(name: str, default: int) -> int:
+    """A launcher's integer setting (RANK, WORLD_SIZE, ...), `default` when unset."""
     value = os.environ.get(name)
-    return default if value in (None, "") else int(value)
+    if value in (None, ""):
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise TridistError(f"{name}={value!r}: expected an integer, as torchrun or `tridist run` sets it") from None
 
 
 def _layout(nnodes: int | None) -> tuple[int, int, int, int, int, int]:
