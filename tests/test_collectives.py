@@ -283,6 +283,74 @@ def test_largest_steps(world, op_name, method):
         world.run(_largest_steps, op_name=op_name, method=method)
 
 
+def _several_programs(w, op_name, method, calls=3):
+    """bf16, ragged, on up to 16 programs: every destination's data is cut over several programs
+    (`splits` > 1), in small slices, random and different every call, back to back into poisoned
+    outputs. The all-reduce gives every rank the same bits."""
+    if method in ("pull", "ll", "ce") and w.nnodes > 1:
+        return
+    part = 2050  # elements per destination: two 2048-element steps (the second ragged), 1025 LL words
+    shard = part if op_name == "AllGather" else w.world_size * part
+    if op_name == "AllReduce" and method != "ll":  # (LL moves whole 4-byte words)
+        shard += 1  # a ragged last chunk
+    with _small_pieces():
+        op = getattr(ops, op_name)(shard, torch.bfloat16, method, programs=16)
+    splits = op.workspace.splits if method == "ll" else op.splits
+    assert splits > 1, f"{op_name} {method}: {splits} program(s) per destination"
+    everyone = [_inputs(w, (shard,), torch.bfloat16, call) for call in range(calls)]
+    out_numel = {"AllGather": w.world_size * shard, "ReduceScatter": part, "AllReduce": shard}[op_name]
+    outs = [_poisoned((out_numel,), torch.bfloat16, w.device) for _ in range(calls)]
+    for call in range(calls):
+        op(everyone[call][w.rank].to(w.device), outs[call])
+    for call in range(calls):
+        if op_name == "AllGather":
+            assert torch.equal(outs[call].cpu(), torch.cat(everyone[call])), f"call {call}"
+            continue
+        reference = sum(x.double() for x in everyone[call])
+        if op_name == "ReduceScatter":
+            reference = reference[w.rank * part:(w.rank + 1) * part]
+        torch.testing.assert_close(outs[call].cpu().double(), reference, rtol=1e-2, atol=1e-2)
+        if op_name == "AllReduce":
+            bits = ops.all_gather(outs[call].view(torch.int16)).view(w.world_size, -1)
+            assert (bits == bits[0]).all(), f"call {call}: ranks got different bits"
+    tridist.barrier_all()
+    op.free()
+
+
+@pytest.mark.parametrize("op_name, method", [
+    ("AllGather", m) for m in ("push", "pull", "ll", "ce", "2d", "ring")] + [
+    ("ReduceScatter", m) for m in ("ll", "one_shot", "ce", "2d", "ring")] + [
+    ("AllReduce", m) for m in ("one_shot", "two_shot", "ll", "ce")])
+@pytest.mark.at_most_4_ranks
+def test_several_programs_per_destination(world, op_name, method):
+    world.run(_several_programs, op_name=op_name, method=method)
+
+
+def _ll_past_2_31(w, op_name):
+    """LL packets carry the low 32 bits of the call epoch: calls 2^31 - 1 to 2^31 + 1 of an
+    instance are as correct as the first."""
+    numel = 64 * w.world_size
+    op = getattr(ops, op_name)(numel, torch.float32, "ll")
+    op.workspace.calls.fill_((2**31 - 2) * op.workspace.splits)  # the next call's epoch: 2^31 - 1
+    tridist.barrier_all()
+    for call in range(3):
+        everyone = _inputs(w, (numel,), torch.float32, call)
+        out = op(everyone[w.rank].to(w.device)).cpu().double()
+        reference = sum(x.double() for x in everyone)
+        if op_name == "ReduceScatter":
+            reference = reference.view(w.world_size, -1)[w.rank]
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    tridist.barrier_all()
+    op.free()
+
+
+@pytest.mark.parametrize("op_name", ["ReduceScatter", "AllReduce"])
+def test_ll_epochs_past_2_31(world, op_name):
+    if (world.nnodes or 1) > 1:
+        pytest.skip("LL packets reach the ranks of one node")
+    world.run(_ll_past_2_31, op_name=op_name)
+
+
 def test_steps_for():
     """Steps grow to STEP_BYTES only while every program still gets one; warps keep 64 bytes or
     fewer per thread."""
@@ -315,6 +383,11 @@ def test_reuse_after_free(world):
 
 def _bad_input(w):
     x = torch.zeros(8, device=w.device)
+    huge = (1 << 31) // w.world_size  # elements per rank whose gathered rows pass 2^31
+    for build in (lambda: ops.AllGather(huge, torch.uint8, "push"), lambda: ops.AllReduce(huge, torch.bfloat16, "ll"),
+                  lambda: ops.ReduceScatter(w.world_size << 30, torch.bfloat16, "one_shot")):
+        with pytest.raises(ValueError, match="32-bit offsets"):
+            build()
     with pytest.raises(ValueError, match="dtype"):
         ops.all_gather(torch.zeros(8, dtype=torch.bool, device=w.device))
     with pytest.raises(ValueError, match="dtype"):
@@ -424,7 +497,7 @@ def _graph_replays(w, replays):
 
 def test_cuda_graph_replays(world):
     if world.backend == "emulator":
-        return  # CUDA graphs need GPUs
+        pytest.skip("CUDA graphs need GPUs")
     world.run(_graph_replays, replays=1000)
 
 
@@ -459,10 +532,13 @@ def _two_streams(w, calls, gather, scatter):
         op.free()
 
 
-@pytest.mark.parametrize("gather, scatter", [("auto", "auto"), ("2d", "2d"), ("ring", "ring")])
+@pytest.mark.parametrize("gather, scatter", [("auto", "auto"), ("2d", "2d"), ("ring", "ring"), ("ce", "ce")])
 def test_two_streams(world, gather, scatter):
+    """With "ce" both streams queue barriers every call: each instance needs its own (`sync.Barrier`)."""
     if world.backend == "emulator":
-        return  # streams need GPUs
+        pytest.skip("streams need GPUs")
+    if gather == "ce" and (world.nnodes or 1) > 1:
+        pytest.skip("the copy engines reach peers on one node only")
     world.run(_two_streams, calls=20, gather=gather, scatter=scatter)
 
 

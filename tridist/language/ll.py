@@ -7,7 +7,10 @@ the bandwidth. Contiguous packets are stored 16 bytes at a time (two packets per
 16-byte LL line of NCCL); each 8-byte half still validates itself.
 
 Flags must change between uses of a buffer (pass an epoch that grows each call), so that packets
-left from the previous call never look fresh. Data of other types is bitcast to int32 words first.
+left from the previous call never look fresh. A flag travels as its low 32 bits, and both sides
+compare those: an int64 epoch past 2^31 still matches (a reader that compared it whole would wait
+forever), and epochs 2^32 apart, which never share a buffer in flight, look alike. Data of other
+types is bitcast to int32 words first.
 """
 import triton
 import triton.language as tl
@@ -22,7 +25,7 @@ else:
 
 @triton.jit
 def pack(data, flag):
-    """int32 `data` and an int32 `flag` -> int64 packets."""
+    """int32 `data` and `flag` (its low 32 bits) -> int64 packets."""
     return (tl.cast(flag, tl.int64) << 32) | (data.to(tl.int64) & 0xFFFFFFFF)
 
 
@@ -41,4 +44,4 @@ def send(dest, data, flag, mask):
 @triton.jit
 def recv(source, flag, mask):
     """Wait until the packets at `source` (where `mask`) carry `flag`; return their int32 data."""
-    return unpack(_lowering.wait_packets(source, mask, flag))
+    return unpack(_lowering.wait_packets(source, mask, tl.cast(flag, tl.int32)))

@@ -31,6 +31,7 @@ import tridist
 from tridist.runtime.tensors import check_tensor
 
 from .. import language as dl
+from . import sync
 
 
 @triton.jit
@@ -150,6 +151,17 @@ def check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, op: str, dtypes=
     if x.numel() != numel or x.dtype != dtype:
         raise ValueError(f"this {op} was built for {numel} {dtype} elements per rank; x has {x.numel()} {x.dtype}: "
                          "build another instance, or call the op's function in tridist.ops, which keeps one per shape")
+
+
+INDEX_LIMIT = 1 << 31  # the kernels index rows of x, out and staging with 32-bit offsets
+
+
+def check_offsets(op: str, elements: int) -> None:
+    """`elements`: the furthest element (of x, out or staging) the op's kernels index from a base
+    pointer. Past 2^31 the 32-bit offsets would wrap, so refuse the size instead."""
+    if elements >= INDEX_LIMIT:
+        raise ValueError(f"{op} indexes its buffers with 32-bit offsets and would reach element {elements} here "
+                         f"(at most {INDEX_LIMIT - 1}): split the call into smaller ones")
 
 
 def check_output(out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -393,9 +405,9 @@ class CopyEnginePush:
 
     One stream writes a row's chunks in order, so a flag that is up says every earlier chunk of
     the row has landed too (`wait_chunks`). Reuse: the owner zeroes its flags after the call's
-    kernels have read them (`join`); the caller queues a barrier across ranks
-    (`barrier_all_on_stream`) at the start of each call, after which every peer's staging has been
-    read and its flags zeroed.
+    kernels have read them (`join`); the caller queues `barrier` (across ranks, this instance's own:
+    `sync.Barrier`) at the start of each call, after which every peer's staging has been read and
+    its flags zeroed.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None):
@@ -411,6 +423,7 @@ class CopyEnginePush:
         # What each peer's copy engines write into, in the order `push` visits the peers.
         self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.streams.peers]
         self.remote_flags = [tridist.peer_tensor(self.flags, peer) for peer in self.streams.peers]
+        self.barrier = sync.Barrier()
 
     def push(self, sources) -> None:
         """Queue, after what the current stream has queued, `sources[p]` (a 1-D tensor of at most
@@ -430,5 +443,6 @@ class CopyEnginePush:
         self.flags.zero_()
 
     def free(self) -> None:
+        self.barrier.free()
         tridist.symm_free(self.flags)
         tridist.symm_free(self.staging)

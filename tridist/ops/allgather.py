@@ -46,7 +46,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
-from . import _protocol
+from . import _protocol, sync
 from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, after_flags, call_epoch,
                         check_input, check_output, copy_slice, finish_call, notify_peers, placement, push_slice,
                         row_stride, split_bounds, wait_chunks)
@@ -241,6 +241,7 @@ class AllGather:
         self.method = choose_method(nbytes * w.world_size, w, symmetric_out) if method == "auto" else method
         self.symmetric_out = symmetric_out
         self.direct = symmetric_out and self.method == "ce" and w.world_size > 1
+        _protocol.check_offsets("all_gather", w.world_size * row_stride(numel))
         if self.method in ("pull", "ll", "ce"):
             _protocol.require_one_node(f"all_gather method {self.method!r}", "method='2d' or 'push'")
         limit = _protocol.programs_limit(programs, w)
@@ -264,6 +265,7 @@ class AllGather:
             self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
         elif self.direct:
             self.streams = PeerStreams(w)
+            self.barrier = sync.Barrier()
         else:  # "ce" through staging
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer,
                                                                       _protocol.CE_STEP_BYTES)
@@ -309,7 +311,7 @@ class AllGather:
                                        ws.calls, ws.words, ws.row, ws.slot_numel, splits=self.splits, BLOCK=LL_BLOCK)
         else:  # "ce" through staging
             transfer = self.transfer
-            tridist.barrier_all_on_stream()
+            transfer.barrier()
             transfer.push([x.view(-1)] * w.world_size)
             all_gather_ce_kernel[grid](x, out, transfer.staging, transfer.flags, self.numel, out.numel(),
                                        transfer.row, transfer.chunk, transfer.chunks, COPY_OWN=True,
@@ -321,7 +323,7 @@ class AllGather:
         """The copy engines write x into row `rank` of every peer's `out`, and of this rank's
         (unless x is that row already) at the same time."""
         w, n = self.world, self.numel
-        tridist.barrier_all_on_stream()  # every peer's out may be written
+        self.barrier()  # every peer's out may be written
         for index, peer in enumerate(self.streams.peers):
             with self.streams.side(index):
                 tridist.peer_tensor(out, peer).view(-1)[w.rank * n:(w.rank + 1) * n].copy_(x.view(-1))
@@ -329,12 +331,12 @@ class AllGather:
         if own.data_ptr() != x.data_ptr():
             own.copy_(x.view(-1))
         self.streams.join()
-        tridist.barrier_all_on_stream()  # every peer's shard has landed here
+        self.barrier()  # every peer's shard has landed here
 
     def free(self) -> None:
         if self.direct:
-            return
-        if self.method == "ce":
+            self.barrier.free()
+        elif self.method == "ce":
             self.transfer.free()
         else:
             self.workspace.free()

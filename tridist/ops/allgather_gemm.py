@@ -113,6 +113,7 @@ class AllGatherGEMM:
         programs = _protocol.programs_for(w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         if self.comm == "sm":
+            _protocol.check_offsets("ag_gemm comm='sm'", 2 * self.m * k)  # all_gather_2d_kernel into `gathered`
             self.gathered = tridist.symm_empty((2 * self.m, k), dtype)
             self.side = _protocol.SideStream(w.device)
             # A few SMs push (8 of an H200's 132), the GEMM keeps the others; "sm" is there for several
@@ -135,7 +136,7 @@ class AllGatherGEMM:
                               built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
         own_desc, b_desc = gemm.descriptors(a_shard, b, self.config)
         if self.comm == "ce":
-            tridist.barrier_all_on_stream()  # every peer is done with the last call (see CopyEnginePush)
+            self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
             self.push.push([a_shard.reshape(-1)] * self.world.world_size)
             flags, flags_per_shard = self.push.flags, self.push.chunks
         else:

@@ -402,6 +402,8 @@ class ReduceScatter:
         if self.method in ("ll", "ce"):
             _protocol.require_one_node(f"reduce_scatter method {self.method!r}", "method='2d' or 'one_shot'")
         self.chunk = numel // w.world_size
+        # staging holds a row per rank (the ring's fp32 partials: two, counted in elements of x)
+        _protocol.check_offsets("reduce_scatter", 2 * w.world_size * row_stride(self.chunk))
         limit = _protocol.programs_limit(programs, w)
         if self.method == "ll":  # all the programs, `PacketRows` splits them
             self.workspace = PacketRows("reduce_scatter", self.chunk * dtype.itemsize, limit)
@@ -437,7 +439,7 @@ class ReduceScatter:
             return out
         if self.method == "ce":
             transfer = self.transfer
-            tridist.barrier_all_on_stream()
+            transfer.barrier()
             transfer.push(x.view(w.world_size, -1))
             reduce_ce_kernel[(self.splits,)](x, out, transfer.staging, transfer.flags, self.numel, self.chunk,
                                              transfer.row, transfer.chunk, transfer.chunks, splits=self.splits,
@@ -486,6 +488,10 @@ class AllReduce:
         self.method = (choose_all_reduce(numel * dtype.itemsize, w, symmetric_in_place) if method == "auto"
                        else method)
         self.direct = symmetric_in_place and self.method == "two_shot" and w.nnodes == 1
+        # one-shot and LL staging hold all of x per rank; the others a chunk per rank, twice
+        whole = self.method in ("one_shot", "ll")
+        _protocol.check_offsets("all_reduce", w.world_size * row_stride(numel) if whole else
+                                2 * w.world_size * row_stride(triton.cdiv(numel, w.world_size)))
         limit = _protocol.programs_limit(programs, w)
         if self.method in ("ll", "ce"):
             _protocol.require_one_node(f"all_reduce method {self.method!r}", "method='one_shot' or 'two_shot'")
@@ -563,7 +569,7 @@ class AllReduce:
         w, m, n = self.world, self.chunk, self.numel
         source, target = x.view(-1), out.view(-1)
         mine = target[min(w.rank * m, n):min((w.rank + 1) * m, n)]
-        tridist.barrier_all_on_stream()
+        self.scatter.barrier()  # every peer is done with the last call, with both stagings
         self.scatter.push([source[min(p * m, n):min((p + 1) * m, n)] for p in range(w.world_size)])
         reduce_ce_kernel[(self.splits,)](source, mine, self.scatter.staging, self.scatter.flags, n, m,
                                          self.scatter.row, self.scatter.chunk, self.scatter.chunks,

@@ -7,6 +7,7 @@ from ..language import global_time_ns as _global_time_ns
 from ..runtime import config
 from ..runtime.backend import is_emulator
 from ..runtime.jit import jit
+from ..runtime.tensors import signals, symm_free
 from ..runtime.world import bounded_barrier, world
 
 
@@ -17,10 +18,11 @@ def _barrier_kernel():
 
 @jit
 def _bounded_barrier_kernel(slots_ptr, passed_ptr):
-    """The barrier on GPUs with TRIDIST_DEBUG=1, where NVSHMEM's cannot be bounded: barrier e raises
-    this rank's slot on every rank to e, then waits (bounded, as every debug wait) until each slot
-    here is at least e. Slot r is written only by rank r, with values that only grow, so a peer
-    already in barrier e+1 does not confuse this one. One program."""
+    """A barrier with slots of its own (`Barrier`; also `barrier_all_on_stream` on GPUs with
+    TRIDIST_DEBUG=1, where NVSHMEM's cannot be bounded): barrier e raises this rank's slot on every
+    rank to e, then waits (bounded under debug, as every wait) until each slot here is at least e.
+    Slot r is written only by rank r, with values that only grow, so a peer already in barrier e+1
+    does not confuse this one. One program."""
     me = dl.rank()
     world_size = dl.num_ranks()
     epoch = dl.ld(passed_ptr, scope="gpu", semantic="relaxed") + 1
@@ -52,6 +54,26 @@ def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None) -> None:
             _bounded_barrier_kernel[(1,)](*bounded_barrier())
         else:
             _barrier_kernel[(1,)]()
+
+
+class Barrier:
+    """A barrier across all ranks, queued on the current stream, with slots and a count of its own
+    (`_bounded_barrier_kernel`). NVSHMEM's barrier_all is one collective of the whole world, paired
+    across ranks in the order it is called: two op instances that each queued it on their own
+    stream could pair one's barrier on one rank with the other's on another. An op that queues a
+    barrier every call holds one of these instead. Build it on every rank at once (it allocates
+    symmetric memory); graph replays count, since the count is on the device."""
+
+    def __init__(self):
+        w = world()
+        self.slots = signals(w.world_size)
+        self.passed = torch.zeros(1, dtype=torch.int64, device=w.device)
+
+    def __call__(self) -> None:
+        _bounded_barrier_kernel[(1,)](self.slots, self.passed)
+
+    def free(self) -> None:
+        symm_free(self.slots)
 
 
 def sleep_async(microseconds: float, stream: "torch.cuda.Stream | None" = None) -> None:
