@@ -321,8 +321,9 @@ def _several_programs(w, op_name, method, calls=3):
     ("AllGather", m) for m in ("push", "pull", "ll", "ce", "2d", "ring")] + [
     ("ReduceScatter", m) for m in ("ll", "one_shot", "ce", "2d", "ring")] + [
     ("AllReduce", m) for m in ("one_shot", "two_shot", "ll", "ce")])
-@pytest.mark.at_most_4_ranks
 def test_several_programs_per_destination(world, op_name, method):
+    if world.backend == "emulator" and world.name not in ("2", "3", "2x2"):
+        pytest.skip("in the emulator at 2, 3 and 2x2 ranks only: even, odd and across nodes (CI's time)")
     world.run(_several_programs, op_name=op_name, method=method)
 
 
