@@ -171,6 +171,7 @@ def cases():
         (lang.count_kernel, {"counter_ptr": "*i64", "adds": "i32", "INTRA_NODE": "constexpr"}, {"INTRA_NODE": False}),
         (lang.cas_xchg_kernel, {"word_ptr": "*i64", "out_ptr": "*i64"}, {}),
         (lang.notify_add_kernel, {"signal_ptr": "*i64", "rounds": "i32", "total": "i32"}, {}),
+        (lang.signal_forms_kernel, {"signal_ptr": "*i64", "peer": "i32"}, {}),
         (lang.never_signalled_kernel, {"flag_ptr": "*i64"}, {}),
         (lang.stamp_kernel, {"slots_ptr": "*i64", "value": "i32"}, {}),
         (sync._barrier_kernel, {}, {}),

@@ -181,6 +181,36 @@ def test_notify_add(world):
 
 
 @tridist.jit
+def signal_forms_kernel(signal_ptr, peer):
+    """Every other form of signal to `peer` (on this node): a notify that adds, NVSHMEM's signal_op
+    with set and add, fenced apart; then waits on this rank's words with the comparisons not used
+    elsewhere (LT and LE hold at once, on a word nobody writes), and a sync_all."""
+    dl.notify(signal_ptr, peer, signal=2, sig_op="add")
+    dl.shmem.signal_op(signal_ptr + 1, 5, dl.shmem.SIGNAL_SET, peer)
+    dl.shmem.fence()
+    dl.shmem.signal_op(signal_ptr + 2, 3, dl.shmem.SIGNAL_ADD, peer)
+    dl.shmem.signal_wait_until(signal_ptr, dl.shmem.CMP_GT, 1)
+    dl.shmem.signal_wait_until(signal_ptr + 1, dl.shmem.CMP_NE, 0)
+    dl.shmem.signal_wait_until(signal_ptr + 2, dl.shmem.CMP_EQ, 3)
+    dl.shmem.signal_wait_until(signal_ptr + 3, dl.shmem.CMP_LT, 1)
+    dl.shmem.signal_wait_until(signal_ptr + 3, dl.shmem.CMP_LE, 0)
+    dl.shmem.sync_all()
+
+
+def _signal_forms(w):
+    signals = tridist.signals(4)
+    peer = w.node * w.local_world_size + (w.local_rank + 1) % w.local_world_size  # the next rank of this node
+    signal_forms_kernel[(1,)](signals, peer)
+    tridist.barrier_all()
+    assert signals.cpu().tolist() == [2, 5, 3, 0]
+    tridist.symm_free(signals)
+
+
+def test_signal_forms(world):
+    world.run(_signal_forms)
+
+
+@tridist.jit
 def notify_kernel(flag_ptr, peer, COMM_SCOPE: tl.constexpr):
     dl.notify(flag_ptr, peer, comm_scope=COMM_SCOPE)
 
