@@ -32,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import tridist
 import tridist.language as dl
 from tridist.bench import results, timing
-from tridist.ops import gemm
+from tridist.ops.gemm import persistent as gemm
 from tridist.ops import _protocol
 from tridist.ops._protocol import call_epoch, finish_call
 from tridist.runtime.jit import jit

@@ -22,7 +22,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tridist.bench import primitives  # noqa: E402
-from tridist.ops import _protocol, allgather, allgather_gemm, allreduce, gemm, gemm_reduce, sync  # noqa: E402
+from tridist.ops import _protocol, sync  # noqa: E402
+from tridist.ops.collectives import allgather, allreduce  # noqa: E402
+from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
+from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402

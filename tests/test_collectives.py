@@ -7,7 +7,8 @@ import torch
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol, allreduce
+from tridist.ops import _protocol
+from tridist.ops.collectives import allreduce
 from tridist.runtime.world import heap
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -560,7 +561,7 @@ def test_auto_crossovers(op, nbytes, ranks, nodes, method):
     (see the `choose_*` docstrings); host code only."""
     from types import SimpleNamespace
 
-    from tridist.ops import allgather, allreduce
+    from tridist.ops.collectives import allgather, allreduce
 
     choose = {"all_gather": allgather.choose_method, "reduce_scatter": allreduce.choose_reduce_scatter,
               "all_reduce": allreduce.choose_all_reduce}[op]
@@ -576,7 +577,7 @@ def test_auto_crossovers_symmetric(op, nbytes, nodes, method):
     """What `auto` picks for a symmetric all-gather output or all-reduce buffer (2 ranks)."""
     from types import SimpleNamespace
 
-    from tridist.ops import allgather, allreduce
+    from tridist.ops.collectives import allgather, allreduce
 
     choose = {"all_gather": allgather.choose_method, "all_reduce": allreduce.choose_all_reduce}[op]
     assert choose(nbytes, SimpleNamespace(world_size=2, nnodes=nodes), True) == method

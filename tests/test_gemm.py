@@ -8,7 +8,8 @@ import torch
 import tridist
 from tridist import ops
 from tridist.bench.results import relative_error
-from tridist.ops import _protocol, gemm
+from tridist.ops import _protocol
+from tridist.ops.gemm import persistent as gemm
 
 from .test_language import load_example
 
@@ -388,6 +389,6 @@ def test_gemm_ar_auto(m, nodes, method):
     """What gemm_ar's `auto` picks (host code only): LL packets for decode-sized M on one node."""
     from types import SimpleNamespace
 
-    from tridist.ops import gemm_reduce
+    from tridist.ops.gemm import gemm_reduce
 
     assert gemm_reduce.choose_gemm_ar(m, SimpleNamespace(nnodes=nodes)) == method

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol, allgather, allreduce
+from tridist.ops import _protocol
+from tridist.ops.collectives import allgather, allreduce
 
 from ..runtime.config import parse_bytes
 from .results import save, table

@@ -1,9 +1,7 @@
-"""The kernel library: one module per kernel family, each with its host wrapper next to its kernels."""
-from .allgather_gemm import AllGatherGEMM, ag_gemm
-from .allgather import AllGather, all_gather
-from .allreduce import AllReduce, ReduceScatter, all_reduce, reduce_scatter
-from .gemm import matmul
-from .gemm_reduce import GemmAllReduce, GemmReduceScatter, gemm_ar, gemm_rs
+"""The kernel library, grouped by family: `collectives`, `gemm`. Each op's module holds its host
+wrapper next to its kernels; `_protocol` and `sync` are what the families share."""
+from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
+from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, matmul
 
-__all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter", "reduce_scatter", "matmul",
-           "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar"]
+__all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter",
+           "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar"]

@@ -65,6 +65,17 @@ def notify_peers(flag_ptr, value):
 
 
 @triton.jit
+def sync_program():
+    """Every thread of this program waits here, and its stores to global memory so far are visible
+    to all the others after it. Needed wherever a program reads back what it stored: Triton lays out
+    each load and store on its own (an fp32 store of a sum computed from bf16 loads moves 4 elements
+    a thread, the fp32 load of it 8), so an element may be stored by one warp and loaded by another
+    that ran ahead. Without it the 2d reduce-scatter returned stale sums with four ranks sharing one
+    H100 (2026-11-24), where many programs per SM skewed the warps."""
+    tl.debug_barrier()
+
+
+@triton.jit
 def finish_call(calls_ptr):
     """Every program calls this last. Relaxed: the next launch starts after this one has ended, and
     a launch's end makes its writes visible to the next."""

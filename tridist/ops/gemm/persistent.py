@@ -22,8 +22,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ..runtime.tune import tune
-from ._protocol import check_input, check_output, instance, programs_for
+from ...runtime.tune import tune
+from .._protocol import check_input, check_output, instance, programs_for
 
 FP8 = torch.float8_e4m3fn
 DTYPES = (torch.bfloat16, torch.float16, FP8)

@@ -32,8 +32,10 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from . import _protocol, allgather, gemm
-from ._protocol import after_flags, call_epoch, finish_call
+from .. import _protocol
+from ..collectives import allgather
+from . import persistent
+from .._protocol import after_flags, call_epoch, finish_call
 
 COMMS = ("auto", "ce", "sm")
 PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
@@ -47,7 +49,7 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, 
     the flags of shard s in slot e % 2 are raised to the call epoch e; without, slot 0's are raised
     to 1 (and zeroed by the host)."""
     epoch = call_epoch(calls_ptr)
-    scale = gemm.load_scale(scale_a_ptr, scale_b_ptr)
+    scale = persistent.load_scale(scale_a_ptr, scale_b_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     slot = 0
@@ -60,9 +62,9 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, 
     per_shard = tiles_m * tiles_n
     programs = tl.num_programs(0)
     for tile in tl.range(tl.program_id(0), per_shard, programs, flatten=FLATTEN):
-        tm, tn = gemm.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
-        acc = gemm.tile_product(own_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        gemm.store_tile(out_ptr, acc * scale, me * m_shard + tm * BLOCK_M, tn * BLOCK_N, (me + 1) * m_shard, N, BLOCK_M,
+        tm, tn = persistent.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        acc = persistent.tile_product(own_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        persistent.store_tile(out_ptr, acc * scale, me * m_shard + tm * BLOCK_M, tn * BLOCK_N, (me + 1) * m_shard, N, BLOCK_M,
                         BLOCK_N)
     # Each program goes on where its walk over the tiles of all shards (program_id, program_id +
     # programs, ...) left this rank's shard.
@@ -70,7 +72,7 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, 
     arrived = tl.cast(-1, tl.int32)  # the last shard whose flags this program has seen
     for tile in tl.range(tl.program_id(0) + own_tiles * programs, world * per_shard, programs, flatten=FLATTEN):
         shard = (me + tile // per_shard) % world
-        tm, tn = gemm.tile_coords(tile % per_shard, tiles_m, tiles_n, GROUP_M)
+        tm, tn = persistent.tile_coords(tile % per_shard, tiles_m, tiles_n, GROUP_M)
         row = shard * m_shard + tm * BLOCK_M
         if shard != arrived:
             row = after_flags(row, flags_ptr + (slot * world + shard) * FLAGS_PER_SHARD, FLAGS_PER_SHARD, expected)
@@ -78,8 +80,8 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, 
             arrived = shard
         # Rows past the shard's end belong to the next shard, perhaps not there yet: they are
         # multiplied (rows are independent) but never stored.
-        acc = gemm.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        gemm.store_tile(out_ptr, acc * scale, row, tn * BLOCK_N, (shard + 1) * m_shard, N, BLOCK_M, BLOCK_N)
+        acc = persistent.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        persistent.store_tile(out_ptr, acc * scale, row, tn * BLOCK_N, (shard + 1) * m_shard, N, BLOCK_M, BLOCK_N)
     finish_call(calls_ptr)
 
 
@@ -94,7 +96,7 @@ class AllGatherGEMM:
                  comm_programs: int | None = None, config: dict | str | None = None):
         if comm not in COMMS:
             raise _protocol.method_error("ag_gemm comm", comm, COMMS)
-        gemm.check_sizes("ag_gemm", dtype, k, n)
+        persistent.check_sizes("ag_gemm", dtype, k, n)
         if not isinstance(m_shard, int) or m_shard < 1:
             raise ValueError(f"ag_gemm needs a positive int m_shard (rows of A per rank), got {m_shard!r}")
         if comm_programs is not None:
@@ -105,10 +107,10 @@ class AllGatherGEMM:
             _protocol.require_one_node("ag_gemm comm='ce'", "comm='sm'")
         self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
         self.m = w.world_size * m_shard
-        self.config = gemm.resolve_config(
+        self.config = persistent.resolve_config(
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
-            lambda: gemm.random_operands(m_shard, k, n, dtype, w.device), w.device, self.m, n, shards=w.world_size,
+            lambda: persistent.random_operands(m_shard, k, n, dtype, w.device), w.device, self.m, n, shards=w.world_size,
             dtype=dtype)
         programs = _protocol.programs_for(w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
@@ -132,9 +134,9 @@ class AllGatherGEMM:
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
-        out = gemm.check_call(a_shard, b, scale_a, scale_b, out, self.m, "a_shard",
+        out = persistent.check_call(a_shard, b, scale_a, scale_b, out, self.m, "a_shard",
                               built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
-        own_desc, b_desc = gemm.descriptors(a_shard, b, self.config)
+        own_desc, b_desc = persistent.descriptors(a_shard, b, self.config)
         if self.comm == "ce":
             self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
             self.push.push([a_shard.reshape(-1)] * self.world.world_size)
@@ -177,7 +179,7 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
     """all_gather(a_shard) @ b, the gather overlapped with the GEMM. A collective: every rank calls
     it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream (see it for `config`).
     fp8 operands take scales (see `gemm`)."""
-    op = gemm.cached(AllGatherGEMM, a_shard, b, config, "a_shard", comm=comm)
+    op = persistent.cached(AllGatherGEMM, a_shard, b, config, "a_shard", comm=comm)
     return op(a_shard, b, out, scale_a, scale_b)
 
 
@@ -192,4 +194,4 @@ def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto", scale
 def _ag_gemm_shape(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto", scale_a: torch.Tensor | None = None,
                    scale_b: torch.Tensor | None = None) -> torch.Tensor:
     return a_shard.new_empty((tridist.world().world_size * a_shard.shape[0], b.shape[1]),
-                             dtype=gemm.out_dtype(a_shard.dtype))
+                             dtype=persistent.out_dtype(a_shard.dtype))

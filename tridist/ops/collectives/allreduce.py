@@ -53,10 +53,10 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
-from . import _protocol
-from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, after_flags, call_epoch, check_input,
+from .. import _protocol
+from .._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, after_flags, call_epoch, check_input,
                         check_output, copy_slice, finish_call, notify_peers, pack_halves, placement, push_slice,
-                        row_stride, split_bounds, unpack_halves, wait_chunks)
+                        row_stride, split_bounds, sync_program, unpack_halves, wait_chunks)
 from .allgather import all_gather_ce_kernel
 
 REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
@@ -167,11 +167,13 @@ def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, c
             _sum_rows(rows, row, local_world_size, node_sums + node * row, start, stop, BLOCK)
         else:
             _sum_rows(rows, row, local_world_size, outgoing + n * row, start, stop, BLOCK)
+            sync_program()
             push_slice(outgoing + n * row, node_sums + node * row, start, stop, sum_flags + node, epoch,
                        n * local_world_size + local, local_world_size, BLOCK)
     for n in range(nodes):
         if n != node:
             node_sums = after_flags(node_sums, sum_flags + n, 1, epoch)
+    sync_program()  # this node's sum, stored above
     _sum_rows(node_sums, row, nodes, out_ptr, start, stop, BLOCK)
     dl.shmem.quiet()
     finish_call(calls_ptr)
@@ -210,6 +212,7 @@ def reduce_scatter_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
         if step < world - 1:
             chunk = (me + world - 1 - step) % world
             _add_slice(x_ptr + chunk * m, partial, step > 0, sent + step * row, start, stop, BLOCK)
+            sync_program()
             push_slice(sent + step * row, received + step * row, start, stop, flags + step * splits + split, epoch,
                        successor, local_world_size, BLOCK)
         else:  # the partial of this rank's chunk has been through every other rank
@@ -260,7 +263,7 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
         for j in range(tl.program_id(1), slices, tl.num_programs(1)):
             start, stop = split_bounds(m, j, slices, BLOCK)
             _sum_slice(x_ptr + me * m, stage, row, flags, epoch, slices, j, out_ptr + me * m, start, stop, BLOCK)
-            tl.debug_barrier()  # the sum's stores are read back below, maybe by other threads of the program
+            sync_program()
             for step in range(1, world):
                 push_slice(out_ptr + me * m, gathered + me * row, start, stop, gather_flags + me * slices + j, epoch,
                            (me + step) % world, local_world_size, BLOCK)

@@ -46,8 +46,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
-from . import _protocol, sync
-from ._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, after_flags, call_epoch,
+from .. import _protocol, sync
+from .._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, after_flags, call_epoch,
                         check_input, check_output, copy_slice, finish_call, notify_peers, placement, push_slice,
                         row_stride, split_bounds, wait_chunks)
 
