@@ -14,14 +14,28 @@ def world(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "at_most_4_ranks: run only in worlds of up to 4 ranks (see conftest.py)")
+    config.addinivalue_line("markers", "worlds(*names): run only in these worlds, e.g. worlds('1', '2', '2x2') "
+                                       "(see conftest.py)")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Worlds of 8 ranks cost the emulator, on CI's two cores, seconds per test. They run every
     kernel's own tests, where a rank count or node shape could matter. Tests marked
     `at_most_4_ranks` stop at 4 ranks and 2x2: they check what sits around the kernels (tuning,
-    torch.compile, examples, benchmarks' own kernels), which worlds of 1 to 4 ranks already cover."""
+    torch.compile, examples, benchmarks' own kernels), which worlds of 1 to 4 ranks already cover.
+    Tests marked `worlds(...)` run in the worlds they name only (of those TRIDIST_TEST_WORLDS
+    starts); the others are deselected, so that a test whose checks need only some shapes of world
+    costs CI nothing in the rest."""
+    kept, deselected = [], []
     for item in items:
         world = getattr(item, "callspec", None) and item.callspec.params.get("world")
+        only = item.get_closest_marker("worlds")
+        if world and only and world not in only.args:
+            deselected.append(item)
+            continue
         if world and item.get_closest_marker("at_most_4_ranks") and parse_world(world)[0] > 4:
             item.add_marker(pytest.mark.skip(reason=f"marked at_most_4_ranks; world {world} has more"))
+        kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
