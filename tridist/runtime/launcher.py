@@ -190,11 +190,14 @@ def _supervise(ranks: list, output: "_Output") -> int:
         codes = [r.poll() for r in ranks]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            rank, code = failed[0]
-            output.drain([rank])  # its last words (a traceback) before the verdict
+            # A rank killed by a signal first: its peers may fail in turn as they notice, at the same poll.
+            failed.sort(key=lambda entry: (entry[1] > 0, entry[0]))
+            output.drain([rank for rank, _ in failed])  # their last words (a traceback) before the verdict
             others = [i for i, c in enumerate(codes) if c is None]
             stopping = f"; stopping rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else ""
-            output.say(f"tridist run: rank {rank} {describe_exit(code)}{stopping}")
+            verdicts = ", ".join(f"rank {rank} {describe_exit(code)}" for rank, code in failed)
+            output.say(f"tridist run: {verdicts}{stopping}")
+            code = failed[0][1]
             return code if code > 0 else 128 - code
         if all(c == 0 for c in codes):
             return 0
