@@ -4,7 +4,8 @@
 backend chosen at import (see `backend.py`) and allocates the symmetric heap. With `nnodes` (or
 TRIDIST_NNODES) the ranks of one host are split into that many virtual nodes: peers on another
 virtual node are treated as remote (reached with put/get, never through a pointer), so the
-inter-node code paths run on a single machine.
+inter-node code paths run on a single machine. With TRIDIST_RANKS_PER_GPU=K several ranks share a
+GPU (`sharing.py`): the host's rank LOCAL_RANK runs on GPU LOCAL_RANK // K, with a gloo host group.
 """
 import atexit
 import dataclasses
