@@ -62,8 +62,8 @@ def gpu_worlds(gpus: int, per_gpu: int) -> list[str]:
     """The worlds that `gpus` GPUs of `per_gpu` ranks each hold; world 1 only without sharing, where
     the point is peers."""
     ranks = gpus * per_gpu
-    return ((["1"] if per_gpu == 1 else []) + (["2", "2x1"] if ranks >= 2 else []) + (["4", "2x2"] if ranks >= 4 else [])
-            + (["8", "2x4", "4x2"] if ranks >= 8 else []))
+    return ((["1"] if per_gpu == 1 else []) + (["2", "2x1"] if ranks >= 2 else [])
+            + (["4", "2x2"] if ranks >= 4 else []) + (["8", "2x4", "4x2"] if ranks >= 8 else []))
 
 
 def default_worlds() -> list[str]:
@@ -147,7 +147,8 @@ class WorldPool:
             if sharing.gpus_needed(self.size, per_gpu) > gpus:
                 raise AssertionError(f"world {self.name}: {self.size} ranks at {per_gpu} per GPU need "
                                      f"{sharing.gpus_needed(self.size, per_gpu)} GPUs, this host has {gpus}; set "
-                                     "TRIDIST_RANKS_PER_GPU (and run CUDA MPS: scripts/gpu_suite.sh with RANKS_PER_GPU)")
+                                     "TRIDIST_RANKS_PER_GPU (and run CUDA MPS: scripts/gpu_suite.sh with "
+                                     "RANKS_PER_GPU)")
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **SAFE_ENVIRONMENT,
                        **sharing.rank_environment(self.size, per_gpu))
         context = multiprocessing.get_context("spawn")

@@ -104,7 +104,8 @@ def test_info():
     assert result.returncode == 0, result.stderr
     assert f"tridist backend: {backend()}" in result.stdout and "to fix:" in result.stdout
     assert "TRIDIST_RANKS_PER_GPU=" in result.stdout
-    assert ("CUDA MPS control daemon: " if backend() == "nvshmem" else "--ranks-per-gpu changes nothing") in result.stdout
+    sharing_line = "CUDA MPS control daemon: " if backend() == "nvshmem" else "--ranks-per-gpu changes nothing"
+    assert sharing_line in result.stdout
 
 
 # The launcher's own logic, with ranks that are plain Python scripts (no tridist: quick to start).
@@ -276,7 +277,8 @@ def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
     monkeypatch.delenv("FAIL_RANK")
     assert launcher.run(2, [str(show)], backend="nvshmem", ranks_per_gpu=2, start_mps=True) == 0
     assert f"through the MPS control daemon in {tmp_path / 'existing'}" in capfd.readouterr().err
-    assert (tmp_path / "log").read_text().split().count("start") == 2 and (tmp_path / "existing" / "fake-daemon").exists()
+    assert (tmp_path / "log").read_text().split().count("start") == 2
+    assert (tmp_path / "existing" / "fake-daemon").exists()
 
 
 def test_emulator_ignores_gpu_sharing(capfd, monkeypatch):

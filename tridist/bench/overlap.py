@@ -122,7 +122,8 @@ def _checked(name: str, op, a, b, scales, expected) -> float:
     return op_us(lambda: op(a, b, None, *scales))
 
 
-def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None, baselines: bool = True) -> list[dict]:
+def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None,
+                baselines: bool = True) -> list[dict]:
     """Each shape: tridist (ag_gemm with copy-engine and with SM communication, gemm_ar one-shot
     and in LL packets), the sequential NCCL + cuBLAS, PyTorch fused where `torch_fused` (shape ->
     us) has it, and the local GEMMs alone. Without `baselines` (ranks sharing a GPU) the

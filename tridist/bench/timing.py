@@ -1,9 +1,10 @@
 """Timing across ranks: CUDA events, warm-up, many repetitions, the median, the slowest rank.
 
-Every repetition starts from a host barrier, then queues a busy-wait of the GPU, a one-element
-NCCL all-reduce (not with gloo, where ranks share a GPU) and the start event ahead of the timed calls: the busy-wait gives every host time
-to queue the calls before its GPU reaches them, and the all-reduce lets the GPUs leave together, so
-a rank whose host was late does not make its peers' first call wait inside the timing. (Without
+Every repetition starts from a host barrier, then queues a busy-wait of the GPU, a one-element NCCL
+all-reduce (none with gloo, where ranks share a GPU) and the start event ahead of the timed calls:
+the busy-wait gives every host time to queue the calls before its GPU reaches them, and the
+all-reduce lets the GPUs leave together, so a rank whose host was late does not make its peers'
+first call wait inside the timing. (Without
 the busy-wait, the same kernel timed twice in one run differed by up to 1.2 us at 4 KB.) Small
 operations are captured `inner` times in a CUDA graph so that launch overhead is not what gets
 measured.

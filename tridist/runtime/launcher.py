@@ -194,7 +194,8 @@ def _supervise(ranks: list, output: "_Output") -> int:
             failed.sort(key=lambda entry: (entry[1] > 0, entry[0]))
             output.drain([rank for rank, _ in failed])  # their last words (a traceback) before the verdict
             others = [i for i, c in enumerate(codes) if c is None]
-            stopping = f"; stopping rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else ""
+            stopping = (f"; stopping rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+                        if others else "")
             verdicts = ", ".join(f"rank {rank} {describe_exit(code)}" for rank, code in failed)
             output.say(f"tridist run: {verdicts}{stopping}")
             code = failed[0][1]

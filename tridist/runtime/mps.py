@@ -55,7 +55,8 @@ def status(env: dict | None = None) -> Status:
         return Status(False, False, folder)
     # Without a daemon the control program says it cannot find one and fails.
     answer = _control("get_server_list", env)
-    running = answer is not None and answer.returncode == 0 and "cannot find" not in (answer.stdout + answer.stderr).lower()
+    said = "" if answer is None else (answer.stdout + answer.stderr).lower()
+    running = answer is not None and answer.returncode == 0 and "cannot find" not in said
     return Status(True, running, folder)
 
 
