@@ -4,13 +4,19 @@
 #   BENCHES="gemm ag_gemm" BENCH_ARGS=--tune bash scripts/gpu_suite.sh bench   (default: every benchmark)
 #   NPROC=2 bash scripts/gpu_suite.sh bench   (benchmark ranks; default: every GPU of the machine)
 #   TRIDIST_TEST_WORLDS=4,2x2 bash scripts/gpu_suite.sh tests   (test worlds; see tests/harness.py)
+#   RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 ranks share each GPU, so one GPU runs worlds 2, 2x1,
+#     4 and 2x2 with peers: a CUDA MPS daemon is started for the run and quit however it ends; the
+#     benchmarks then check results only: see docs/guide/one-gpu.md)
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
 # gemm_rs is asked for: they read its JSON for their "torch fused us" column.
 # Runs from the repository without installing it (that machine has no network; its image has
 # torch, triton and the NVSHMEM wheel). Logs, results and the Triton cache (kernels with NVSHMEM
 # linked take seconds each to compile) are written to $OUT. The cache comes back as parts of 15 MB
 # (the device tool returns files of up to 16 MiB): copy $OUT/triton-cache.part-* into
-# .triton-cache-parts/ and carry that folder in the next call.
+# .triton-cache-parts/ and carry that folder in the next call. The test ranks also log each kernel
+# they compile (.triton-cache/compile-log.jsonl, carried with the cache); the next run first compiles
+# those again on every core at once (tests/precompile.py), so kernels whose source changed since do
+# not compile one by one in the middle of the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -24,8 +30,29 @@ export TRITON_CACHE_DIR=$PWD/.triton-cache
 if compgen -G ".triton-cache-parts/triton-cache.part-*" >/dev/null; then
   cat .triton-cache-parts/triton-cache.part-* | tar xz
 fi
+mkdir -p .triton-cache
+export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
 status=0
-nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
+if [ -f "$TRIDIST_COMPILE_LOG" ] && { [ "$what" = tests ] || [ "$what" = all ]; }; then
+  # Before MPS starts: the compiling processes need no GPU share.
+  timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 | tail -n 20 | tee "$OUT/precompile.log"
+fi
+gpus=$(nvidia-smi -L | wc -l)
+if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
+  export TRIDIST_RANKS_PER_GPU=$RANKS_PER_GPU
+  mps=$(mktemp -d /tmp/tridist-mps-XXXXXX)
+  export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  quit_mps() {
+    echo quit | timeout 30 nvidia-cuda-mps-control || echo "the MPS control daemon in $CUDA_MPS_PIPE_DIRECTORY did not quit"
+    cp -r "$CUDA_MPS_LOG_DIRECTORY" "$OUT/mps-log" 2>/dev/null
+    rm -rf "$mps"
+  }
+  trap quit_mps EXIT
+  trap 'exit 130' INT; trap 'exit 143' TERM; trap 'exit 129' HUP  # through the EXIT trap
+  nvidia-cuda-mps-control -d || { echo "could not start the MPS control daemon"; exit 1; }
+fi
+nproc=${NPROC:-$((gpus * ${RANKS_PER_GPU:-1}))}
 python -m tridist info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/info.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then

@@ -7,6 +7,12 @@ with every rank's traceback; the pool is then thrown away (a failed rank may lea
 and the next test starts a fresh one.
 
 Worlds are named "N" (N ranks, one node) or "KxL" (K virtual nodes of L ranks each).
+
+On GPUs, TRIDIST_RANKS_PER_GPU=K puts K ranks on each GPU as `tridist run --ranks-per-gpu K` does
+(rank r on GPU r // K, a gloo host group, each rank 100 // (ranks on its GPU) percent of the SMs
+through CUDA MPS, which must be running: scripts/gpu_suite.sh starts it with RANKS_PER_GPU=K), so
+that a machine with one GPU runs the suite with peers. TRIDIST_COMPILE_LOG=path makes the ranks
+record the kernels they compile, for `python -m tests.precompile` (see there).
 """
 import importlib.util
 import multiprocessing
@@ -45,6 +51,21 @@ def backend() -> str:
     return "nvshmem" if torch.cuda.is_available() else "emulator"
 
 
+def ranks_per_gpu() -> int:
+    """TRIDIST_RANKS_PER_GPU (1 when unset): the ranks each GPU takes."""
+    from tridist.runtime import config  # not at the top: see `_worker`
+
+    return config.ranks_per_gpu()
+
+
+def gpu_worlds(gpus: int, per_gpu: int) -> list[str]:
+    """The worlds that `gpus` GPUs of `per_gpu` ranks each hold; world 1 only without sharing, where
+    the point is peers."""
+    ranks = gpus * per_gpu
+    return ((["1"] if per_gpu == 1 else []) + (["2", "2x1"] if ranks >= 2 else [])
+            + (["4", "2x2"] if ranks >= 4 else []) + (["8", "2x4", "4x2"] if ranks >= 8 else []))
+
+
 def default_worlds() -> list[str]:
     spec = os.environ.get("TRIDIST_TEST_WORLDS")
     if spec:
@@ -52,9 +73,7 @@ def default_worlds() -> list[str]:
     if backend() == "nvshmem":
         import torch
 
-        gpus = torch.cuda.device_count()
-        return (["1"] + (["2", "2x1"] if gpus >= 2 else []) + (["4", "2x2"] if gpus >= 4 else [])
-                + (["8", "2x4", "4x2"] if gpus >= 8 else []))
+        return gpu_worlds(torch.cuda.device_count(), ranks_per_gpu())
     # One node of 8 ranks is left to TRIDIST_TEST_WORLDS=8: on CI's two cores it took 5 minutes.
     # 2x4 runs 8 ranks across two nodes, but there the one-node methods (ll, pull, ce, the
     # symmetric two-shot, ag_gemm's ce, gemm_ar's ll) only check that they refuse: those run at 8
@@ -75,6 +94,10 @@ def _worker(rank: int, env: dict, conn) -> None:
 
     import tridist
 
+    if os.environ.get("TRIDIST_COMPILE_LOG") and tridist.BACKEND == "nvshmem":
+        from .precompile import record
+
+        record(os.environ["TRIDIST_COMPILE_LOG"])
     world = tridist.init()
     conn.send(("ready", None))
     while True:
@@ -115,9 +138,19 @@ class WorldPool:
         else:
             # Here, not at the top: spawned ranks import this module, and must not import tridist
             # before `_worker` has set their environment.
+            import torch
+
+            from tridist.runtime import sharing
             from tridist.runtime.nvshmem import SAFE_ENVIRONMENT
 
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **SAFE_ENVIRONMENT)
+            per_gpu, gpus = ranks_per_gpu(), torch.cuda.device_count()
+            if sharing.gpus_needed(self.size, per_gpu) > gpus:
+                raise AssertionError(f"world {self.name}: {self.size} ranks at {per_gpu} per GPU need "
+                                     f"{sharing.gpus_needed(self.size, per_gpu)} GPUs, this host has {gpus}; set "
+                                     "TRIDIST_RANKS_PER_GPU (and run CUDA MPS: scripts/gpu_suite.sh with "
+                                     "RANKS_PER_GPU)")
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), **SAFE_ENVIRONMENT,
+                       **sharing.rank_environment(self.size, per_gpu))
         context = multiprocessing.get_context("spawn")
         for rank in range(self.size):
             parent, child = context.Pipe()

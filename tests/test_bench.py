@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import tridist
-from tridist.bench import overlap, primitives, results, torch_fused
+from tridist.bench import overlap, primitives, results, shared_gpu, torch_fused
 
 from .harness import load_script
 
@@ -21,7 +21,7 @@ def _primitives(w):
 @pytest.mark.at_most_4_ranks
 def test_primitive_kernels_move_the_right_data(world):
     if world.size % 2:
-        return  # the benchmark pairs rank r with rank r ^ 1
+        pytest.skip("the benchmark pairs rank r with rank r ^ 1: an even number of ranks")
     world.run(_primitives)
 
 
@@ -59,8 +59,11 @@ def _gemm_rs_epilogue(w):
 
 
 def test_gemm_rs_epilogue_variants(world):
-    if world.size == 1 and world.backend == "emulator":  # on GPUs: `tridist run -n 1 benchmarks/gemm_rs_epilogue.py`
-        world.run(_gemm_rs_epilogue)
+    if world.backend != "emulator":
+        pytest.skip("on GPUs: `tridist run -n 1 benchmarks/gemm_rs_epilogue.py`")
+    if world.size > 1:
+        pytest.skip("its kernel pretends a world of two on one rank: world 1 only")
+    world.run(_gemm_rs_epilogue)
 
 
 # `tridist bench torch_fused` needs GPUs to measure anything; on the CPU it must still import (without
@@ -168,3 +171,52 @@ def test_relative_error_is_against_the_largest_expected_value():
     expected = torch.tensor([[4.0, -2.0], [0.5, 0.0]])
     assert results.relative_error(expected.to(torch.bfloat16), expected) == 0.0
     assert results.relative_error(expected + torch.tensor([[0.0, 0.0], [0.0, -0.2]]), expected) == pytest.approx(0.05)
+
+
+# Ranks sharing a GPU (`tridist run --ranks-per-gpu`): the benchmarks' references go through the host
+# (gloo), they say so, and their results say that no speed was measured.
+
+def _host_references(w, folder):
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=w.rank, world_size=w.world_size)
+    try:
+        n = w.world_size
+        x = (torch.arange(6, dtype=torch.float32) + 10 * w.rank).to(torch.bfloat16)
+        gathered = torch.empty(2, 3 * n, dtype=torch.bfloat16)
+        shared_gpu.all_gather(gathered, x)
+        assert torch.equal(gathered.view(-1).float(), torch.cat([torch.arange(6.0) + 10 * r for r in range(n)]))
+        total = torch.full((2 * n, 3), w.rank + 1.0, dtype=torch.bfloat16)
+        shared_gpu.all_reduce(total)
+        assert (total.float() == n * (n + 1) / 2).all()
+        rows = torch.arange(6.0 * n).view(2 * n, 3)
+        mine = torch.empty(2, 3)
+        shared_gpu.reduce_scatter(mine, rows * (w.rank + 1))
+        assert torch.equal(mine, rows[2 * w.rank:2 * w.rank + 2] * n * (n + 1) / 2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.worlds("3")
+def test_references_through_the_host_group(world, tmp_path):
+    world.run(_host_references, folder=str(tmp_path))
+
+
+def test_results_say_when_ranks_share_a_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRIDIST_RANKS_PER_GPU", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert shared_gpu.announce("tridist bench x", rank=0)
+    said = capsys.readouterr().out
+    assert "2 ranks share each GPU" in said and "no speed claim is made" in said
+    path = results.save("x", [{"us": 1.0}], str(tmp_path))
+    with open(path) as f:
+        saved = json.load(f)
+    assert "-shared2-" in os.path.basename(path)
+    assert saved["ranks_per_gpu"] == 2 and saved["speed"] == "not comparable: ranks share one GPU"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        assert torch_fused.main(["--shapes", "1024x8192x8192"]) == 0  # skipped before NCCL refuses
+    assert "skipped" in capsys.readouterr().out and not dist.is_initialized()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank shares its GPU with nobody
+    assert not shared_gpu.announce("tridist bench x", rank=0) and capsys.readouterr().out == ""
+    path = results.save("x", [{"us": 1.0}], str(tmp_path))
+    with open(path) as f:
+        assert "shared" not in os.path.basename(path) and "speed" not in json.load(f)

@@ -1,12 +1,19 @@
-"""`tridist run` and `tridist info`, as a user runs them (these start their own processes)."""
+"""`tridist run` and `tridist info`, as a user runs them (these start their own processes), and the
+launcher's decisions: GPU sharing, each rank's environment, output prefixing, CUDA MPS."""
+import io
+import json
 import os
+import re
+import stat
 import subprocess
 import sys
 import time
 
 import pytest
 
-from .harness import backend
+from tridist.runtime import info, launcher, mps, sharing
+
+from .harness import backend, gpu_worlds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,19 +31,51 @@ def gpus() -> int:
     return torch.cuda.device_count() if backend() == "nvshmem" else 0
 
 
+def gpu_ranks() -> int:
+    """The ranks this GPU box runs at most: TRIDIST_RANKS_PER_GPU (default 1) on each GPU."""
+    from tridist.runtime import config
+
+    return gpus() * config.ranks_per_gpu()
+
+
 def test_example_runs():
-    ranks = str(min(2, gpus())) if backend() == "nvshmem" else "3"
+    ranks = str(min(2, gpu_ranks())) if backend() == "nvshmem" else "3"
     result, _ = tridist_cli("run", "-n", ranks, "examples/allgather.py")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("all-gather correct") == int(ranks)
+    assert all(line.startswith(f"[rank {line[6]}] ") for line in result.stdout.splitlines()), result.stdout
 
 
 def test_dead_rank_ends_the_job():
-    if backend() == "nvshmem" and gpus() < 2:
-        pytest.skip("needs 2 GPUs")
+    if backend() == "nvshmem" and gpu_ranks() < 2:
+        pytest.skip("needs 2 GPUs, or TRIDIST_RANKS_PER_GPU=2 and CUDA MPS")
     result, elapsed = tridist_cli("run", "-n", "2", "tests/scripts/rank_dies.py", env={"TRIDIST_WAIT_TIMEOUT": "600"})
     assert result.returncode != 0
+    assert "tridist run: rank 1 exited with code 3; stopping rank 0" in result.stderr, result.stderr[-3000:]
     assert elapsed < 120, f"the surviving rank was left waiting for {elapsed:.0f} s"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_rank_killed_in_a_collective_on_the_gpu(tmp_path):
+    """SIGKILL to rank 1 while rank 0 waits for it inside an all-reduce kernel: the job ends, names
+    rank 1, and no rank process is left. Two ranks share one GPU where there is one (CUDA MPS)."""
+    if backend() != "nvshmem":
+        pytest.skip("on the GPU: the emulator's supervisor is checked by test_killed_rank_is_named_and_reaped")
+    sharing_flags = ["--ranks-per-gpu", "2", "--start-mps"] if gpus() < 2 else []
+    result, elapsed = tridist_cli("run", "-n", "2", *sharing_flags, "tests/scripts/rank_killed_in_collective.py",
+                                  env={"TRIDIST_WAIT_TIMEOUT": "600", "TRIDIST_TEST_PIDS": str(tmp_path)})
+    assert result.returncode != 0
+    assert "rank 1 was killed by SIGKILL" in result.stderr, result.stderr[-3000:]
+    assert elapsed < 120, f"the surviving rank was left waiting for {elapsed:.0f} s"
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    assert not [pid for pid in pids if _alive(pid)], f"rank processes {pids} outlived the job"
 
 
 def test_bounded_wait_names_rank_kernel_and_signal():
@@ -55,11 +94,196 @@ def test_bounded_wait_names_rank_kernel_and_signal():
 def test_more_ranks_than_gpus_is_refused():
     if backend() != "nvshmem":
         pytest.skip("the emulator runs any number of ranks")
-    result, _ = tridist_cli("run", "-n", str(gpus() + 1), "examples/allgather.py")
+    result, _ = tridist_cli("run", "-n", str(gpu_ranks() + 1), "examples/allgather.py")
     assert result.returncode != 0 and "GPUs but this host has" in result.stderr
+    assert "--ranks-per-gpu" in result.stderr
 
 
 def test_info():
     result, _ = tridist_cli("info")
     assert result.returncode == 0, result.stderr
     assert f"tridist backend: {backend()}" in result.stdout and "to fix:" in result.stdout
+    assert "TRIDIST_RANKS_PER_GPU=" in result.stdout
+    sharing_line = "CUDA MPS control daemon: " if backend() == "nvshmem" else "--ranks-per-gpu changes nothing"
+    assert sharing_line in result.stdout
+
+
+# The launcher's own logic, with ranks that are plain Python scripts (no tridist: quick to start).
+
+CHATTY = os.path.join(ROOT, "tests", "scripts", "chatty_rank.py")
+
+
+def test_sharing_decisions():
+    """Rank r of a host on GPU r // K; MPS percentages of a GPU's ranks add up to at most 100; gloo
+    wherever two ranks share a GPU; how many GPUs a job needs."""
+    assert [sharing.gpu_of(r, 2) for r in range(5)] == [0, 0, 1, 1, 2]
+    assert [sharing.gpu_of(r, 1) for r in range(3)] == [0, 1, 2]
+    assert sharing.mps_percentage(4, 4) == 25 and sharing.mps_percentage(2, 4) == 50  # 2 ranks need only half each
+    assert sharing.mps_percentage(3, 4) == 33 and sharing.mps_percentage(6, 4) == 25
+    assert sharing.process_group_backend(2, 2) == "gloo" and sharing.process_group_backend(4, 1) == "nccl"
+    assert sharing.process_group_backend(1, 4) == "nccl"  # one rank shares with nobody
+    assert sharing.gpus_needed(5, 2) == 3 and sharing.gpus_needed(4, 4) == 1
+    assert sharing.rank_environment(4, 1) == {}
+    assert sharing.rank_environment(4, 2) == {"TRIDIST_RANKS_PER_GPU": "2", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
+    assert sharing.usable_sms(132, "25") == 33 and sharing.usable_sms(132, "33") == 43
+    assert sharing.usable_sms(132, "") == 132 == sharing.usable_sms(132, "100")
+    assert launcher.gpu_problem(4, 4, 1) is None and launcher.gpu_problem(4, 1, 4) is None
+    refused = launcher.gpu_problem(4, 1, 1)
+    assert "needs 4 GPUs but this host has 1" in refused and "--ranks-per-gpu 4" in refused
+    assert "needs 3 GPUs but this host has 2" in launcher.gpu_problem(5, 2, 2)
+    assert "--backend emulator" in launcher.gpu_problem(2, 0, 1)
+
+
+def test_sharing_settings(monkeypatch):
+    """TRIDIST_RANKS_PER_GPU as the harness and the runtime read it, and the worlds a GPU box runs."""
+    from tridist.runtime import config
+
+    from .harness import ranks_per_gpu
+
+    monkeypatch.delenv("TRIDIST_RANKS_PER_GPU", raising=False)
+    assert config.ranks_per_gpu() == 1 == ranks_per_gpu()
+    monkeypatch.setenv("TRIDIST_RANKS_PER_GPU", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ranks_per_gpu() == 4 and sharing.ranks_per_gpu_here() == 2
+    monkeypatch.setenv("TRIDIST_RANKS_PER_GPU", "two")
+    with pytest.raises(ValueError, match="TRIDIST_RANKS_PER_GPU='two': expected a positive integer"):
+        config.ranks_per_gpu()
+    assert gpu_worlds(1, 1) == ["1"] and gpu_worlds(2, 1) == ["1", "2", "2x1"]
+    assert gpu_worlds(1, 2) == ["2", "2x1"] and gpu_worlds(1, 4) == ["2", "2x1", "4", "2x2"]
+
+
+def test_rank_environments():
+    envs = launcher.rank_environments(3, {"KEEP": "1"}, master_port=1234)
+    assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0"), ("1", "1"), ("2", "2")]
+    assert all(e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "3" and e["KEEP"] == "1" for e in envs)
+    assert all(e["MASTER_ADDR"] == "127.0.0.1" and e["MASTER_PORT"] == "1234" for e in envs)
+    assert "MASTER_PORT" not in launcher.rank_environments(1, {})[0]
+
+
+def test_output_lines_are_whole_and_prefixed():
+    """Four ranks print long lines (longer than a pipe's atomic write) at once on stdout and stderr:
+    every line arrives whole, behind its rank, and a last line without its newline still arrives."""
+    lines = 60
+    envs = launcher.rank_environments(4, dict(os.environ, LINES=str(lines), PYTHONUNBUFFERED="1"))
+    out, err = io.BytesIO(), io.BytesIO()
+    assert launcher.launch([[sys.executable, CHATTY]] * 4, envs, out=out, err=err) == 0
+    seen = {rank: [] for rank in range(4)}
+    for stream in (out, err):
+        for line in stream.getvalue().decode().splitlines():
+            match = re.fullmatch(r"\[rank (\d)\] (rank (\d) (line (\d+) (\d{5000})|last words))", line)
+            assert match and match[1] == match[3], f"a mixed or cut line: {line[:80]}...{line[-40:]}"
+            assert match[6] is None or match[6] == match[1] * 5000
+            seen[int(match[1])].append(match[2])
+    for rank, got in seen.items():
+        expected = {f"rank {rank} line {i} " + str(rank) * 5000 for i in range(lines)} | {f"rank {rank} last words"}
+        assert set(got) == expected and len(got) == len(expected)
+
+
+def test_no_prefix(capfd):
+    envs = launcher.rank_environments(2, dict(os.environ, LINES="2"))
+    assert launcher.launch([[sys.executable, CHATTY]] * 2, envs, prefix=False) == 0
+    out, err = capfd.readouterr()
+    assert "[rank" not in out + err and out.count("last words") == 2 and err.count(" line 0 ") == 2
+
+
+def test_killed_rank_is_named_and_reaped(tmp_path):
+    """Rank 1 kills itself (SIGKILL) while rank 0 sleeps: the job ends at once, says which rank died,
+    and stops rank 0; no rank process is left."""
+    envs = launcher.rank_environments(3, dict(os.environ, PIDS=str(tmp_path), SLEEP_RANK="0", KILL_RANK="1"))
+    err = io.BytesIO()
+    started = time.monotonic()
+    code = launcher.launch([[sys.executable, CHATTY]] * 3, envs, out=io.BytesIO(), err=err)
+    assert code == 128 + 9 and time.monotonic() - started < 30
+    assert re.search(r"tridist run: rank 1 was killed by SIGKILL; stopping ranks? 0\b", err.getvalue().decode())
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(3)]
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def _fake_mps(folder) -> str:
+    """A fake nvidia-cuda-mps-control in `folder`, whose daemon "runs" while a file does in its pipe
+    directory; it logs its commands. Returns a PATH that finds it first."""
+    script = folder / mps.CONTROL
+    script.write_text(f"""#!/bin/sh
+state="${{CUDA_MPS_PIPE_DIRECTORY:-{folder}}}/fake-daemon"
+if [ "$1" = -d ]; then touch "$state"; echo start >> {folder}/log; exit 0; fi
+read command
+echo "$command" >> {folder}/log
+if [ ! -e "$state" ]; then echo "Cannot find MPS control daemon process"; exit 1; fi
+[ "$command" = quit ] && rm "$state"
+exit 0
+""")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return f"{folder}:{os.environ.get('PATH', '')}"
+
+
+def test_mps_status_and_the_missing_daemon(tmp_path, monkeypatch):
+    """Without a daemon `tridist run --ranks-per-gpu` says so and how to start one, before any rank
+    starts; without the program, that MPS is not installed."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control
+    assert mps.status() == mps.Status(False, False, mps.DEFAULT_PIPE_DIRECTORY)
+    with pytest.raises(SystemExit, match="CUDA MPS is not installed here"):
+        launcher.run(2, [CHATTY], backend="nvshmem", ranks_per_gpu=2, start_mps=True)
+    monkeypatch.setenv("PATH", _fake_mps(tmp_path))
+    found = mps.status()
+    assert found.installed and not found.running and "not running" in found.describe()
+    with pytest.raises(SystemExit) as stop:
+        launcher.run(2, [CHATTY], backend="nvshmem", ranks_per_gpu=2)
+    assert "need CUDA MPS" in str(stop.value) and "--start-mps" in str(stop.value)
+    assert "nvidia-cuda-mps-control -d" in str(stop.value)
+    with pytest.raises(SystemExit, match=r"GPUs but this host has 1.*--ranks-per-gpu 2"):
+        launcher.run(2, [CHATTY], backend="nvshmem")
+    report = "\n".join(info.sharing_report(1, found))
+    assert "--ranks-per-gpu 4: 4 ranks at 25% of the SMs each" in report and "needs CUDA MPS" in report
+    report = "\n".join(info.sharing_report(2, mps.Status(True, True, "/p")))
+    assert "CUDA MPS control daemon: running (pipe directory /p)" in report and "up to 8 ranks on 2 GPU(s)" in report
+    assert "needs CUDA MPS" not in report
+
+
+def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
+    """`--start-mps` starts a daemon in a folder of its own, hands the ranks its pipe directory and
+    their MPS percentage, and quits it when the job ends, a failed job too."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setenv("PATH", _fake_mps(tmp_path))
+    show = tmp_path / "show.py"
+    show.write_text("import json, os\nprint(json.dumps({k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', "
+                    "'TRIDIST_RANKS_PER_GPU', 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'CUDA_MPS_PIPE_DIRECTORY', "
+                    "'TRIDIST_BACKEND', 'NVSHMEM_DISABLE_NVLS', 'MASTER_PORT')}))\n"
+                    "raise SystemExit(int(os.environ['RANK']) == int(os.environ.get('FAIL_RANK', -1)))\n")
+    assert launcher.run(4, [str(show)], backend="nvshmem", ranks_per_gpu=4, start_mps=True) == 0
+    out, err = capfd.readouterr()
+    seen = [json.loads(line.split("] ", 1)[1]) for line in out.splitlines()]
+    assert sorted(s["RANK"] for s in seen) == ["0", "1", "2", "3"]
+    assert all(s["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and s["TRIDIST_RANKS_PER_GPU"] == "4" for s in seen)
+    assert all(s["NVSHMEM_DISABLE_NVLS"] == "1" and s["MASTER_PORT"] for s in seen)
+    pipe = seen[0]["CUDA_MPS_PIPE_DIRECTORY"]
+    assert "tridist-mps-" in pipe and all(s["CUDA_MPS_PIPE_DIRECTORY"] == pipe for s in seen)
+    assert "started an MPS control daemon" in err and "stopped the MPS control daemon" in err
+    assert not os.path.exists(pipe), "the daemon's folder is removed"
+    monkeypatch.setenv("FAIL_RANK", "1")
+    assert launcher.run(2, [str(show)], backend="nvshmem", ranks_per_gpu=2, start_mps=True) == 1
+    assert (tmp_path / "log").read_text().split().count("quit") == 2
+    assert "rank 1 exited with code 1" in capfd.readouterr().err
+    # A daemon that already answers is used, and left running.
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "fake-daemon").touch()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "existing"))
+    monkeypatch.delenv("FAIL_RANK")
+    assert launcher.run(2, [str(show)], backend="nvshmem", ranks_per_gpu=2, start_mps=True) == 0
+    assert f"through the MPS control daemon in {tmp_path / 'existing'}" in capfd.readouterr().err
+    assert (tmp_path / "log").read_text().split().count("start") == 2
+    assert (tmp_path / "existing" / "fake-daemon").exists()
+
+
+def test_emulator_ignores_gpu_sharing(capfd, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no MPS either: the emulator needs none
+    script = os.path.join(ROOT, "tests", "scripts", "chatty_rank.py")
+    assert launcher.run(2, [script], backend="emulator", ranks_per_gpu=4, start_mps=True) == 0
+    out, err = capfd.readouterr()
+    assert out.count("last words") == 2 and "MPS" not in err

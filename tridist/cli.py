@@ -20,9 +20,20 @@ def main(argv=None) -> int:
     run.add_argument("--nnodes", type=int, default=None, help="split the ranks into this many virtual nodes")
     run.add_argument("--backend", choices=["nvshmem", "emulator"], default=None,
                      help="default: nvshmem where CUDA GPUs are present, emulator elsewhere")
+    run.add_argument("--ranks-per-gpu", type=int, default=None, metavar="K",
+                     help="K ranks share each GPU (default TRIDIST_RANKS_PER_GPU, else 1), each with 100/K %% of "
+                          "the SMs, through CUDA MPS: to check and debug multi-rank code on fewer GPUs, not to "
+                          "measure speed; the emulator accepts it and changes nothing")
+    run.add_argument("--start-mps", action="store_true",
+                     help="with --ranks-per-gpu: start a CUDA MPS control daemon for this job if none answers, "
+                          "and quit it when the job ends (ignored by the emulator)")
+    run.add_argument("--no-prefix", action="store_true",
+                     help="let the ranks write to the terminal directly, without the '[rank N] ' in front of "
+                          "each line")
     run.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
 
-    commands.add_parser("info", help="backend, devices, peer access, NVSHMEM device library, versions")
+    commands.add_parser("info", help="backend, devices, peer access, NVSHMEM device library, CUDA MPS and GPU "
+                                     "sharing, versions")
 
     commands.add_parser("bench", help="benchmarks (see `tridist bench -h`)")  # listed here, parsed above
 
@@ -32,7 +43,8 @@ def main(argv=None) -> int:
             parser.error("tridist run needs a script: tridist run -n 2 script.py [args]")
         from .runtime.launcher import run as launch
 
-        return launch(args.nproc, args.script, nnodes=args.nnodes, backend=args.backend)
+        return launch(args.nproc, args.script, nnodes=args.nnodes, backend=args.backend,
+                      ranks_per_gpu=args.ranks_per_gpu, start_mps=args.start_mps, prefix=not args.no_prefix)
     from .runtime.info import report
 
     print(report())

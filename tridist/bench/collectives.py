@@ -19,6 +19,7 @@ from tridist.ops import _protocol
 from tridist.ops.collectives import allgather, allreduce
 
 from ..runtime.config import parse_bytes
+from . import shared_gpu
 from .results import save, table
 from .timing import all_ranks, slowest, time_us
 
@@ -49,6 +50,16 @@ def _nccl(name, x, out):
     if name == "reducescatter":
         return lambda: dist.reduce_scatter_tensor(out, x)
     return lambda: dist.all_reduce(out)
+
+
+def _reference(name, x, out) -> None:
+    """The expected result into `out`: through NCCL, or through the host where ranks share a GPU."""
+    if name == "allgather":
+        shared_gpu.all_gather(out, x)
+    elif name == "reducescatter":
+        shared_gpu.reduce_scatter(out, x)
+    else:
+        shared_gpu.all_reduce(out)
 
 
 def _symm_mem_all_reduce(x):
@@ -83,9 +94,11 @@ def _tridist_buffers(name: str, x: torch.Tensor, out: torch.Tensor, symmetric: b
     return {"symmetric_in_place": True}, buffer, buffer
 
 
-def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, variants: list, symmetric: bool = False):
+def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, variants: list, symmetric: bool = False,
+        baselines: bool = True):
     """One row per size: NCCL, each method in each variant (programs cap, slice bytes; None: the
-    op's default), PyTorch; and the methods that gave a wrong result (left out of the rows)."""
+    op's default), PyTorch; and the methods that gave a wrong result (left out of the rows).
+    Without `baselines` (ranks sharing a GPU) NCCL and PyTorch are not timed."""
     w = tridist.world()
     n = w.world_size
     rows = []
@@ -106,10 +119,11 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, var
         # Sums are checked against NCCL in fp32: NCCL in bf16 rounds at every hop, which differs from
         # our fp32 accumulation by more than any fair tolerance where the ranks' values cancel.
         reference = out.float() if name != "allgather" else out.clone()
-        _nccl(name, x if name == "allgather" else x.float(), reference)()
+        _reference(name, x if name == "allgather" else x.float(), reference)
         row = {"bytes": nbytes}
-        nccl_us = slowest(time_us(_nccl(name, x, out.clone()), graph=graph))
-        row["NCCL us"] = nccl_us
+        nccl_us = slowest(time_us(_nccl(name, x, out.clone()), graph=graph)) if baselines else None
+        if baselines:
+            row["NCCL us"] = nccl_us
         best = None
         for method in methods:
             low, high = LIMITS.get(method, (0, 1 << 62))
@@ -147,21 +161,24 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, var
                 if symmetric:
                     torch.cuda.synchronize()
                     tridist.symm_free(result)
-        if name == "allreduce" and nbytes <= 16 << 20:
+        if name == "allreduce" and nbytes <= 16 << 20 and baselines:
             torch_symm = _symm_mem_all_reduce(x)
             for label, fn in (torch_symm or {}).items():
                 row[f"{label} us"] = slowest(time_us(fn, graph=graph))
-        factor = 2 if name == "allreduce" else 1
-        row["NCCL busbw GB/s"] = factor * nbytes * (n - 1) / n / nccl_us / 1e3
-        if "auto us" in row:
-            row["auto vs NCCL"] = nccl_us / row["auto us"]
         if best is not None:
             row["best us"] = best
-            row["speedup vs NCCL"] = nccl_us / best
-            row["busbw GB/s"] = factor * nbytes * (n - 1) / n / best / 1e3
+        if baselines:
+            factor = 2 if name == "allreduce" else 1
+            row["NCCL busbw GB/s"] = factor * nbytes * (n - 1) / n / nccl_us / 1e3
+            if "auto us" in row:
+                row["auto vs NCCL"] = nccl_us / row["auto us"]
+            if best is not None:
+                row["speedup vs NCCL"] = nccl_us / best
+                row["busbw GB/s"] = factor * nbytes * (n - 1) / n / best / 1e3
         rows.append(row)
         if w.rank == 0:
-            print(f"  {name} {nbytes} bytes: best {best} us, NCCL {nccl_us:.2f} us", flush=True)
+            print(f"  {name} {nbytes} bytes: best {best} us" + (f", NCCL {nccl_us:.2f} us" if baselines else ""),
+                  flush=True)
     return rows, failures
 
 
@@ -225,13 +242,15 @@ def main(argv=None) -> int:
     w = tridist.init()
     if w.backend != "nvshmem":
         raise SystemExit("the collective benchmarks time GPUs against NCCL; run them on a GPU box")
+    shared = shared_gpu.announce(f"tridist bench {args.op}", w.rank)
     methods = [args.method] if args.method else list(METHODS[args.op])
     rows, failures = run(args.op, sizes_between(args.sizes), methods, getattr(torch, args.dtype), variants,
-                         args.symmetric)
+                         args.symmetric, baselines=not shared)
     if w.rank == 0:
-        columns = ["bytes", "NCCL us", *[column(m, *v) for m in methods for v in variants]]
+        columns = ["bytes", *([] if shared else ["NCCL us"]), *[column(m, *v) for m in methods for v in variants]]
         columns += sorted({c for r in rows for c in r if c.startswith("torch")})
-        columns += ["auto picks", "auto vs NCCL", "speedup vs NCCL", "busbw GB/s", "NCCL busbw GB/s"]
+        columns += ["auto picks"] + (["best us"] if shared else ["auto vs NCCL", "speedup vs NCCL", "busbw GB/s",
+                                                                  "NCCL busbw GB/s"])
         print(table(rows, columns))
         # a sweep does not replace the main table
         name = (args.op + ("-symmetric" if args.symmetric else "") + ("" if programs == [None] else "-programs")
@@ -239,7 +258,7 @@ def main(argv=None) -> int:
         path = save(name, rows, args.out, {"world_size": w.world_size, "dtype": args.dtype, "symmetric": args.symmetric,
                                            "programs": args.programs, "slice_bytes": args.slice_bytes})
         plot(args.op, rows, path.replace(".json", ".png"))
-        print(f"saved {path}")
+        print(f"saved {path}" + (f" ({shared_gpu.SPEED}: no speed claim)" if shared else ""))
         if failures:
             print(f"{args.op}: WRONG RESULTS (left out of the table): {', '.join(failures)}", file=sys.stderr)
     tridist.finalize()

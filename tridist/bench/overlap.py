@@ -24,6 +24,7 @@ import tridist
 from tridist import ops
 from tridist.ops import gemm
 
+from . import shared_gpu
 from .results import latest, relative_error, save, table
 from .timing import op_us, slowest
 
@@ -74,24 +75,25 @@ def product(a, b, scales):
 
 
 def sequential(name: str, a, b, scales):
-    """The same op as NCCL and cuBLAS one after the other: the reference and the baseline."""
+    """The same op as NCCL and cuBLAS one after the other: the reference and the baseline. Where
+    ranks share a GPU the communication goes through the host (`shared_gpu`): a reference only."""
     world_size = dist.get_world_size()
     if name == "ag_gemm":
         gathered = torch.empty(a.shape[0] * world_size, a.shape[1], dtype=a.dtype, device=a.device)
 
         def run():
-            dist.all_gather_into_tensor(gathered, a)
+            shared_gpu.all_gather(gathered, a)
             return product(gathered, b, scales)
     elif name == "gemm_rs":
         out = torch.empty(a.shape[0] // world_size, b.shape[1], dtype=gemm.out_dtype(a.dtype), device=a.device)
 
         def run():
-            dist.reduce_scatter_tensor(out, product(a, b, scales))
+            shared_gpu.reduce_scatter(out, product(a, b, scales))
             return out
     else:
         def run():
             total = product(a, b, scales)
-            dist.all_reduce(total)
+            shared_gpu.all_reduce(total)
             return total
     return run
 
@@ -120,10 +122,12 @@ def _checked(name: str, op, a, b, scales, expected) -> float:
     return op_us(lambda: op(a, b, None, *scales))
 
 
-def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None) -> list[dict]:
+def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = None,
+                baselines: bool = True) -> list[dict]:
     """Each shape: tridist (ag_gemm with copy-engine and with SM communication, gemm_ar one-shot
     and in LL packets), the sequential NCCL + cuBLAS, PyTorch fused where `torch_fused` (shape ->
-    us) has it, and the local GEMMs alone."""
+    us) has it, and the local GEMMs alone. Without `baselines` (ranks sharing a GPU) the
+    sequential op is the reference only, not timed, and no ratio is given."""
     w = tridist.world()
     torch_fused = torch_fused or {}
     rows = []
@@ -144,19 +148,21 @@ def run_overlap(name: str, shapes, dtype, config, torch_fused: dict | None = Non
             row[f"tridist{suffix} us"] = _checked(name, op, a, b, scales, expected)
             tridist.barrier_all()
             op.free()
-        row["sequential us"] = op_us(baseline)
+        if baselines:
+            row["sequential us"] = op_us(baseline)
         if row["shape"] in torch_fused:
             row["torch fused us"] = torch_fused[row["shape"]]
         row["GEMM alone us"] = _local_gemm_us(name, a, b, scales)
         row["tridist GEMM alone us"] = _local_gemm_us(name, a, b, scales, _config_of(row["config"], dtype))
-        row["vs sequential"] = row["sequential us"] / row["tridist us"]
-        if "torch fused us" in row:
-            row["vs torch fused"] = row["torch fused us"] / row["tridist us"]
-        row["/ GEMM alone"] = row["tridist us"] / row["GEMM alone us"]
+        if baselines:
+            row["vs sequential"] = row["sequential us"] / row["tridist us"]
+            if "torch fused us" in row:
+                row["vs torch fused"] = row["torch fused us"] / row["tridist us"]
+            row["/ GEMM alone"] = row["tridist us"] / row["GEMM alone us"]
         rows.append(row)
         if w.rank == 0:
-            print(f"  {name} {row['shape']}: {row['tridist us']:.1f} us, sequential {row['sequential us']:.1f} us",
-                  flush=True)
+            print(f"  {name} {row['shape']}: {row['tridist us']:.1f} us"
+                  + (f", sequential {row['sequential us']:.1f} us" if baselines else ""), flush=True)
     return rows
 
 
@@ -251,23 +257,25 @@ def main(argv=None) -> int:
     w = tridist.init()
     if w.backend != "nvshmem":
         raise SystemExit("the GEMM benchmarks time GPUs against cuBLAS and NCCL; run them on a GPU box")
+    shared = shared_gpu.announce(f"tridist bench {args.op}", w.rank)
     shapes = args.shapes or SHAPES[args.op]
     dtype = getattr(torch, args.dtype)
     config = "tune" if args.tune else None
-    torch_fused, source = _torch_fused_us(args.op, args.out, w.world_size, args.dtype)
-    rows = run_gemm(shapes, dtype) if args.op == "gemm" else run_overlap(args.op, shapes, dtype, config, torch_fused)
+    torch_fused, source = ({}, None) if shared else _torch_fused_us(args.op, args.out, w.world_size, args.dtype)
+    rows = (run_gemm(shapes, dtype) if args.op == "gemm" else
+            run_overlap(args.op, shapes, dtype, config, torch_fused, baselines=not shared))
     if w.rank == 0:
         print(table(rows, list(rows[0]) if args.op == "gemm" else _columns(rows)))
         extra = {"world_size": w.world_size, "dtype": args.dtype, "tuned": args.tune}
         if source:
             extra["torch fused us"] = source
             print(f"torch fused us: {source}")
-        elif args.op in ("ag_gemm", "gemm_rs") and dtype != gemm.FP8:
+        elif args.op in ("ag_gemm", "gemm_rs") and dtype != gemm.FP8 and not shared:
             print(f"(no {TORCH_FUSED} results of {w.world_size} ranks in {args.dtype} for this device today in "
                   f"{args.out}: run `tridist bench torch_fused` first for the 'torch fused us' column)")
         path = save(args.op if args.dtype == "bfloat16" else f"{args.op}-{args.dtype}", rows, args.out, extra)
         plot(args.op, rows, path.replace(".json", ".png"), w.world_size)
-        print(f"saved {path}")
+        print(f"saved {path}" + (f" ({shared_gpu.SPEED}: no speed claim)" if shared else ""))
     tridist.finalize()
     return 0
 

@@ -19,6 +19,7 @@ import tridist
 import tridist.language as dl
 
 from ..ops._protocol import programs_for, splits_for
+from . import shared_gpu
 from .results import save, table
 from .timing import slowest, time_us
 
@@ -171,6 +172,7 @@ def main(argv=None) -> int:
     w = tridist.init()
     if w.world_size % 2 or w.backend != "nvshmem":
         raise SystemExit("tridist bench primitives runs on an even number of GPU ranks: tridist run -n 2 ...")
+    shared = shared_gpu.announce("tridist bench primitives", w.rank)
     sizes = [parse_bytes(s) for s in args.sizes.split(",")]
     programs = args.programs or programs_for(w.device)
     transfers = transfer_rows(sizes, programs)
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
         print(table(transfers, columns))
         print(table(trips, ["signal", "round trip us"]))
         path = save("primitives", transfers + trips, args.out, {"world_size": w.world_size, "programs": programs})
-        print(f"saved {path}")
+        print(f"saved {path}" + (f" ({shared_gpu.SPEED}: no speed claim)" if shared else ""))
     tridist.finalize()
     return 0
 

@@ -8,6 +8,8 @@ import platform
 import torch
 import triton
 
+from . import shared_gpu
+
 
 def environment() -> dict:
     info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
@@ -39,12 +41,16 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 
 def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) -> str:
+    """Writes the JSON; where ranks share a GPU it records so (`shared_gpu.fields`) and its name says
+    "shared", so that it never replaces a result measured on GPUs of their own."""
     env = environment()
     os.makedirs(folder, exist_ok=True)
     device = env.get("device", "cpu").replace(" ", "-").lower()
-    path = os.path.join(folder, f"{name}-{device}x{env.get('ranks', 1)}-{env['date']}.json")
+    sharing = shared_gpu.fields()
+    shared = f"-shared{sharing['ranks_per_gpu']}" if sharing else ""
+    path = os.path.join(folder, f"{name}-{device}x{env.get('ranks', 1)}{shared}-{env['date']}.json")
     with open(path, "w") as f:
-        json.dump({"benchmark": name, **env, **(extra or {}), "rows": rows}, f, indent=1)
+        json.dump({"benchmark": name, **env, **sharing, **(extra or {}), "rows": rows}, f, indent=1)
     return path
 
 

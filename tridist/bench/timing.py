@@ -1,9 +1,10 @@
 """Timing across ranks: CUDA events, warm-up, many repetitions, the median, the slowest rank.
 
-Every repetition starts from a host barrier, then queues a busy-wait of the GPU, a one-element
-NCCL all-reduce and the start event ahead of the timed calls: the busy-wait gives every host time
-to queue the calls before its GPU reaches them, and the all-reduce lets the GPUs leave together, so
-a rank whose host was late does not make its peers' first call wait inside the timing. (Without
+Every repetition starts from a host barrier, then queues a busy-wait of the GPU, a one-element NCCL
+all-reduce (none with gloo, where ranks share a GPU) and the start event ahead of the timed calls:
+the busy-wait gives every host time to queue the calls before its GPU reaches them, and the
+all-reduce lets the GPUs leave together, so a rank whose host was late does not make its peers'
+first call wait inside the timing. (Without
 the busy-wait, the same kernel timed twice in one run differed by up to 1.2 us at 4 KB.) Small
 operations are captured `inner` times in a CUDA graph so that launch overhead is not what gets
 measured.
@@ -66,7 +67,8 @@ def _start_together() -> None:
     if dist.is_initialized():
         dist.barrier()
         torch.cuda._sleep(HEAD_START_CYCLES)
-        dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
+        if "nccl" in dist.get_backend():  # gloo (ranks sharing a GPU) would go through the host: nothing to align
+            dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
 
 
 def all_ranks(ok: bool) -> bool:

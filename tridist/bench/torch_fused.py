@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 # Imported for their helpers only: none of these modules initialises tridist or NVSHMEM on import.
 from ..runtime.nvshmem import SAFE_ENVIRONMENT
+from . import shared_gpu
 from .overlap import SHAPES, TORCH_FUSED, check, operands, parse_shapes, sequential, torch_fused_column
 from .results import save, table
 from .timing import all_ranks, op_us
@@ -125,6 +126,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("tridist bench torch_fused: no CUDA GPUs here; PyTorch's fused symmetric-memory ops run "
                          "only on GPUs")
+    if shared_gpu.shared():
+        # Before NCCL would refuse: this benchmark is a baseline only, with nothing of tridist's to check.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"tridist bench torch_fused: skipped: {shared_gpu.ranks_per_gpu()} ranks share each GPU, and "
+                  "PyTorch's fused ops need NCCL, which refuses two ranks on one GPU (no speed claim either way)")
+        return 0
     rank, device, group = _init()
     import torch.distributed._symmetric_memory as symm_mem
 

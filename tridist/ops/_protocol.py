@@ -28,6 +28,7 @@ import triton.language as tl
 from torch._C._distributed_c10d import _SymmetricMemory
 
 import tridist
+from tridist.runtime import sharing
 from tridist.runtime.tensors import check_tensor
 
 from .. import language as dl
@@ -301,9 +302,11 @@ def warps_for(block: int, itemsize: int) -> int:
 
 
 def programs_for(device: torch.device) -> int:
-    """One program per SM: what the ops launch at most by default."""
+    """One program per SM this rank may use: what the ops launch at most by default. Under CUDA MPS
+    with a thread percentage (ranks sharing a GPU) that is a share of the SMs (`sharing.usable_sms`):
+    kernels whose programs must all be resident at once would wait forever on programs that never start."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return sharing.usable_sms(torch.cuda.get_device_properties(device).multi_processor_count)
     return 4  # the emulator: a few programs keep the threads busy without slowing tests down
 
 

@@ -5,7 +5,7 @@ a kernel is compiled for the GPU or run by its interpreter, so the choice cannot
 """
 import os
 
-from . import config
+from . import config, sharing
 
 NVSHMEM = "nvshmem"
 EMULATOR = "emulator"
@@ -30,6 +30,7 @@ def _choose() -> str:
     return name
 
 
+sharing.prepare_process()  # before `_choose` may start CUDA: the MPS percentage is read then
 BACKEND = _choose()
 
 

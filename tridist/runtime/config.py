@@ -71,6 +71,11 @@ def debug() -> bool:
     return _DEBUG
 
 
+def ranks_per_gpu() -> int:
+    """TRIDIST_RANKS_PER_GPU: how many ranks share each GPU (default 1; see `runtime/sharing.py`)."""
+    return _setting("TRIDIST_RANKS_PER_GPU", "1", int, "a positive integer, the ranks that share each GPU")
+
+
 def emulator_threads() -> int:
     """Programs of one launch that the emulator runs at once, like resident blocks on a GPU."""
     return _setting("TRIDIST_EMU_THREADS", "64", int, "a positive integer")
@@ -99,6 +104,10 @@ SETTINGS = {
                             "importing tridist",
     "TRIDIST_DEBUG": "1: bound GPU waits, check allocations across ranks, sync after launches; set before "
                      "importing tridist",
+    "TRIDIST_RANKS_PER_GPU": "ranks per GPU (default 1); set by `tridist run --ranks-per-gpu K`, or by hand for "
+                             "torchrun: rank r uses GPU LOCAL_RANK // K, the host group is gloo where ranks share a "
+                             "GPU, and each rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 100 // K (CUDA MPS needed); "
+                             "ignored by the emulator",
     "TRIDIST_EMU_THREADS": "programs of one launch the emulator runs at once (default 64)",
     "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",

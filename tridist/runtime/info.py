@@ -5,8 +5,10 @@ import platform
 import torch
 import triton
 
-from . import backend, config
+from . import backend, config, mps
 from .nvshmem import device_library_candidates, find_device_library
+
+SHARING_EXAMPLES = (2, 4)  # the --ranks-per-gpu values `tridist info` spells out
 
 
 def report() -> str:
@@ -32,8 +34,10 @@ def report() -> str:
 
         if not symm_mem.is_nvshmem_available():
             fixes.append("this PyTorch build has no NVSHMEM support; install a CUDA build of PyTorch >= 2.9")
+        lines += sharing_report(count, mps.status())
     else:
-        lines.append("no CUDA GPU: kernels run in the CPU emulator (Triton's interpreter, one process per rank)")
+        lines.append("no CUDA GPU: kernels run in the CPU emulator (Triton's interpreter, one process per rank); "
+                     "it runs any number of ranks (tridist run --ranks-per-gpu changes nothing there)")
         import numpy
 
         if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
@@ -43,3 +47,16 @@ def report() -> str:
         lines.append(f"  {name}={os.environ.get(name, '')!s:<10} {meaning}")
     lines.append("to fix: " + ("; ".join(fixes) if fixes else "nothing"))
     return "\n".join(lines)
+
+
+def sharing_report(gpus: int, found: mps.Status) -> list[str]:
+    """What `tridist run --ranks-per-gpu K` would give on `gpus` GPUs, and whether CUDA MPS, which
+    it needs, is there (`found`)."""
+    lines = ["sharing GPUs (tridist run --ranks-per-gpu K: to check and debug multi-rank code, not to measure speed):",
+             f"  CUDA MPS control daemon: {found.describe()}"]
+    for k in SHARING_EXAMPLES:
+        lines.append(f"  --ranks-per-gpu {k}: {k} ranks at {100 // k}% of the SMs each, up to {k * gpus} ranks on "
+                     f"{gpus} GPU(s)")
+    if not found.running:
+        lines.append(f"  (needs CUDA MPS: {mps.missing_message(found)})")
+    return lines

@@ -52,16 +52,29 @@ def find_device_library() -> str:
 class NvshmemTransport:
     """Heap, peer views and host synchronisation for the `nvshmem` backend."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, heap_bytes: int, reachable: list[bool]):
+    def __init__(self, rank: int, world_size: int, device: torch.device, heap_bytes: int, reachable: list[bool],
+                 process_group: str = "nccl"):
+        """`process_group`: torch.distributed's backend when this starts it, "nccl", or "gloo" where
+        ranks share a GPU (`runtime/sharing.py`): NCCL refuses two ranks on one GPU."""
         self.device_library = find_device_library()
         for key, value in SAFE_ENVIRONMENT.items():
             os.environ[key] = value
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + _HEAP_HEADROOM))
         torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=device)
+            if process_group == "nccl":
+                dist.init_process_group("nccl", device_id=device)
+            else:
+                dist.init_process_group(process_group)
+        elif process_group != "nccl" and "nccl" in dist.get_backend():
+            raise TridistError(
+                f"torch.distributed was started with {dist.get_backend()!r}, but ranks share a GPU here "
+                "(TRIDIST_RANKS_PER_GPU) and NCCL refuses two ranks on one GPU: start it with "
+                "dist.init_process_group('gloo'), or let tridist.init() start it")
         if dist.get_world_size() != world_size:
             raise TridistError(f"torch.distributed has {dist.get_world_size()} ranks, tridist expects {world_size}")
+        # NCCL's barrier takes the device (else it guesses one); gloo's takes none.
+        self._barrier_devices = [device.index] if "nccl" in dist.get_backend() else None
         import torch.distributed._symmetric_memory as symm_mem
 
         if not symm_mem.is_nvshmem_available():
@@ -78,7 +91,7 @@ class NvshmemTransport:
 
     def barrier(self) -> None:
         torch.cuda.synchronize(self.device)
-        dist.barrier(device_ids=[self.device.index])
+        dist.barrier(device_ids=self._barrier_devices)
         torch.cuda.synchronize(self.device)
 
     def allgather_ints(self, values: tuple) -> list:

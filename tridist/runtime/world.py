@@ -4,7 +4,8 @@
 backend chosen at import (see `backend.py`) and allocates the symmetric heap. With `nnodes` (or
 TRIDIST_NNODES) the ranks of one host are split into that many virtual nodes: peers on another
 virtual node are treated as remote (reached with put/get, never through a pointer), so the
-inter-node code paths run on a single machine.
+inter-node code paths run on a single machine. With TRIDIST_RANKS_PER_GPU=K several ranks share a
+GPU (`sharing.py`): the host's rank LOCAL_RANK runs on GPU LOCAL_RANK // K, with a gloo host group.
 """
 import atexit
 import dataclasses
@@ -15,7 +16,7 @@ import sys
 import torch
 
 from . import backend as _backend
-from . import config
+from . import config, sharing
 from .errors import NotInitializedError, TridistError
 from .heap import SymmetricHeap
 
@@ -119,16 +120,20 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
     else:
         from .nvshmem import NvshmemTransport
 
-        host_rank = _env_int("LOCAL_RANK", rank % _env_int("LOCAL_WORLD_SIZE", world_size))
-        if host_rank >= torch.cuda.device_count():
+        host_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+        host_rank = _env_int("LOCAL_RANK", rank % host_world)
+        per_gpu = config.ranks_per_gpu()
+        gpu, gpus = sharing.gpu_of(host_rank, per_gpu), torch.cuda.device_count()
+        if gpu >= gpus:
             raise TridistError(
-                f"rank {rank} wants GPU {host_rank} but this host has {torch.cuda.device_count()}; "
-                "start at most one rank per GPU"
+                f"rank {rank} wants GPU {gpu} but this host has {gpus}; start at most {gpus * per_gpu} ranks per "
+                f"host, or share GPUs: `tridist run --ranks-per-gpu K` (TRIDIST_RANKS_PER_GPU=K) puts K ranks on each"
             )
-        device = torch.device("cuda", host_rank)
+        device = torch.device("cuda", gpu)
         per_node = world_size // nnodes
         reachable = [peer // per_node == node for peer in range(world_size)]
-        transport = NvshmemTransport(rank, world_size, device, heap_bytes, reachable)
+        transport = NvshmemTransport(rank, world_size, device, heap_bytes, reachable,
+                                     sharing.process_group_backend(host_world, per_gpu))
     world = World(rank, world_size, local_rank, local_world_size, node, nnodes, _backend.BACKEND, device)
     _state.transport = transport
     _state.heap = SymmetricHeap(transport, rank, checked=_backend.is_emulator() or config.debug())
