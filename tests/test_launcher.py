@@ -125,8 +125,6 @@ def test_sharing_decisions():
     assert sharing.gpus_needed(5, 2) == 3 and sharing.gpus_needed(4, 4) == 1
     assert sharing.rank_environment(4, 1) == {}
     assert sharing.rank_environment(4, 2) == {"TRIDIST_RANKS_PER_GPU": "2", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}
-    assert sharing.usable_sms(132, "25") == 33 and sharing.usable_sms(132, "33") == 43
-    assert sharing.usable_sms(132, "") == 132 == sharing.usable_sms(132, "100")
     assert launcher.gpu_problem(4, 4, 1) is None and launcher.gpu_problem(4, 1, 4) is None
     refused = launcher.gpu_problem(4, 1, 1)
     assert "needs 4 GPUs but this host has 1" in refused and "--ranks-per-gpu 4" in refused

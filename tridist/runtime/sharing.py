@@ -50,19 +50,6 @@ def process_group_backend(host_ranks: int, ranks_per_gpu: int) -> str:
     return "gloo" if shares_gpu(host_ranks, ranks_per_gpu) else "nccl"
 
 
-def usable_sms(sm_count: int, percentage: str | None = None) -> int:
-    """The SMs a process may fill at once out of `sm_count`: all of them, or its MPS share when
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (`percentage`, default this process's) is below 100. Should the
-    driver report the share as the device's SM count already, this is a share of the share: fewer
-    programs, never more than can be resident."""
-    percentage = os.environ.get(MPS_PERCENTAGE) if percentage is None else percentage
-    try:
-        share = float(percentage)
-    except (TypeError, ValueError):
-        return sm_count
-    return max(1, int(sm_count * share) // 100) if 0 < share < 100 else sm_count
-
-
 def rank_environment(host_ranks: int, ranks_per_gpu: int) -> dict:
     """What the launcher adds to every rank's environment (the same for all of them)."""
     if not shares_gpu(host_ranks, ranks_per_gpu):
