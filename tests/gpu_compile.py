@@ -184,8 +184,14 @@ def cases():
         *[(kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", "peer": "i32", "n": "i32", "BLOCK": "constexpr"},
            {"BLOCK": primitives.BLOCK}) for kernel in (primitives.put_kernel, primitives.get_kernel)],
         (primitives.putmem_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", "peer": "i32", "n": "i32"}, {}),
-        (primitives.ll_kernel, {"src_ptr": "*i32", "packets_ptr": "*i64", "out_ptr": "*i32", "peer": "i32", "n": "i32",
-                                "flag": "i32", "BLOCK": "constexpr"}, {"BLOCK": primitives.BLOCK}),
+        (primitives.ll_kernel, {"src_ptr": "*i32", "packets_ptr": "*i64", "out_ptr": "*i32", "calls_ptr": "*i64",
+                                "peer": "i32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": primitives.BLOCK}),
+        (primitives.p_latency_kernel, {"dest_ptr": "*i64", "peer": "i32", "rounds": "i32"}, {}),
+        (primitives.g_latency_kernel, {"chain_ptr": "*i64", "out_ptr": "*i64", "peer": "i32", "rounds": "i32"}, {}),
+        (primitives.fetch_add_latency_kernel, {"counter_ptr": "*i64", "out_ptr": "*i64", "peer": "i32",
+                                               "rounds": "i32"}, {}),
+        *[(kernel, {"dst_ptr": "*u8", "src_ptr": "*u8", "nbytes": "i32", "peer": "i32", "rounds": "i32"}, {})
+          for kernel in (primitives.put_latency_kernel, primitives.get_latency_kernel)],
         *[(primitives.ping_pong_kernel, {"flag_ptr": "*i64", "peer": "i32", "rounds": "i32", "base": "i32",
                                          "initiator": "i32", "COMM_SCOPE": "constexpr"}, {"COMM_SCOPE": scope})
           for scope in ("gpu", "inter_node")],
