@@ -27,6 +27,19 @@ def test_primitive_kernels_move_the_right_data(world):
     world.run(_primitives)
 
 
+def _jacobi(w):
+    from tridist.bench import jacobi
+
+    rows = jacobi.run(w, [5, 8], timed=False, check_iterations=2)  # 5 rows round up to 6 over 2 ranks
+    assert [(row["size"], row["host_loop difference"], row["fused difference"]) for row in rows] == \
+        [("6x5", 0.0, 0.0), ("8x8", 0.0, 0.0)]
+
+
+@pytest.mark.worlds("2")
+def test_jacobi_bench_checks_both_versions(world):
+    world.run(_jacobi)
+
+
 def _sleep_async(w):
     with pytest.raises(ValueError, match=">= 0"):
         tridist.sleep_async(-1)
