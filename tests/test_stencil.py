@@ -52,7 +52,8 @@ def _bad_input(w):
     with pytest.raises(ValueError, match="positive int cols"):
         Jacobi2D(w.world_size, 0)
     solver = Jacobi2D(2 * w.world_size, 8)
-    with pytest.raises(ValueError, match=r"whole float32 domain with its boundary, \(%d, 10\)" % (2 * w.world_size + 2)):
+    shape = rf"\({2 * w.world_size + 2}, 10\)"
+    with pytest.raises(ValueError, match=r"whole float32 domain with its boundary, " + shape):
         solver.load(torch.zeros(2 * w.world_size, 8))
     with pytest.raises(ValueError, match="unknown method 'pipelined'"):
         solver.run(1, "pipelined")

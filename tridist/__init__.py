@@ -12,7 +12,7 @@ from .ops.sync import barrier_all_on_stream, sleep_async
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKEND", "World", "init", "finalize", "world", "jit", "coresident_programs", "symm_empty", "symm_zeros", "symm_free",
+__all__ = ["BACKEND", "World", "init", "finalize", "world", "jit", "symm_empty", "symm_zeros", "symm_free",
            "signals", "peer_tensor", "is_symmetric", "SIGNAL_DTYPE", "barrier_all", "barrier_all_on_stream",
            "sleep_async", "tune", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
-           "SymmetricAllocationError"]
+           "SymmetricAllocationError", "coresident_programs"]

@@ -30,4 +30,5 @@ else:
 from . import ll, shmem
 
 __all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "ld", "st", "atomic_add",
-           "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "dot", "global_time_ns", "grid_barrier", "shmem", "ll"]
+           "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "dot", "global_time_ns", "shmem", "ll",
+           "grid_barrier"]

@@ -111,7 +111,8 @@ def mps_sms(total: int, percentage: str | None) -> int | None:
     except ValueError:
         raise ValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage!r}: expected a percentage") from None
     if not 0 < share <= 100:
-        raise ValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage!r}: expected a percentage above 0, at most 100")
+        raise ValueError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage!r}: expected a percentage above 0, at "
+                         "most 100")
     return max(2, int(total * share / 100) // 2 * 2) if total >= 2 else total
 
 
