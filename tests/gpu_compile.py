@@ -26,6 +26,7 @@ from tridist.ops import _protocol, sync  # noqa: E402
 from tridist.ops.collectives import allgather, allreduce  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
+from tridist.ops.stencil import jacobi  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402
@@ -183,8 +184,14 @@ def cases():
         *[(kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", "peer": "i32", "n": "i32", "BLOCK": "constexpr"},
            {"BLOCK": primitives.BLOCK}) for kernel in (primitives.put_kernel, primitives.get_kernel)],
         (primitives.putmem_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", "peer": "i32", "n": "i32"}, {}),
-        (primitives.ll_kernel, {"src_ptr": "*i32", "packets_ptr": "*i64", "out_ptr": "*i32", "peer": "i32", "n": "i32",
-                                "flag": "i32", "BLOCK": "constexpr"}, {"BLOCK": primitives.BLOCK}),
+        (primitives.ll_kernel, {"src_ptr": "*i32", "packets_ptr": "*i64", "out_ptr": "*i32", "calls_ptr": "*i64",
+                                "peer": "i32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": primitives.BLOCK}),
+        (primitives.p_latency_kernel, {"dest_ptr": "*i64", "peer": "i32", "rounds": "i32"}, {}),
+        (primitives.g_latency_kernel, {"chain_ptr": "*i64", "out_ptr": "*i64", "peer": "i32", "rounds": "i32"}, {}),
+        (primitives.fetch_add_latency_kernel, {"counter_ptr": "*i64", "out_ptr": "*i64", "peer": "i32",
+                                               "rounds": "i32"}, {}),
+        *[(kernel, {"dst_ptr": "*u8", "src_ptr": "*u8", "nbytes": "i32", "peer": "i32", "rounds": "i32"}, {})
+          for kernel in (primitives.put_latency_kernel, primitives.get_latency_kernel)],
         *[(primitives.ping_pong_kernel, {"flag_ptr": "*i64", "peer": "i32", "rounds": "i32", "base": "i32",
                                          "initiator": "i32", "COMM_SCOPE": "constexpr"}, {"COMM_SCOPE": scope})
           for scope in ("gpu", "inter_node")],
@@ -199,6 +206,15 @@ def cases():
         (shmem.remote_atomics_kernel, {"counter_ptr": "*i64", "word_ptr": "*i64", "flag_ptr": "*i64",
                                        "out_ptr": "*i64"}, {}),
         (shmem.shmem_ptr_kernel, {"buf_ptr": "*i32", "out_ptr": "*i32"}, {}),
+        (lang.rotate_kernel, {"slots_ptr": "*i64", "out_ptr": "*i64", "counter_ptr": "*i64", "rounds": "i32",
+                              "base": "i32", "SKIP_FIRST": "constexpr"}, {"SKIP_FIRST": False}),
+        (jacobi.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32", "cols": "i32",
+                                     "iteration": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
+        (jacobi.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
+                                      "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
+                                      "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
         (shmem.ll_ping_pong_kernel, {"packets_ptr": "*i64", "src_ptr": "*i32", "out_ptr": "*i32", "peer": "i32",
                                      "rounds": "i32", "initiator": "i32", "n": "i32", "BLOCK": "constexpr"},
          {"BLOCK": 128}),
@@ -253,7 +269,8 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
                 "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
-                "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel"}
+                "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel", "rotate_kernel",
+                "jacobi_fused_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

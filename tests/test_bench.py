@@ -15,14 +15,29 @@ from .harness import load_script
 
 def _primitives(w):
     primitives.transfer_rows([4096, 40000], programs=3, timed=False)
+    primitives.latency_rows(rounds=5, timed=False)
+    primitives.put_get_latency_rows([8, 4096], rounds=2, timed=False)
     primitives.round_trip_rows(rounds=5, timed=False)
 
 
 @pytest.mark.at_most_4_ranks
 def test_primitive_kernels_move_the_right_data(world):
-    if world.size % 2:
-        pytest.skip("the benchmark pairs rank r with rank r ^ 1: an even number of ranks")
+    if world.size % 2 and world.size > 1:
+        pytest.skip("the benchmark pairs rank r with rank r ^ 1 (at world 1, with itself)")
     world.run(_primitives)
+
+
+def _jacobi(w):
+    from tridist.bench import jacobi
+
+    rows = jacobi.run(w, [5, 8], timed=False, check_iterations=2)  # 5 rows round up to 6 over 2 ranks
+    assert [(row["size"], row["host_loop difference"], row["fused difference"]) for row in rows] == \
+        [("6x5", 0.0, 0.0), ("8x8", 0.0, 0.0)]
+
+
+@pytest.mark.worlds("2")
+def test_jacobi_bench_checks_both_versions(world):
+    world.run(_jacobi)
 
 
 def _sleep_async(w):

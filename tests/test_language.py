@@ -389,3 +389,54 @@ def _bounded_barrier(w, rounds):
 
 def test_bounded_barrier(world):
     world.run(_bounded_barrier, rounds=5)
+
+
+# ---- co-resident launches and dl.grid_barrier ---------------------------------------------------------
+
+
+@tridist.jit
+def rotate_kernel(slots_ptr, out_ptr, counter_ptr, rounds, base, SKIP_FIRST: tl.constexpr):
+    """Round i: program p stores base + i into slot p; after the barrier it reads slot p + 1, which
+    another program stored, into out[i, p]; a second barrier keeps the slots until all have read.
+    With SKIP_FIRST program 0 never comes to the barrier."""
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    if not (SKIP_FIRST and p == 0):
+        for i in range(rounds):
+            tl.store(slots_ptr + p, base + i)
+            token = dl.grid_barrier(counter_ptr)
+            seen = tl.load(dl.consume_token(slots_ptr, token) + (p + 1) % programs)
+            tl.store(out_ptr + i * programs + p, seen)
+            dl.grid_barrier(counter_ptr)
+
+
+def _grid_barrier(w, rounds):
+    """Programs of one launch see each other's stores across the barrier, round after round and
+    launch after launch on one counter with no reset, at the largest co-resident grid on GPUs; a grid
+    past that is refused before it runs, as is a barrier outside a co-resident launch (emulator)."""
+    counter = torch.zeros(1, dtype=torch.int64, device=w.device)
+    probe = torch.empty(1, dtype=torch.int64, device=w.device)
+    limit = tridist.coresident_programs(rotate_kernel, probe, probe, counter, rounds, 0, SKIP_FIRST=False)
+    programs = limit if w.backend == "nvshmem" else 4
+    slots = torch.full((programs,), -1, dtype=torch.int64, device=w.device)
+    out = torch.full((rounds, programs), -1, dtype=torch.int64, device=w.device)
+    for base in (100, 200):
+        out.fill_(-1)
+        rotate_kernel[(programs,)](slots, out, counter, rounds, base, SKIP_FIRST=False, coresident=True)
+        expected = torch.arange(base, base + rounds, device=w.device)[:, None].expand(rounds, programs)
+        assert torch.equal(out, expected), out.tolist()
+    assert int(counter.item()) == 2 * 2 * rounds * programs
+    with pytest.raises(ValueError, match=f"co-resident launch of {limit + 1} programs .* at most {limit}"):
+        rotate_kernel[(limit + 1,)](slots, out, counter, rounds, 0, SKIP_FIRST=False, coresident=True)
+    if w.backend == "emulator":
+        with pytest.raises(ValueError, match=r"dl.grid_barrier .* coresident=True"):
+            rotate_kernel[(2,)](slots, out, counter, rounds, 0, SKIP_FIRST=False)
+        with _short_waits(), pytest.raises(tridist.WaitTimeoutError) as error:
+            rotate_kernel[(3,)](slots, out, counter, rounds, 0, SKIP_FIRST=True, coresident=True)
+        for part in (f"rank {w.rank}", "rotate_kernel", "dl.grid_barrier", "of 3 programs", "expected >="):
+            assert part in str(error.value), (part, str(error.value))
+
+
+@pytest.mark.worlds("1", "2")
+def test_grid_barrier(world):
+    world.run(_grid_barrier, rounds=3)

@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+import triton.language as tl
 
 import tridist
 from tridist.runtime.tensors import check_tensor
@@ -124,13 +125,15 @@ def test_use_before_init():
     ("TRIDIST_NNODES", "0", "TRIDIST_NNODES='0'"),
     ("TRIDIST_WAIT_TIMEOUT", "-1", "TRIDIST_WAIT_TIMEOUT='-1': expected a number of seconds"),
     ("TRIDIST_EMU_THREADS", "many", "TRIDIST_EMU_THREADS='many'"),
+    ("TRIDIST_EMU_CORESIDENT", "0", "TRIDIST_EMU_CORESIDENT='0'"),
 ])
 def test_bad_settings_name_the_variable(monkeypatch, name, value, expected):
     from tridist.runtime import config
 
     monkeypatch.setenv(name, value)
     read = {"TRIDIST_HEAP_SIZE": lambda: config.heap_bytes("emulator"), "TRIDIST_NNODES": config.virtual_nodes,
-            "TRIDIST_WAIT_TIMEOUT": config.wait_timeout_s, "TRIDIST_EMU_THREADS": config.emulator_threads}[name]
+            "TRIDIST_WAIT_TIMEOUT": config.wait_timeout_s, "TRIDIST_EMU_THREADS": config.emulator_threads,
+            "TRIDIST_EMU_CORESIDENT": config.emulator_coresident}[name]
     with pytest.raises(ValueError, match=expected):
         read()
 
@@ -141,3 +144,64 @@ def test_bad_launcher_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv("RANK", "first")
     with pytest.raises(tridist.TridistError, match="RANK='first': expected an integer"):
         world._layout(None)
+
+
+# ---- occupancy: how many programs a co-resident launch may have ------------------------------------
+
+
+@pytest.mark.parametrize("registers, shared, warps, blocks, limit", [
+    (255, 0, 4, 2, "registers"),          # 8192 registers a warp: 2 warps in each quarter of the file
+    (168, 180 << 10, 8, 1, "registers"),  # a GEMM: 5376 a warp, 3 a quarter, 12 warps an SM
+    (32, 0, 4, 16, "threads"),
+    (40, 0, 1, 32, "blocks"),
+    (33, 0, 4, 12, "registers"),          # 33 x 32 = 1056, rounded up to 1280 a warp: 12 a quarter
+    (64, 100 << 10, 2, 2, "shared"),      # 100 KB + the driver's 1 KB, twice in 228 KB
+    (32, (113 << 10) + 512, 4, 1, "shared"),  # 113.5 KB fits twice in 228 KB, but not with the 1 KB reserve
+    (255, 0, 32, 0, "more than a block"),  # 1024 threads of 255 registers: no block fits at all
+    (32, 228 << 10, 4, 0, "more than a block"),
+])
+def test_blocks_per_sm_rounds_as_cuda_does(registers, shared, warps, blocks, limit):
+    from tridist.runtime.occupancy import blocks_per_sm
+
+    counted, why = blocks_per_sm(registers, shared, warps)
+    assert (counted, limit in why) == (blocks, True), why
+
+
+@tridist.jit
+def occupancy_probe_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, DOT: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    if DOT:
+        tile = offsets[:, None] * BLOCK + offsets[None, :]
+        a = tl.load(x_ptr + tile)
+        tl.store(out_ptr + tile, tl.dot(a, a).to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets) * 2)
+
+
+def _occupancy_against_driver(w):
+    """Our count of blocks per SM agrees with the driver's for kernels limited by threads, registers
+    and shared memory (GPUs)."""
+    from tridist.runtime import occupancy
+
+    x = torch.zeros(256 * 256, dtype=torch.float16, device=w.device)
+    rows = []
+    for block, dot, warps in ((128, False, 4), (128, False, 1), (128, False, 16), (8192, False, 1), (64, True, 4),
+                              (128, True, 8), (128, True, 4)):
+        compiled = occupancy_probe_kernel.run(x, x, BLOCK=block, DOT=dot, num_warps=warps, grid=(1,), warmup=True,
+                                              coresident=True)
+        counted, why = occupancy.blocks_per_sm(compiled.n_regs, compiled.metadata.shared, warps)
+        driver = occupancy._driver_blocks_per_sm(compiled)
+        rows.append((block, dot, warps, compiled.n_regs, compiled.metadata.shared, counted, driver, why))
+    print("\n".join(map(str, rows)))
+    assert all(row[5] == row[6] for row in rows), rows
+    sms, where = occupancy.available_sms(w.device)
+    print(f"SMs this process may use: {sms} ({where})")
+    assert 0 < sms <= torch.cuda.get_device_properties(w.device).multi_processor_count
+    driver = rows[0][6]
+    assert tridist.coresident_programs(occupancy_probe_kernel, x, x, BLOCK=128, DOT=False, num_warps=4) == driver * sms
+
+
+def test_occupancy_against_the_driver(world):
+    if world.backend == "emulator":
+        pytest.skip("the driver's occupancy answer needs a GPU")
+    world.run(_occupancy_against_driver)

@@ -3,7 +3,7 @@ each other's memory. See README.md and DESIGN.md; `tridist.language` holds the d
 from .runtime.backend import BACKEND
 from .runtime.errors import (NotInitializedError, PeerFailedError, SymmetricAllocationError, TridistError,
                              WaitTimeoutError)
-from .runtime.jit import jit
+from .runtime.jit import coresident_programs, jit
 from .runtime.tensors import (SIGNAL_DTYPE, barrier_all, is_symmetric, peer_tensor, signals, symm_empty, symm_free,
                               symm_zeros)
 from .runtime.tune import tune
@@ -15,4 +15,4 @@ __version__ = "0.1.0"
 __all__ = ["BACKEND", "World", "init", "finalize", "world", "jit", "symm_empty", "symm_zeros", "symm_free",
            "signals", "peer_tensor", "is_symmetric", "SIGNAL_DTYPE", "barrier_all", "barrier_all_on_stream",
            "sleep_async", "tune", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
-           "SymmetricAllocationError"]
+           "SymmetricAllocationError", "coresident_programs"]

@@ -8,8 +8,9 @@ import sys
 BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.bench.collectives",
               "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives",
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
-              "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused"}
-SINGLE = ("primitives", "torch_fused")  # modules with one benchmark: their `main` takes no benchmark name
+              "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused",
+              "jacobi": "tridist.bench.jacobi"}
+SINGLE = ("primitives", "torch_fused", "jacobi")  # modules with one benchmark: their `main` takes no benchmark name
 DEFAULT_RANKS = 2
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
 HELP = f"""{USAGE}
@@ -17,7 +18,8 @@ HELP = f"""{USAGE}
 Each benchmark checks its result, then times it next to a baseline in the same run (GPUs only).
 
 NAME:
-  primitives      put, get, putmem, LL packets and the copy engine between GPU pairs; signal round trip
+  primitives      put, get, putmem, LL packets and the copy engine between GPU pairs; latency of p, g,
+                  atomic_fetch_add, put and get by size; signal round trip (world 1: the local path)
   allgather, reducescatter, allreduce
                   tridist's methods against NCCL (sizes 4K..256M by default)
   gemm            tridist's GEMM alone, every config, against cuBLAS on ag_gemm's local shapes
@@ -25,6 +27,7 @@ NAME:
                   the overlapped GEMMs against NCCL + cuBLAS one after the other, and against
                   PyTorch's fused ops where torch_fused saved their times today
   torch_fused     PyTorch's fused ag_gemm and gemm_rs, in a process that never starts tridist
+  jacobi          the 2D Jacobi solver per iteration, host loop against one fused co-resident kernel
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import triton.language as tl
+from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import TensorHandle, _get_np_dtype
 from triton.runtime.interpreter import _interpreter as _memory
 
@@ -217,6 +218,24 @@ def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu"):
     _check_choice("dl.notify", "comm_scope", comm_scope, _COMM_SCOPES)
     _check_choice("dl.notify", "sig_op", sig_op, _NOTIFY_OPS)
     _signal(ptr, peer, signal, sig_op == "add", "dl.notify", allow_remote_node=comm_scope == "inter_node")
+
+
+# ---- programs of one launch ----------------------------------------------------------------------
+def grid_barrier(counter_ptr):
+    """The GPU lowering's counting barrier (see `_gpu.grid_barrier`), with the wait bounded. Only a
+    co-resident launch gives every program a thread, so anything else is refused at once."""
+    state = getattr(emulator._launch, "state", None)
+    if state is None or not state.coresident:
+        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: dl.grid_barrier waits for every "
+                         "program of the launch, which needs them all running at once: launch it with "
+                         "kernel[grid](..., coresident=True)")
+    grid = _interpreter.interpreter_builder.grid_dim
+    programs = grid[0] * grid[1] * grid[2]
+    arrived = int(_value(tl.atomic_add(counter_ptr, 1)))
+    target = (arrived // programs + 1) * programs
+    observed = _wait_until(_addresses(counter_ptr).reshape(-1)[:1], _element(counter_ptr), CMP_GE.value, target,
+                           f"dl.grid_barrier #{target // programs} of {programs} programs")
+    return _scalar(observed[0], _element(counter_ptr))
 
 
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------

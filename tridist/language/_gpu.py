@@ -325,6 +325,26 @@ def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm
             tl.atomic_xchg(remote, signal, sem="release", scope="sys")
 
 
+# ---- programs of one launch ----------------------------------------------------------------------
+@triton.jit
+def grid_barrier(counter_ptr):
+    """Wait until every program of this launch has reached this barrier; their writes before it are
+    visible to all of them after it. Only in a co-resident launch (`kernel[grid](...,
+    coresident=True)`): a program waiting here holds its SM. `counter_ptr`: an int64 word, zero when
+    first used, that only this barrier touches, in launches of one grid size. Returns the count
+    observed, a token for `consume_token`.
+
+    The word counts arrivals and only grows: barrier g (counting every barrier the word has seen,
+    across launches, from 1) is passed once it reaches g x programs. No program arrives at barrier
+    g+1 before all have passed g, so a program that arrives to find `arrived` arrivals before it is
+    at barrier arrived // programs + 1. Nothing is reset, so repeated barriers and back-to-back
+    launches need nothing from the host."""
+    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    _sync_threads()  # every thread's writes so far, ordered before the release below
+    arrived = tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")  # a scalar: one thread adds
+    return _spin(counter_ptr, CMP_GE, (arrived // programs + 1) * programs, "gpu", "acquire")
+
+
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------
 # On GPUs NVSHMEM's own answers are ours; nvshmem_ptr already returns null for unreachable peers.
 my_pe = rank

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch._C._distributed_c10d import _SymmetricMemory
 
 import tridist
+from tridist.runtime import occupancy
 from tridist.runtime.tensors import check_tensor
 
 from .. import language as dl
@@ -301,12 +302,21 @@ def warps_for(block: int, itemsize: int) -> int:
 
 
 def programs_for(device: torch.device) -> int:
-    """One program per SM this rank may use: what the ops launch at most by default. Under CUDA MPS
-    with a thread percentage (ranks sharing a GPU) the driver reports this process's share as the
-    SM count already: 32 of an H100's 132 at 25% (2026-11-24, four ranks sharing one)."""
+    """One program per SM this process may use: what the ops launch at most by default. Under CUDA MPS
+    (ranks sharing a GPU) that is this rank's share (`occupancy.available_sms`)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return occupancy.available_sms(device)[0]
     return 4  # the emulator: a few programs keep the threads busy without slowing tests down
+
+
+def fit_coresident(kernel, wanted: int, per_unit: int, *args, **kwargs) -> int:
+    """How many units (programs, or splits of `per_unit` programs each) a persistent kernel whose
+    programs wait on each other launches: `wanted`, or fewer if not all of them could be resident at
+    once (`tridist.coresident_programs` for the launch's arguments `args`, `kwargs`). Such kernels
+    shrink to fit rather than refuse: with ranks sharing a GPU, each has only part of its SMs. Ops
+    ask at their first call and keep the answer, since a call's programs count its epoch
+    (`call_epoch`). At least 1; where even that does not fit, the co-resident launch refuses."""
+    return max(1, min(wanted, tridist.coresident_programs(kernel, *args, **kwargs) // per_unit))
 
 
 def check_programs(programs, name: str = "programs", meaning: str = "the most blocks a call launches") -> None:

@@ -81,6 +81,12 @@ def emulator_threads() -> int:
     return _setting("TRIDIST_EMU_THREADS", "64", int, "a positive integer")
 
 
+def emulator_coresident() -> int:
+    """The most programs of a co-resident launch the emulator runs, each on a thread of its own
+    (TRIDIST_EMU_CORESIDENT); a larger grid is refused, as one too large for the SMs is on a GPU."""
+    return _setting("TRIDIST_EMU_CORESIDENT", "256", int, "a positive integer")
+
+
 def emulator_folder() -> str | None:
     """TRIDIST_EMU_DIR: the folder the emulated ranks of one job share; None when unset."""
     return os.environ.get("TRIDIST_EMU_DIR") or None
@@ -109,6 +115,8 @@ SETTINGS = {
                              "GPU, and each rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 100 // K (CUDA MPS needed); "
                              "ignored by the emulator",
     "TRIDIST_EMU_THREADS": "programs of one launch the emulator runs at once (default 64)",
+    "TRIDIST_EMU_CORESIDENT": "programs of a co-resident launch the emulator runs at most, a thread each "
+                              "(default 256)",
     "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
     "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",

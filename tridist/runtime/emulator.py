@@ -44,8 +44,9 @@ def current_kernel() -> str:
 
 
 class _LaunchState:
-    def __init__(self, kernel: str):
+    def __init__(self, kernel: str, coresident: bool = False):
         self.kernel = kernel
+        self.coresident = coresident  # every program on a thread of its own (`kernel[grid](..., coresident=True)`)
         self.failed = threading.Event()
 
 

@@ -7,15 +7,29 @@ module it compiles. In the emulator it is Triton's interpreter, with three chang
 - the programs of a launch run at once (up to TRIDIST_EMU_THREADS of them, like resident blocks on
   a GPU), so a kernel whose programs wait on each other works as it does on a GPU;
 - atomics hold a lock shared by all ranks, because the interpreter's are plain read-modify-writes.
+
+Co-resident launches. `kernel[grid](..., coresident=True)` launches a grid whose programs may wait
+on each other (a persistent kernel with `dl.grid_barrier`, or programs that wait for signals other
+programs of the same launch raise): all of them must be running at once, or a waiting program
+holds the SM that the program it waits for needs. It is Triton's own launch with one more keyword,
+in the spirit of CUDA's cooperative launch and NVSHMEM's collective launch. Before launching, the
+grid is checked against what the compiled kernel allows (`coresident_programs`): on GPUs the
+programs that fit on an SM (registers, shared memory, warps: `occupancy.py`) times the SMs this
+process may use (fewer under CUDA MPS, when ranks share a GPU); in the emulator, where every
+program of a co-resident launch runs on a thread of its own, TRIDIST_EMU_CORESIDENT. A grid that
+does not fit raises a ValueError naming the numbers, before anything runs. On GPUs the launch is
+also cooperative (Triton's `launch_cooperative_grid`), so the driver refuses rather than queues a
+grid it cannot make resident.
 """
 import concurrent.futures
 import inspect
+import math
 import threading
 
 import torch
 import triton
 
-from . import backend, config
+from . import backend, config, occupancy
 from .errors import TridistError
 from .world import transport, world
 
@@ -29,6 +43,39 @@ def jit(fn=None, **kwargs):
         return NvshmemFunction(f, **kwargs)
 
     return decorate(fn) if fn is not None else decorate
+
+
+def coresident_programs(kernel, *args, **kwargs) -> int:
+    """The most programs a co-resident launch of `kernel` with these arguments (those of the launch:
+    tensors, scalars, constexprs, `num_warps`...) may have. On GPUs, the programs of the compiled
+    kernel that fit on one SM times the SMs this process may use (`occupancy.coresident_limit`); the
+    kernel is compiled if it was not, and nothing is launched. In the emulator,
+    TRIDIST_EMU_CORESIDENT. A persistent kernel launches min(its work items, this)."""
+    if backend.is_emulator():
+        return config.emulator_coresident()
+    compiled = kernel.run(*args, grid=(1,), warmup=True, coresident=True, **kwargs)
+    return occupancy.coresident_limit(compiled, _current_device())[0]
+
+
+def _current_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _grid_programs(signature: inspect.Signature, grid, args, kwargs) -> tuple[int, ...]:
+    """The launch's grid as three numbers; a callable grid gets the bound arguments, as Triton gives them."""
+    if callable(grid):
+        bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in signature.parameters})
+        bound.apply_defaults()
+        grid = grid(dict(bound.arguments))
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
+def _refuse_grid(kernel: str, grid: tuple, limit: int, why: str) -> None:
+    programs = math.prod(grid)
+    if programs > limit:
+        raise ValueError(f"kernel {kernel}: a co-resident launch of {programs} programs (grid {grid}), but at most "
+                         f"{limit} can be resident at once: {why}. Launch at most {limit} programs "
+                         "(tridist.coresident_programs gives the number for a kernel and its arguments)")
 
 
 if backend.is_emulator():
@@ -60,16 +107,22 @@ if backend.is_emulator():
                 _holding(lambda: transport().atomic_lock(), getattr(_interpreter.InterpreterBuilder, _atomic)))
 
     class EmulatedFunction(_interpreter.InterpretedFunction):
-        def run(self, *args, grid, warmup, **kwargs):
+        def run(self, *args, grid, warmup, coresident=False, **kwargs):
             if warmup:
                 return None
-            return _launch(self, self.rewrite(), grid, args, kwargs)
+            return _launch(self, self.rewrite(), grid, args, kwargs, coresident)
 
 else:
 
     class NvshmemFunction(triton.runtime.jit.JITFunction):
-        def run(self, *args, grid, warmup, **kwargs):
+        def run(self, *args, grid, warmup, coresident=False, **kwargs):
             kwargs.setdefault("extern_libs", {"libnvshmem_device": transport().device_library})
+            if coresident:
+                kwargs["launch_cooperative_grid"] = True
+                if not warmup:
+                    compiled = super().run(*args, grid=grid, warmup=True, **kwargs)
+                    _refuse_grid(self.fn.__name__, _grid_programs(self.signature, grid, args, kwargs),
+                                 *occupancy.coresident_limit(compiled, _current_device()))
             kernel = super().run(*args, grid=grid, warmup=warmup, **kwargs)
             # A launch being captured into a CUDA graph has not run, and synchronising would end the
             # capture; a wait that expires there traps at replay, and the replay's error names no kernel.
@@ -102,9 +155,10 @@ def _synchronize_and_name(kernel: str) -> None:
                            "printed its signal, expected and observed values above.") from error
 
 
-def _launch(kernel, python_fn, grid, args, kwargs):
+def _launch(kernel, python_fn, grid, args, kwargs, coresident):
     """Run one launch of `kernel` (an `EmulatedFunction`) in the emulator (see the module docstring);
-    `python_fn` is its Python function as the interpreter rewrote it, which each program calls."""
+    `python_fn` is its Python function as the interpreter rewrote it, which each program calls.
+    Co-resident, every program gets a thread of its own."""
     from . import emulator
 
     for name, value in list(zip(kernel.arg_names, args)) + list(kwargs.items()):
@@ -121,13 +175,17 @@ def _launch(kernel, python_fn, grid, args, kwargs):
         bound = {k: v if k in constexprs else _interpreter._implicit_cvt(v) for k, v in bound.items()}
         grid = grid(bound) if callable(grid) else grid
         grid = tuple(grid) + (1,) * (3 - len(grid))
+        if coresident:
+            _refuse_grid(kernel.__name__, grid, config.emulator_coresident(),
+                         "the emulator runs every program of a co-resident launch on a thread of its own, and "
+                         f"at most TRIDIST_EMU_CORESIDENT={config.emulator_coresident()} of them")
         _interpreter.interpreter_builder.set_grid_dim(*grid)
         programs = [(x, y, z) for x in range(grid[0]) for y in range(grid[1]) for z in range(grid[2])]
-        state = emulator._LaunchState(kernel.__name__)
+        state = emulator._LaunchState(kernel.__name__, coresident)
         if len(programs) == 1:
             _run_program(python_fn, bound, programs[0], state)
         else:
-            workers = min(len(programs), config.emulator_threads())
+            workers = len(programs) if coresident else min(len(programs), config.emulator_threads())
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tridist-program") as pool:
                 for future in [pool.submit(_run_program, python_fn, bound, p, state) for p in programs]:
                     future.result()

@@ -24,8 +24,11 @@ Methods
   another node to the other ranks of its node once that shard's flag has arrived. Flag (p, s) on a
   rank says slice s of rank p's shard is in its staging, raised once per call by whoever wrote
   it; then each program waits for a few of those flags and copies those rows into `out`. On one
-  node this is "push" with the copy-outs spread differently. `ag_gemm` (comm="sm") runs the same
-  kernel without the copy-out: its GEMM reads the staging itself.
+  node this is "push" with the copy-outs spread differently. A program may wait for a shard that a
+  program after it in the grid forwards, so the kernel launches co-resident (`kernel[grid](...,
+  coresident=True)`), with fewer splits if its grid would not all be resident (asked at the first
+  call). `ag_gemm` (comm="sm") runs the same kernel without the copy-out: its GEMM reads the staging
+  itself.
 - A symmetric `out` (`tridist.symm_empty`, the same tensor on every rank; `symmetric_out=True`)
   lets "ce" skip the staging: the copy engines write the shard straight into every peer's `out`,
   between two barriers on the stream (every peer has reached the call; every shard has landed).
@@ -241,6 +244,7 @@ class AllGather:
         self.method = choose_method(nbytes * w.world_size, w, symmetric_out) if method == "auto" else method
         self.symmetric_out = symmetric_out
         self.direct = symmetric_out and self.method == "ce" and w.world_size > 1
+        self.fitted = self.method != "2d"  # "2d" fits its splits to what can be resident at its first call
         _protocol.check_offsets("all_gather", w.world_size * row_stride(numel))
         if self.method in ("pull", "ll", "ce"):
             _protocol.require_one_node(f"all_gather method {self.method!r}", "method='2d' or 'push'")
@@ -297,9 +301,13 @@ class AllGather:
                                          w.local_world_size, self.slices, BLOCK=self.block, num_warps=self.warps)
         elif self.method == "2d":
             ws = self.workspace
-            all_gather_2d_kernel[(spread_tasks(w), self.splits)](
-                x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size,
-                COPY_OUT=True, splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+            args = (x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row, ws.slot_numel, w.local_world_size)
+            meta = {"COPY_OUT": True, "BLOCK": self.block, "num_warps": self.warps}
+            if not self.fitted:  # fewer splits use fewer of the workspace's flags
+                self.splits = _protocol.fit_coresident(all_gather_2d_kernel, self.splits, spread_tasks(w), *args,
+                                                       splits=self.splits, **meta)
+                self.fitted = True
+            all_gather_2d_kernel[(spread_tasks(w), self.splits)](*args, splits=self.splits, coresident=True, **meta)
         elif self.method == "ring":
             ws = self.workspace
             all_gather_ring_kernel[(self.splits,)](x, out, ws.staging, ws.flags, ws.calls, self.numel, self.row,

@@ -20,8 +20,11 @@ Protocol
   peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
   it along its node with stores through symm_at) and raise flags (slot, rank, split) everywhere to
   the call epoch, one per split of the shard: all_gather's "2d" kernel
-  (`allgather.all_gather_2d_kernel`) without its copy-out. The GEMM runs on the remaining SMs, so
-  both are resident at once. Two slots and call epochs (see `_protocol.py`), no barriers.
+  (`allgather.all_gather_2d_kernel`) without its copy-out, launched co-resident as all_gather
+  launches it (its few programs always fit). The GEMM runs on the remaining SMs of those this
+  process may use (`_protocol.programs_for`, fewer under CUDA MPS), so both are resident at once:
+  the GEMM's programs wait for the push, never for each other. Two slots and call epochs (see
+  `_protocol.py`), no barriers.
 """
 import torch
 import triton
@@ -163,7 +166,8 @@ class AllGatherGEMM:
             n = a_shard.numel()
             allgather.all_gather_2d_kernel[(self.push_tasks, self.splits)](
                 a_shard, self.gathered, self.gathered, self.push_flags, self.push_calls, n, n, self.m * self.k,
-                w.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8)
+                w.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8,
+                coresident=True)
 
     def free(self) -> None:
         if self.comm == "sm":

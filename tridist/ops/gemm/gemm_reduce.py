@@ -25,6 +25,11 @@ Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
   its node's partials and one sum per other node.
 - A tile goes to a peer on the node as stores through symm_at followed by a release of its flag;
   to another node as an NVSHMEM put with the signal attached, from this rank's symmetric copy.
+- gemm_rs's programs wait for tiles that any program of a peer may compute, perhaps one that
+  comes after them in the grid, so they launch co-resident (`kernel[grid](..., coresident=True)`):
+  one per SM this process may use, fewer if fewer fit (`_protocol.fit_coresident`, asked at the
+  first call). gemm_ar's programs wait only for the tiles of the same program on the peers, which
+  every rank's program sends before it waits, so any grid finishes.
 Partial tiles travel in the output dtype (bf16 for fp8 operands, each rank's partial scaled by
 its own scales); sums accumulate in fp32.
 """
@@ -318,6 +323,7 @@ class _GemmReduce:
                              f"{config}")
         self.rows = m // w.world_size if scatter else m
         self.method = method
+        self.fitted = not scatter  # gemm_rs fits its grid to what can be resident at its first call
         self.config = persistent.resolve_config(
             config, name, (m, k, n, str(dtype), method), lambda c: self._with_config(c),
             lambda: persistent.random_operands(m, k, n, dtype, w.device), w.device, m, n, flatten=flatten,
@@ -349,10 +355,12 @@ class _GemmReduce:
             return out
         args = (a_desc, b_desc, scale_a, scale_b, out, ws.staging, ws.flags, ws.calls, self.m, self.n, self.k,
                 self.world.local_world_size)
-        if self.two_levels:
-            gemm_rs_2d_kernel[(self.programs,)](*args, **self.config)
-        elif self.scatter:
-            gemm_rs_kernel[(self.programs,)](*args, **self.config)
+        if self.scatter:
+            kernel = gemm_rs_2d_kernel if self.two_levels else gemm_rs_kernel
+            if not self.fitted:
+                self.programs = _protocol.fit_coresident(kernel, self.programs, 1, *args, **self.config)
+                self.fitted = True
+            kernel[(self.programs,)](*args, coresident=True, **self.config)
         else:
             gemm_ar_kernel[(self.programs,)](*args, **self.config)
         return out
