@@ -189,6 +189,7 @@ def _occupancy_against_driver(w):
                               (128, True, 8), (128, True, 4)):
         compiled = occupancy_probe_kernel.run(x, x, BLOCK=block, DOT=dot, num_warps=warps, grid=(1,), warmup=True,
                                               coresident=True)
+        compiled._init_handles()  # loads the module: registers are known from then on
         counted, why = occupancy.blocks_per_sm(compiled.n_regs, compiled.metadata.shared, warps)
         driver = occupancy._driver_blocks_per_sm(compiled)
         rows.append((block, dot, warps, compiled.n_regs, compiled.metadata.shared, counted, driver, why))
