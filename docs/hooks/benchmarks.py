@@ -4,6 +4,7 @@
   performance page shows the plots and links the JSON with plain relative links, which the strict
   build checks like any other (a renamed result file fails the build instead of leaving a dead
   link). The files stay where the benchmarks write them; nothing is copied into docs/.
+- The performance page lists them all, by benchmark, in place of its marker `<!-- results -->`.
 - benchmarks/NOTES.md, the lab notebook, becomes the page notes.md. It is written as plain notes
   (lists straight after a paragraph, sub-items indented by two spaces), which Python-Markdown
   would run together; `readable` adds the blank lines and indentation it needs.
@@ -16,6 +17,7 @@ from mkdocs.structure.files import File
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 NOTES = ROOT / "benchmarks" / "NOTES.md"
+LIST_MARKER = "<!-- results -->"
 
 
 def readable(notes: str) -> str:
@@ -38,3 +40,16 @@ def on_files(files, config):
             files.append(File.generated(config, f"results/{path.name}", abs_src_path=str(path)))
     files.append(File.generated(config, "notes.md", content=readable(NOTES.read_text())))
     return files
+
+
+def listing() -> str:
+    """A line per benchmark (the name before the device), linking each of its files."""
+    groups = {}
+    for path in sorted(RESULTS.iterdir()):
+        groups.setdefault(re.split(r"-nvidia-", path.name)[0], []).append(path.name)
+    return "\n".join(f"- **{name}**: " + ", ".join(f"[{file}](results/{file})" for file in files)
+                     for name, files in groups.items())
+
+
+def on_page_markdown(markdown, page, config, files):
+    return markdown.replace(LIST_MARKER, listing()) if LIST_MARKER in markdown else markdown
