@@ -92,13 +92,13 @@ def tune_verbose() -> bool:
 
 
 SETTINGS = {
-    "TRIDIST_BACKEND": "nvshmem on CUDA GPUs, emulator elsewhere; set before importing tridist",
+    "TRIDIST_BACKEND": "nvshmem (default with CUDA GPUs) or emulator; set before importing tridist",
     "TRIDIST_NNODES": "virtual nodes: split the ranks of one host into this many nodes",
     "TRIDIST_HEAP_SIZE": "symmetric heap per rank (default 4G on GPU, 256M in the emulator)",
     "TRIDIST_WAIT_TIMEOUT": "seconds a bounded wait spins before it reports (default 60); set before "
                             "importing tridist",
-    "TRIDIST_DEBUG": "1: bound GPU waits, check allocations across ranks, sync after launches; set before "
-                     "importing tridist",
+    "TRIDIST_DEBUG": "1: bound GPU waits, check allocations across ranks, synchronise after each launch (not "
+                     "while a CUDA graph is captured); set before importing tridist",
     "TRIDIST_EMU_THREADS": "programs of one launch the emulator runs at once (default 64)",
     "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
