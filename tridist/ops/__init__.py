@@ -5,11 +5,11 @@ overlapped with communication). Each op's module holds its host wrapper next to 
 
 What holds for every op:
 
-- **A function and a class.** `all_gather(x)` and its kind keep one instance per shape, dtype,
-  method and stream, built at the first call. The classes (`AllGather(numel, dtype)`, ...) are
-  those instances: build one on every rank at once (it allocates symmetric memory), call it any
-  number of times on one stream, and `free()` it (on every rank) to give its buffers back. One
-  instance must not serve two streams at once.
+- **A function and a class.** The functions (`all_gather(x)`, ...) keep one instance of their
+  op per shape, dtype, method and stream, built at the first call. The classes
+  (`AllGather(numel, dtype)`, ...) are those instances: build one on every rank at once (it
+  allocates symmetric memory), call it any number of times on one stream, and `free()` it (on
+  every rank) to give its buffers back. One instance must not serve two streams at once.
 - **Collective.** Every rank calls an op with the same shapes, dtypes and options, in the same
   order. Ops that wait on their peers must be queued in the same order on every rank also when
   they run on several streams (as with NCCL): a kernel that waits holds its SMs, and the GEMMs
