@@ -117,8 +117,8 @@ def consume(queue_ptr, full_ptr, free_ptr, out_ptr, first, items, producer, SLOT
 # same way.
 def main():
     w = tridist.init()
-    if w.world_size < 2:
-        sys.exit("this tutorial needs 2 ranks: tridist run -n 2 tutorials/01-signals-and-waits.py")
+    if w.world_size < 2 or w.node_of(0) != w.node_of(1):
+        sys.exit("this tutorial needs 2 ranks on one node: tridist run -n 2 tutorials/01-signals-and-waits.py")
     queue = tridist.symm_zeros((SLOTS, ITEM), torch.float32)
     full = tridist.signals(SLOTS)
     free = tridist.signals(SLOTS)
