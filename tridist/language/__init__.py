@@ -9,6 +9,16 @@ library) and `_emulated.py` (Python under Triton's interpreter). The backend cho
 (`tridist.BACKEND`) decides which one these names are bound to; the signatures and meanings
 documented here (the `TYPE_CHECKING` block at the end of this file) are those of both.
 
+| group | functions |
+| --- | --- |
+| identity, addressing | `rank()`, `num_ranks()`, `symm_at(ptr, peer, aligned=True)` |
+| signals | `notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu")`, `wait(ptr, num, scope, semantic, waitValue)` -> token, `consume_token(x, token)` |
+| memory order | `ld`, `st`, `atomic_add`, `atomic_cas`, `atomic_xchg`, `fence()`, `fence_async_proxy()` |
+| time | `global_time_ns()` |
+| compute | `dot(a, b, acc)` |
+| [`dl.shmem`][tridist.language.shmem] | puts, gets, puts with signal (plain, `_nbi`, `_warp`, `_block` forms), `signal_op`, `signal_wait_until`, `quiet`, `fence`, barriers, typed `p`/`g`, remote atomics, `CMP_*`, `SIGNAL_*` |
+| [`dl.ll`][tridist.language.ll] | low-latency packets: `pack`, `unpack`, `send`, `recv` |
+
 Memory order: scopes are `"gpu"` (this GPU) or `"sys"` (every GPU and the host); semantics are
 `"relaxed"`, `"acquire"`, `"release"` and `"acq_rel"`. A load (`ld`, `wait`) cannot release and a
 store (`st`) cannot acquire. A signal raised by another GPU is acquired at `"sys"` scope. Other
@@ -18,8 +28,8 @@ A device function is called by every thread of a Triton program; where NVSHMEM h
 per-warp and per-block forms (`dl.shmem`), the plain form is issued by one thread of the program,
 the `_warp` form by its first warp, and the `_block` form by all of its threads.
 
-Submodules: [`dl.shmem`][tridist.language.shmem] (OpenSHMEM-style puts, gets, signals and
-atomics, to any rank on any node) and [`dl.ll`][tridist.language.ll] (low-latency packets).
+`dl.shmem` reaches any rank, on this node or another; `symm_at` and `notify` (unless
+`comm_scope="inter_node"`) reach the ranks of this node only.
 """
 from typing import TYPE_CHECKING
 
