@@ -77,7 +77,7 @@ fi
 # A call carries at most 64 MiB: the entries of kernels no longer in the code go before the cache does.
 for dir in .triton-cache/*/; do
   name=$(ls "$dir" | sed -n 's/^\([A-Za-z0-9_]*\)\.json$/\1/p' | grep -v '^__grp__' | head -n 1)
-  if [ -n "$name" ] && ! grep -rqw --include='*.py' "$name" tridist tests benchmarks examples; then rm -rf "$dir"; fi
+  if [ -n "$name" ] && ! grep -rqw --include="*.py" "$name" tridist tests benchmarks examples tutorials; then rm -rf "$dir"; fi
 done
 tar cz .triton-cache 2>/dev/null | split -b 15M - "$OUT/triton-cache.part-"
 exit $status

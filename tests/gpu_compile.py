@@ -31,6 +31,7 @@ from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402
 from . import test_shmem as shmem  # noqa: E402
+from .harness import load_script  # noqa: E402
 
 CUDA = torch.device("cuda")
 
@@ -80,6 +81,39 @@ def _gemm_cases():
                   for _ in (() if flat else (1,))],
             ]
     return cases
+
+
+def _tutorial_cases():
+    """The kernels of tutorials/, which users run on GPUs as they are."""
+    t = {name[:2]: load_script("tutorials", name) for name in (
+        "01-signals-and-waits", "02-all-gather-push-pull", "03-all-gather-across-nodes", "04-low-latency-packets",
+        "05-reduce-scatter", "06-allgather-gemm", "07-gemm-reduce-scatter")}
+    queue = {"queue_ptr": "*fp32", "full_ptr": "*i64", "free_ptr": "*i64"}
+    sizes = {"SLOTS": "constexpr", "ITEM": "constexpr"}
+    gemm = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}
+    return [
+        (t["01"].produce, {**queue, "first": "i32", "items": "i32", "consumer": "i32", **sizes}, {"SLOTS": 4, "ITEM": 64}),
+        (t["01"].consume, {**queue, "out_ptr": "*fp32", "first": "i32", "items": "i32", "producer": "i32", **sizes},
+         {"SLOTS": 4, "ITEM": 64}),
+        (t["02"].all_gather_push, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
+                                   "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}),
+        (t["02"].all_gather_pull, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "staging_ptr": "*fp32",
+                                   "flags_ptr": "*i64", "n": "i32", "epoch": "i32", "BLOCK": "constexpr"},
+         {"BLOCK": 256}),
+        (t["03"].all_gather_puts, {"out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32", "epoch": "i32"}, {}),
+        (t["03"].all_gather_2d, {"out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32", "epoch": "i32",
+                                 "local_world_size": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}),
+        (t["04"].all_reduce_ll, {"x_ptr": "*fp32", "out_ptr": "*fp32", "packets_ptr": "*i64", "n": "i32",
+                                 "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 512}),
+        (t["05"].reduce_scatter, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64",
+                                  "calls_ptr": "*i64", "m": "i32", "BLOCK": "constexpr"}, {"BLOCK": 256}),
+        (t["06"].ag_gemm, {"a_shard_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "gathered_ptr": "*bf16",
+                           "flags_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32", "epoch": "i32",
+                           **{name: "constexpr" for name in (*gemm, "COPY_BLOCK")}}, {**gemm, "COPY_BLOCK": 1024}),
+        (t["07"].gemm_rs, {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "partials_ptr": "*fp32",
+                           "flags_ptr": "*i64", "rows_per_rank": "i32", "N": "i32", "K": "i32", "epoch": "i32",
+                           **{name: "constexpr" for name in gemm}}, gemm),
+    ]
 
 
 _ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
@@ -218,6 +252,7 @@ def cases():
         (shmem.ll_ping_pong_kernel, {"packets_ptr": "*i64", "src_ptr": "*i32", "out_ptr": "*i32", "peer": "i32",
                                      "rounds": "i32", "initiator": "i32", "n": "i32", "BLOCK": "constexpr"},
          {"BLOCK": 128}),
+        *_tutorial_cases(),
     ]
 
 

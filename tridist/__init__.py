@@ -1,5 +1,10 @@
 """tridist: program a box or a cluster of GPUs as one machine, with Triton kernels that talk to
-each other's memory. See README.md and DESIGN.md; `tridist.language` holds the device API."""
+each other's memory.
+
+This package is the host side: joining the world, symmetric tensors, the kernel decorator,
+barriers, autotuning and the errors tridist raises. The device API is
+[`tridist.language`][tridist.language], the kernel library [`tridist.ops`][tridist.ops].
+"""
 from .runtime.backend import BACKEND
 from .runtime.errors import (NotInitializedError, PeerFailedError, SymmetricAllocationError, TridistError,
                              WaitTimeoutError)

@@ -25,7 +25,7 @@ else:
 
 @triton.jit
 def pack(data, flag):
-    """int32 `data` and `flag` (its low 32 bits) -> int64 packets."""
+    """int32 `data` and `flag` (its low 32 bits) -> int64 packets, the flag in the high half."""
     return (tl.cast(flag, tl.int64) << 32) | (data.to(tl.int64) & 0xFFFFFFFF)
 
 
@@ -37,11 +37,29 @@ def unpack(packets):
 
 @triton.jit
 def send(dest, data, flag, mask):
-    """Store `data` (int32) with `flag` as packets at `dest` (int64 pointers, local or a peer's)."""
+    """Store `data` with `flag` as packets at `dest`.
+
+    Args:
+        dest: int64 pointers, one per word: a local buffer or a peer's (through `dl.symm_at`),
+            symmetric so that the reader finds it.
+        data: int32 words (bitcast other types first: `x.to(tl.int32, bitcast=True)`).
+        flag: this use's flag, usually the call's epoch; readers compare its low 32 bits.
+        mask: which of the words to send.
+    """
     tl.store(dest, pack(data, flag), mask=mask)
 
 
 @triton.jit
 def recv(source, flag, mask):
-    """Wait until the packets at `source` (where `mask`) carry `flag`; return their int32 data."""
+    """Wait until the packets at `source` (where `mask`) all carry `flag`; return their int32 data.
+
+    Every thread of the program polls the packets themselves: no separate signal. Bounded and
+    reporting like [`dl.wait`][tridist.language.wait] (in the emulator, and on GPUs with
+    TRIDIST_DEBUG=1): the report names one packet still missing and the flag found there.
+
+    Args:
+        source: int64 pointers to this rank's packet buffer.
+        flag: the flag the sender used.
+        mask: which packets to wait for (masked-off words come back as 0).
+    """
     return unpack(_lowering.wait_packets(source, mask, tl.cast(flag, tl.int32)))

@@ -1,5 +1,52 @@
-"""The kernel library, grouped by family: `collectives`, `gemm`, `stencil`. Each op's module holds its host
-wrapper next to its kernels; `_protocol` and `sync` are what the families share."""
+"""The kernel library, grouped by family: [`collectives`][tridist.ops.collectives] (all-gather,
+reduce-scatter, all-reduce), [`gemm`][tridist.ops.gemm] (the persistent GEMM and the GEMMs
+overlapped with communication) and [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo
+exchange runs inside its kernels). Each op's module holds its host wrapper next to its kernels;
+`_protocol` and `sync` are what the families share.
+
+What holds for every op:
+
+- **A function and a class.** The functions (`all_gather(x)`, ...) keep one instance of their
+  op per shape, dtype, method and stream, built at the first call. The classes
+  (`AllGather(numel, dtype)`, ...) are those instances: build one on every rank at once (it
+  allocates symmetric memory), call it any number of times on one stream, and `free()` it (on
+  every rank) to give its buffers back. One instance must not serve two streams at once.
+- **Collective.** Every rank calls an op with the same shapes, dtypes and options, in the same
+  order. Ops that wait on their peers must be queued in the same order on every rank also when
+  they run on several streams (as with NCCL): a kernel that waits holds its SMs, and the GEMMs
+  take whole SMs, so if one rank runs op A's kernel and a peer runs op B's first, each can wait
+  for a kernel its peer has no room to start. Kernels whose programs wait on each other
+  (`gemm_rs`, the `2d` all-gather across nodes) launch co-resident (`kernel[grid](...,
+  coresident=True)`, see `tridist.coresident_programs`) and shrink their persistent grid to what
+  can be resident at their first call, also when ranks share a GPU.
+- **Back to back, and in CUDA graphs.** Calls need no host synchronisation: each instance counts
+  its calls on the device (call epochs) and alternates two sets of buffers and flags. Ops can be
+  captured in CUDA graphs (no host sync, allocation or `.item()` inside a call). A function's
+  first call on a stream builds its instance, which allocates symmetric memory and so cannot
+  happen during a capture: call it once on the capture stream first (`torch.cuda.graph(g,
+  stream=s)` after a warm-up on `s`), or capture an instance of the class.
+- **`method="auto"`** picks by size and topology from crossovers measured on H200s (written down
+  in `choose_method`, `choose_reduce_scatter`, `choose_all_reduce` and `choose_gemm_ar`, listed
+  on the family pages). Methods marked "one node" reach peers through pointers or copy engines
+  and refuse worlds of several nodes.
+- **Symmetric tensors are used in place.** Where an op takes a symmetric tensor (from
+  `tridist.symm_empty`: `all_gather`'s `out`, `all_reduce`'s `x` with `out=x`), every rank must
+  pass a symmetric tensor, the same one, or none; in the emulator and with `TRIDIST_DEBUG=1` a
+  mismatch raises on every rank.
+- **Bad input fails before any launch**, with a `ValueError` (a `TypeError` for a non-tensor)
+  that says what to change: dtype, device, layout, shape, method, a one-node method on several
+  nodes. Each op indexes its buffers with 32-bit offsets and refuses a size that would pass 2^31
+  elements.
+- **`torch.compile`.** Importing `tridist.ops` registers six functions as PyTorch custom ops,
+  with shape-only fake implementations so that `torch.compile` can trace through them:
+  `torch.ops.tridist.all_gather(x, method="auto")`,
+  `torch.ops.tridist.reduce_scatter(x, method="auto")`,
+  `torch.ops.tridist.all_reduce(x, method="auto")`,
+  `torch.ops.tridist.ag_gemm(a_shard, b, comm="auto")`, `torch.ops.tridist.gemm_rs(a, b)` and
+  `torch.ops.tridist.gemm_ar(a, b, method="auto")` (the GEMMs also with `scale_a`, `scale_b` for
+  fp8). Each returns a new tensor (no `out=`, nothing in place), and the GEMMs run their default
+  config.
+"""
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
 from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, matmul
 from .stencil import Jacobi2D, jacobi_reference

@@ -42,9 +42,14 @@ def _sleep_kernel(duration_ns):
 
 
 def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None) -> None:
-    """Queue a barrier across all ranks on `stream` (default: the current one). On GPUs the host
-    does not wait for it; in the emulator, which has no streams, the host runs it and returns once
-    every rank has reached it."""
+    """Queue a barrier across all ranks on `stream` (default: the current one): work queued on
+    the stream after it starts once every rank's stream has reached it.
+
+    On GPUs the host does not wait for it. It is NVSHMEM's barrier, unbounded, or with
+    TRIDIST_DEBUG=1 a barrier of tridist's own on symmetric words allocated at `tridist.init`,
+    bounded like every wait. In the emulator, which has no streams, the host runs it and returns
+    once every rank has reached it.
+    """
     world()
     if is_emulator():
         _barrier_kernel[(1,)]()
@@ -77,8 +82,13 @@ class Barrier:
 
 
 def sleep_async(microseconds: float, stream: "torch.cuda.Stream | None" = None) -> None:
-    """Keep `stream` busy for about `microseconds` (so that launch skew stays out of timings).
-    A no-op in the emulator, which has no streams to keep busy."""
+    """Keep `stream` (default: the current one) busy for about `microseconds`, so that what the
+    host queues behind it starts together and launch skew stays out of timings. A no-op in the
+    emulator, which has no streams to keep busy.
+
+    Raises:
+        ValueError: a negative duration.
+    """
     if microseconds < 0:
         raise ValueError(f"sleep_async takes a duration >= 0, got {microseconds}")
     if is_emulator():

@@ -32,6 +32,9 @@ def _choose() -> str:
 
 sharing.prepare_process()  # before `_choose` may start CUDA: the MPS percentage is read then
 BACKEND = _choose()
+"""This process's backend, `"nvshmem"` or `"emulator"`, chosen when tridist is first imported:
+TRIDIST_BACKEND if set, else the emulator under TRITON_INTERPRET=1, else nvshmem where CUDA GPUs
+are present. Fixed for the life of the process (kernels are defined for one backend)."""
 
 
 def is_emulator() -> bool:

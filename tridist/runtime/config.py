@@ -103,13 +103,13 @@ def tune_verbose() -> bool:
 
 
 SETTINGS = {
-    "TRIDIST_BACKEND": "nvshmem on CUDA GPUs, emulator elsewhere; set before importing tridist",
+    "TRIDIST_BACKEND": "nvshmem (default with CUDA GPUs) or emulator; set before importing tridist",
     "TRIDIST_NNODES": "virtual nodes: split the ranks of one host into this many nodes",
     "TRIDIST_HEAP_SIZE": "symmetric heap per rank (default 4G on GPU, 256M in the emulator)",
     "TRIDIST_WAIT_TIMEOUT": "seconds a bounded wait spins before it reports (default 60); set before "
                             "importing tridist",
-    "TRIDIST_DEBUG": "1: bound GPU waits, check allocations across ranks, sync after launches; set before "
-                     "importing tridist",
+    "TRIDIST_DEBUG": "1: bound GPU waits, check allocations across ranks, synchronise after each launch (not "
+                     "while a CUDA graph is captured); set before importing tridist",
     "TRIDIST_RANKS_PER_GPU": "ranks per GPU (default 1); set by `tridist run --ranks-per-gpu K`, or by hand for "
                              "torchrun: rank r uses GPU LOCAL_RANK // K, the host group is gloo where ranks share a "
                              "GPU, and each rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 100 // K (CUDA MPS needed); "

@@ -10,7 +10,8 @@ class NotInitializedError(TridistError):
 
 
 class WaitTimeoutError(TridistError):
-    """A bounded wait expired: it names the rank, the kernel, the signal and the values."""
+    """A bounded wait expired (in the emulator after TRIDIST_WAIT_TIMEOUT seconds): the message
+    names the rank, the kernel, the signal (its heap offset) and the expected and observed values."""
 
 
 class PeerFailedError(TridistError):
@@ -18,4 +19,5 @@ class PeerFailedError(TridistError):
 
 
 class SymmetricAllocationError(TridistError):
-    """Symmetric allocations disagree between ranks, or the heap is exhausted."""
+    """Symmetric allocations disagree between ranks (the message lists what each asked for), or
+    the heap is exhausted."""

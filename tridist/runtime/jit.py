@@ -35,7 +35,18 @@ from .world import transport, world
 
 
 def jit(fn=None, **kwargs):
-    """Decorator for kernels and device functions; takes what `triton.jit` takes."""
+    """Decorator for distributed kernels; takes what `triton.jit` takes (e.g.
+    `@tridist.jit(do_not_specialize=["epoch"])`).
+
+    The kernel is launched as any Triton kernel, `kernel[grid](*args)`, and may call
+    `tridist.language` functions. On GPUs it links NVSHMEM's device library and initialises
+    every module it compiles; with TRIDIST_DEBUG=1 each launch is followed by a synchronisation
+    that names the kernel if it failed (not while a CUDA graph is captured). In the emulator it
+    runs under Triton's interpreter with the arguments used in place (peers' writes into
+    symmetric tensors are not copied over) and the programs of a launch running at once
+    (TRIDIST_EMU_THREADS), so programs that wait on each other work as on a GPU. Device
+    functions called from a kernel take plain `triton.jit`.
+    """
 
     def decorate(f):
         if backend.is_emulator():

@@ -12,7 +12,7 @@ import torch
 from .world import heap, transport, world
 
 SIGNAL_DTYPE = torch.int64
-"""Signals are 64-bit words (NVSHMEM's signal type is uint64; the bits are the same)."""
+"""The dtype of signal words: int64 (NVSHMEM's signal type is uint64; the bits are the same)."""
 
 
 def _shape(shape) -> tuple:
@@ -23,13 +23,28 @@ def _shape(shape) -> tuple:
 
 
 def symm_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised symmetric tensor. Every rank must allocate the same shapes in the same order."""
+    """An uninitialised symmetric tensor: a torch tensor (CUDA on GPUs, CPU in the emulator) in
+    this rank's symmetric heap, at the same offset as every other rank's copy, which kernels
+    reach with `dl.symm_at` and `dl.shmem`.
+
+    Collective: every rank must allocate the same shapes and dtypes in the same order (checked
+    in the emulator and with TRIDIST_DEBUG=1, where every rank waits for the others).
+
+    Args:
+        shape: an int or a sequence of ints.
+        dtype: the element type.
+
+    Raises:
+        ValueError: a shape that is not non-negative ints, or a dtype the heap does not take.
+        SymmetricAllocationError: the heap (TRIDIST_HEAP_SIZE) is exhausted, or ranks asked
+            for different allocations (what each asked for is in the message).
+    """
     return heap().allocate(_shape(shape), dtype)
 
 
 def symm_zeros(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zeroed symmetric tensor. Collective: it returns once every rank has zeroed its copy, so that
-    no rank's zeroing can erase what a faster peer already wrote into it."""
+    """A zeroed symmetric tensor (as `symm_empty`). Collective: it returns once every rank has
+    zeroed its copy, so that no rank's zeroing can erase what a faster peer already wrote into it."""
     t = symm_empty(shape, dtype)
     t.zero_()
     barrier_all()
@@ -37,16 +52,19 @@ def symm_zeros(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def symm_free(t: torch.Tensor) -> None:
-    """Give a symmetric tensor's memory back. Every rank must free in the same order."""
+    """Give a symmetric tensor's memory back to the heap. Collective: every rank frees the same
+    tensors in the same order."""
     heap().free(t)
 
 
 def signals(n: int) -> torch.Tensor:
-    """`n` zeroed signal words in symmetric memory (collective, like `symm_zeros`)."""
+    """`n` zeroed signal words (`SIGNAL_DTYPE`) in symmetric memory, for `dl.notify`, `dl.wait`
+    and `dl.shmem`'s signals. Collective, like `symm_zeros`."""
     return symm_zeros((n,), SIGNAL_DTYPE)
 
 
 def is_symmetric(t: torch.Tensor) -> bool:
+    """Whether `t` lies in this rank's symmetric heap (a tensor from `symm_empty`, or a view of one)."""
     return heap().contains(t)
 
 
@@ -66,9 +84,14 @@ def check_symmetric(t: torch.Tensor, name: str) -> None:
 
 
 def peer_tensor(t: torch.Tensor, peer: int) -> torch.Tensor:
-    """`peer`'s copy of the symmetric tensor `t`, as a tensor this rank can read and write.
+    """`peer`'s copy of the symmetric tensor `t`, as a tensor this rank can read and write
+    (with torch ops, or copy engines: `peer_tensor(t, p).copy_(x)`).
 
-    Only for peers on this (virtual) node; other nodes are reached with put/get inside kernels.
+    Only for peers on this (virtual) node; other nodes are reached with puts and gets inside
+    kernels.
+
+    Raises:
+        ValueError: `peer` outside the world or on another node, or `t` not symmetric.
     """
     w = world()
     if not 0 <= peer < w.world_size:
@@ -86,8 +109,9 @@ def peer_tensor(t: torch.Tensor, peer: int) -> torch.Tensor:
 
 
 def barrier_all() -> None:
-    """Host barrier: returns on every rank once all ranks have called it (and, on GPU, once the
-    device work queued before it has finished)."""
+    """Host barrier: returns on every rank once all ranks have called it (and, on GPUs, once the
+    device work queued before it has finished). For a barrier queued on a stream, with no host
+    wait, see `barrier_all_on_stream`."""
     transport().barrier()
 
 

@@ -37,10 +37,42 @@ def tune(name: str, key, configs: Sequence[dict], make_run: Callable[[dict], Cal
          warmup: int = 2, repetitions: int = 5, use_cache: bool = True, verbose: bool | None = None) -> dict:
     """The config (a copy) whose `make_run(config)()` is fastest on the slowest rank.
 
-    A collective: every rank calls it with the same `name`, `key` (any value with a stable repr:
-    shapes, dtypes) and `configs` (dicts). `make_run(config)` returns the callable that is timed,
-    itself usually a collective. `use_cache=False` neither reads nor writes the cache; `verbose`
-    (default TRIDIST_TUNE_VERBOSE=1) prints each configuration's time on rank 0.
+    A distributed kernel finishes when its slowest rank does, so each config scores its slowest
+    rank's median time; every rank picks from the same gathered times, so all pick the same
+    config.
+
+    ```python
+    config = tridist.tune("my_allgather", (n, dtype), [{"BLOCK": 256}, {"BLOCK": 1024}],
+                          lambda config: lambda: my_allgather(x, **config))
+    ```
+
+    Each config is built and warmed up (`warmup` calls), then timed: this rank's median of
+    `repetitions` calls, with CUDA events on GPUs, queued behind a busy-wait of the GPU so that
+    the host's launches are not what gets timed. A config that raises while it is built or warmed
+    up is skipped on every rank.
+
+    Choices are cached in `tune.json` in TRIDIST_TUNE_CACHE (default `~/.cache/tridist`), keyed by
+    name, key, configs, world size and nodes, backend and device; a cached choice is used only
+    when every rank finds the same one, otherwise all tune again.
+
+    Args:
+        name: what is tuned (the cache's first key).
+        key: what the choice depends on (shapes, dtypes): any value with a stable repr.
+        configs: the candidates, dicts.
+        make_run: `make_run(config)` returns the callable to time, itself usually a collective.
+        warmup: untimed calls per config (at least 0).
+        repetitions: timed calls per config (at least 1).
+        use_cache: False neither reads nor writes the cache.
+        verbose: print each config's time on rank 0 (default: TRIDIST_TUNE_VERBOSE=1).
+
+    Returns:
+        A copy of the chosen config.
+
+    Raises:
+        ValueError: ranks passed different `name`, `key` or `configs` (raised on every rank), no
+            configs, or bad `warmup`/`repetitions`.
+        TypeError: configs that are not dicts.
+        TridistError: every config failed (each one's error is listed).
     """
     if warmup < 0 or repetitions < 1:
         raise ValueError(f"tridist.tune needs warmup >= 0 and repetitions >= 1, got {warmup} and {repetitions}")

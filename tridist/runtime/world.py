@@ -23,16 +23,23 @@ from .heap import SymmetricHeap
 
 @dataclasses.dataclass(frozen=True)
 class World:
-    """Who this rank is and where it stands (see the module docstring).
+    """Who this rank is and where it stands, as `tridist.init()` and `tridist.world()` return it.
 
-    rank, world_size: this rank and the number of ranks, as torchrun's RANK and WORLD_SIZE.
-    local_rank, local_world_size: this rank's index on its node and the ranks per node, where a
-        node is a *virtual* one when TRIDIST_NNODES (or `init(nnodes=...)`) splits a host; not
-        torchrun's LOCAL_RANK, which counts ranks on the host and picks the GPU.
-    node, nnodes: this rank's node and the number of nodes; ranks on one node reach each other's
-        symmetric memory through pointers, others only through put/get.
-    backend: "emulator" or "nvshmem" (`tridist.BACKEND`).
-    device: this rank's device: its GPU, or the CPU in the emulator.
+    Ranks are numbered node by node: rank r is on node r // local_world_size.
+
+    Attributes:
+        rank: this rank, as torchrun's RANK.
+        world_size: the number of ranks, as torchrun's WORLD_SIZE.
+        local_rank: this rank's index on its node, where a node is a *virtual* one when
+            TRIDIST_NNODES (or `init(nnodes=...)`) splits a host; not torchrun's LOCAL_RANK,
+            which counts ranks on the host and picks the GPU.
+        local_world_size: the ranks per node.
+        node: this rank's node.
+        nnodes: the number of nodes. Ranks on one node reach each other's symmetric memory
+            through pointers (`dl.symm_at`, `tridist.peer_tensor`), others only through puts
+            and gets (`dl.shmem`).
+        backend: `"emulator"` or `"nvshmem"` (`tridist.BACKEND`).
+        device: this rank's device: its GPU, or the CPU in the emulator.
     """
 
     rank: int
@@ -45,9 +52,11 @@ class World:
     device: torch.device
 
     def node_of(self, rank: int) -> int:
+        """The node of `rank`."""
         return rank // self.local_world_size
 
     def same_node(self, rank: int) -> bool:
+        """Whether `rank` is on this rank's node (load/store reachable)."""
         return self.node_of(rank) == self.node
 
 
@@ -97,7 +106,28 @@ def _layout(nnodes: int | None) -> tuple[int, int, int, int, int, int]:
 
 
 def init(backend: str | None = None, nnodes: int | None = None) -> World:
-    """Join the world; idempotent. See the module docstring for what it reads."""
+    """Join the world: every rank calls it once, before any other tridist function.
+
+    Reads the launcher's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (set by torchrun or
+    `tridist run`; a process started alone is rank 0 of a world of 1), starts the backend chosen
+    when tridist was imported and allocates this rank's symmetric heap (TRIDIST_HEAP_SIZE). On
+    GPUs rank r takes GPU LOCAL_RANK. Idempotent: a second call returns the same world.
+
+    Args:
+        backend: `"nvshmem"` or `"emulator"`; must be the backend tridist was imported with
+            (None: that one). To choose, set TRIDIST_BACKEND before importing tridist.
+        nnodes: split the ranks of one host into this many virtual nodes (default:
+            TRIDIST_NNODES, else the real nodes, WORLD_SIZE / LOCAL_WORLD_SIZE).
+
+    Returns:
+        This rank's [`World`][tridist.World].
+
+    Raises:
+        TridistError: a backend other than the imported one; already initialised with other
+            arguments; called after `finalize()`; `nnodes` that does not divide the world or
+            split a host evenly; more ranks on a host than GPUs; in the emulator, a world of
+            more than one rank not started by `tridist run`.
+    """
     if _state.world is not None:
         w = _state.world
         if (backend not in (None, w.backend)) or (nnodes not in (None, w.nnodes)):
@@ -180,7 +210,8 @@ def _install_failure_hook() -> None:
 
 
 def finalize() -> None:
-    """Leave the world. Buffers from the symmetric heap must not be used afterwards."""
+    """Leave the world (also run at exit). Buffers from the symmetric heap must not be used
+    afterwards, and `init()` cannot be called again in this process."""
     if _state.world is None:
         return
     _state.transport.close()
@@ -191,6 +222,11 @@ def finalize() -> None:
 
 
 def world() -> World:
+    """This rank's [`World`][tridist.World].
+
+    Raises:
+        NotInitializedError: before `tridist.init()`.
+    """
     if _state.world is None:
         raise NotInitializedError("tridist is not initialised: call tridist.init() first")
     return _state.world

@@ -1,5 +1,24 @@
 """Collectives: all-gather, reduce-scatter and all-reduce, each with methods for small and large
-messages, one node and several."""
+messages, one node and several.
+
+| op | computes | methods |
+| --- | --- | --- |
+| `all_gather(x)`, `AllGather` | `torch.distributed.all_gather_into_tensor`; floats, integers, raw bytes | `ll`, `push`, `pull`, `ce`, `2d`, `ring`, `auto` |
+| `reduce_scatter(x)`, `ReduceScatter` | `reduce_scatter_tensor`, sum, fp32 accumulation | `ll`, `one_shot`, `ce`, `2d`, `ring`, `auto` |
+| `all_reduce(x)`, `AllReduce` | `all_reduce`, sum, fp32 accumulation | `ll`, `one_shot`, `two_shot`, `ce`, `auto` |
+
+Each class's docstring says what its methods do and where they work. Common to all three:
+
+- `programs=` (classes) caps the programs (blocks, so SMs) a call's kernels run; default one
+  per SM.
+- Reductions sum in fp32 whatever the input dtype and round once; they take bf16, fp16 and
+  fp32.
+- The copy-engine methods (`ce`, one node) move large messages without SMs driving NVLink: each
+  rank's copy engines write its data into the peers' staging chunk by chunk, and a kernel
+  consumes each chunk as its flag rises. They cost a barrier per call (one of the instance's
+  own). On their own they are slower than the SM methods, so `auto` leaves them for callers
+  that keep the SMs busy with other work, except into a symmetric `out` (all-gather).
+"""
 from .allgather import AllGather, all_gather
 from .allreduce import AllReduce, ReduceScatter, all_reduce, reduce_scatter
 

@@ -2,6 +2,7 @@
 order (torch's `all_gather_into_tensor` layout: out is world_size * n elements, rank r's at r*n).
 
 Methods
+
 - "push": the shard is cut in slices (`slices_for`). Program (p, s) for a peer p stores slices
   s, s + splits, ... of this rank's shard into row `rank` of rank p's staging (through p's pointer
   on this node, an NVSHMEM put with signal on another node), raising p's flag (rank, slice) after
@@ -227,11 +228,36 @@ def all_gather_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
 
 
 class AllGather:
-    """An all-gather of `numel` elements of `dtype` per rank, with its own workspace. Reuse one
-    instance per stream; `tridist.ops.all_gather` keeps one per shape for the current stream.
-    `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM). With
-    `symmetric_out`, every call passes a symmetric `out`, the same on every rank, and "ce" writes
-    into it directly."""
+    """An all-gather of `numel` elements of `dtype` per rank, with its own symmetric buffers.
+
+    Build it on every rank at once; call it (`op(x, out)`) back to back on one stream, also in
+    CUDA graphs; `free()` it on every rank. `tridist.ops.all_gather` keeps one per shape, dtype,
+    method and stream.
+
+    | method | how | where |
+    | --- | --- | --- |
+    | `"ll"` | low-latency packets (`dl.ll`): every 4-byte word travels with the call's epoch as its flag, no separate signal | one node; small messages; `numel * itemsize` a multiple of 4 |
+    | `"push"` | the shard is cut in slices (about 128 KB); programs store each slice into every peer's staging and raise its flag, while the rank's own programs copy the slices that have arrived into `out`, so copying out overlaps sending | any topology (across nodes each slice is a put with signal to every rank) |
+    | `"pull"` | each rank stages its shard and raises a flag on every peer; each peer reads it through `symm_at` (reads instead of writes over NVLink) | one node |
+    | `"ce"` | the copy engines write the shard into every peer's staging, 8 MB chunks with a flag each; a kernel copies each chunk out as its flag rises. Into a symmetric `out` (`symmetric_out=True`) they write straight into the peers' `out`, no staging | one node; for large messages next to other work on the SMs |
+    | `"2d"` | each shard crosses to every other node once: put (with its signal) to the rank with the same local index on each other node, which forwards it along its node | several nodes (on one node, `push` with the copy-outs spread differently) |
+    | `"ring"` | each slice passes around the ring of ranks, every rank forwarding what it received to the next | any topology |
+    | `"auto"` | [`choose_method`][tridist.ops.collectives.allgather.choose_method]: `2d` across nodes, `ll` up to 1 MB in all, `ce` into a symmetric `out` above 64 MB, else `push` | |
+
+    Args:
+        numel: elements of each rank's shard.
+        dtype: bf16, fp16, fp32, uint8, int8, int16, int32 or int64 (an all-gather only moves
+            bytes).
+        method: one of the methods above.
+        programs: the most programs (blocks, so SMs) a call's kernel runs (default: one per SM).
+        symmetric_out: every call passes a symmetric `out` (`tridist.symm_empty`), the same
+            tensor on every rank; `"ce"` then writes into it directly.
+
+    Raises:
+        ValueError: an unknown method, a dtype it does not take, `numel` not a positive int,
+            `programs` not a positive int, a one-node method in a world of several nodes, an
+            output past 2^31 elements, or for `"ll"` a shard that is not whole 4-byte words.
+    """
 
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
                  symmetric_out: bool = False):
@@ -276,6 +302,23 @@ class AllGather:
             self.transfer = CopyEnginePush(numel, dtype)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather `x` from every rank into `out`.
+
+        Args:
+            x: this rank's shard: `numel` elements of `dtype` (as built), contiguous, on this
+                rank's device.
+            out: `world_size * x.shape[0]` rows of `x`'s other dimensions (`world_size`
+                elements for a 0-d `x`), `x`'s dtype; a new tensor if None. Required, and
+                symmetric, with `symmetric_out`.
+
+        Returns:
+            `out`, every rank's shard in rank order.
+
+        Raises:
+            ValueError: `x` or `out` not what this instance was built for.
+            SymmetricAllocationError: with `symmetric_out`, ranks passed different tensors (in
+                the emulator and with TRIDIST_DEBUG=1).
+        """
         w = self.world
         _protocol.check_same(x, self.numel, self.dtype, "all-gather", DTYPES)
         shape = (w.world_size * x.shape[0], *x.shape[1:]) if x.dim() else (w.world_size,)
@@ -342,6 +385,8 @@ class AllGather:
         self.barrier()  # every peer's shard has landed here
 
     def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank frees its instance in the same
+        order)."""
         if self.direct:
             self.barrier.free()
         elif self.method == "ce":
@@ -357,7 +402,9 @@ def spread_tasks(world) -> int:
 
 
 def choose_method(total_bytes: int, world, symmetric_out: bool = False) -> str:
-    """Crossovers measured on H200s joined by NVLink, bf16 (benchmarks/results/allgather-*.json):
+    """The method `"auto"` runs for an all-gather of `total_bytes` (all ranks' shards together).
+
+    Crossovers measured on H200s joined by NVLink, bf16 (benchmarks/results/allgather-*.json):
     LL packets were fastest up to 1 MB (2 ranks, 2026-11-23: 3.3 us at 4 KB, 6.8 us at 1 MB), then
     the sliced push (13.2 us at 4 MB, 109 us at 64 MB, 402 us at 256 MB, where the ring took 13.2,
     132 and 502, the copy engines 31.9, 153 and 487). With 4 ranks (2026-11-22, before the push was
@@ -376,11 +423,32 @@ def choose_method(total_bytes: int, world, symmetric_out: bool = False) -> str:
 
 
 def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
-    """Gather `x` from every rank into `out` (world_size * x.shape[0] rows), like
-    `torch.distributed.all_gather_into_tensor`. A collective: every rank calls it with the same
-    shape, dtype and method, and a symmetric `out` on every rank or on none (with method "ce", what
-    `auto` runs above 64 MB, a symmetric one is written straight from the peers, and x may be its
-    own row)."""
+    """Gather `x` from every rank into `out` (`world_size * x.shape[0]` rows), like
+    `torch.distributed.all_gather_into_tensor`.
+
+    A collective: every rank calls it with the same shape, dtype and method, and a symmetric
+    `out` on every rank or on none. Keeps one [`AllGather`][tridist.ops.AllGather] per shape,
+    dtype, method and stream (its table lists the methods).
+
+    Args:
+        x: this rank's shard, contiguous, on this rank's device: bf16, fp16, fp32, uint8, int8,
+            int16, int32 or int64.
+        out: the result, `world_size * x.shape[0]` rows of `x`'s other dimensions in `x`'s
+            dtype; a new tensor if None. A symmetric `out` (`tridist.symm_empty`, the same on
+            every rank) is written straight from the peers by method `"ce"`, what `"auto"` runs
+            there above 64 MB on one node; `x` may then be `out`'s own row.
+        method: `"auto"` or one of `AllGather`'s methods.
+
+    Returns:
+        `out`, every rank's shard in rank order.
+
+    Raises:
+        ValueError: before any launch, for a dtype, device, layout or size it does not take, an
+            unknown method, or a one-node method on several nodes (see `AllGather`).
+        TypeError: `x` is not a tensor.
+        SymmetricAllocationError: ranks disagree on a symmetric `out` (in the emulator and with
+            TRIDIST_DEBUG=1).
+    """
     check_input(x, "x", DTYPES)
     agree_symmetric(out, "out")
     symmetric = out is not None and tridist.is_symmetric(out)

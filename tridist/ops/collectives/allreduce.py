@@ -4,6 +4,7 @@ reduce_scatter: x has world_size * m elements; rank r gets out = sum over ranks 
 all_reduce:     x has n elements; every rank gets out = sum over ranks of x.
 
 Methods (each says where it works; see `_protocol.py` for slots and epochs)
+
 - "one_shot" (any topology): all_reduce: program (s) pushes slice s of x to every peer, raises the
   peer's flag (rank, s), then waits for every peer's flag (p, s) here and sums the rows it
   received. One step, world_size - 1 copies of the data received per rank: best while latency
@@ -390,8 +391,35 @@ def reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, peer_stride, row
 
 
 class ReduceScatter:
-    """Sum-reduce-scatter of `numel` (a multiple of world_size) elements of `dtype` per rank.
-    `programs` caps the programs (blocks, so SMs) a call's kernel runs (default: one per SM)."""
+    """A sum reduce-scatter of `numel` elements of `dtype` per rank, with its own symmetric
+    buffers: rank r gets the sum over ranks of chunk r (dim 0 of x cut in `world_size` chunks),
+    summed in fp32 and rounded once.
+
+    Build it on every rank at once; call it (`op(x, out)`) back to back on one stream, also in
+    CUDA graphs; `free()` it on every rank. `tridist.ops.reduce_scatter` keeps one per shape,
+    dtype, method and stream.
+
+    | method | how | where |
+    | --- | --- | --- |
+    | `"ll"` | low-latency packets: chunk p travels to rank p with the call's epoch as the flag of every 4-byte word; summed in rank order | one node; small messages; chunks of whole 4-byte words |
+    | `"one_shot"` | chunk p is cut in slices (about 128 KB), pushed to rank p, a flag after each; rank p's own programs sum each slice as every peer's arrives, so summing overlaps sending | any topology |
+    | `"ce"` | the copy engines write chunk p into rank p's staging, a flag per 8 MB; a kernel sums the pieces as they land | one node; large messages next to other work on the SMs |
+    | `"2d"` | summed on the node first: every rank pushes to its node's ranks the chunks they collect for each node, they sum them in fp32 and put one sum per other node (fp32, with its signal) to its owner | several nodes |
+    | `"ring"` | each slice of the partial sums passes around the ring, each rank adding its part; partials travel in fp32 (twice the bytes of a 16-bit input) | any topology |
+    | `"auto"` | [`choose_reduce_scatter`][tridist.ops.collectives.allreduce.choose_reduce_scatter]: `2d` across nodes, `ll` while a rank sends at most 1 MB, else `one_shot` | |
+
+    Args:
+        numel: elements of each rank's x, a multiple of the world size.
+        dtype: bf16, fp16 or fp32.
+        method: one of the methods above.
+        programs: the most programs (blocks, so SMs) a call's kernel runs (default: one per SM).
+
+    Raises:
+        ValueError: an unknown method, a dtype it does not take, `numel` not a positive
+            multiple of the world size, `programs` not a positive int, a one-node method in a
+            world of several nodes, buffers past 2^31 elements, or for `"ll"` chunks that are
+            not whole 4-byte words.
+    """
 
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
         if method not in REDUCE_SCATTER_METHODS:
@@ -428,6 +456,20 @@ class ReduceScatter:
             self.workspace = Workspace(w.world_size * row, dtype, w.world_size * self.slices)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum `x` over ranks and give this rank its chunk.
+
+        Args:
+            x: `numel` elements of `dtype` (as built), contiguous, on this rank's device, dim 0 a
+                multiple of the world size.
+            out: `x.shape[0] // world_size` rows of `x`'s other dimensions, `x`'s dtype; a new
+                tensor if None.
+
+        Returns:
+            `out`: chunk `rank` of the sum over ranks.
+
+        Raises:
+            ValueError: `x` or `out` not what this instance was built for.
+        """
         w = self.world
         _protocol.check_same(x, self.numel, self.dtype, "reduce-scatter")
         if x.dim() == 0 or x.shape[0] % w.world_size:
@@ -465,6 +507,7 @@ class ReduceScatter:
         return out
 
     def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank, in the same order)."""
         if self.method == "ce":
             self.transfer.free()
             return
@@ -474,11 +517,39 @@ class ReduceScatter:
 
 
 class AllReduce:
-    """Sum-all-reduce of `numel` elements of `dtype` per rank. `programs` caps the programs
-    (blocks, so SMs) a call's kernels run (default: one per SM). With `symmetric_in_place`, every
-    call reduces a symmetric x (the same on every rank) in place (out=x), and on one node the
-    two-shot then works on x directly (by default with two programs per SM from
-    SYMMETRIC_TWO_PER_SM_BYTES)."""
+    """A sum all-reduce of `numel` elements of `dtype` per rank, with its own symmetric buffers:
+    every rank gets the sum over ranks, summed in fp32 and rounded once, the same bits on every
+    rank.
+
+    Build it on every rank at once; call it (`op(x, out)`) back to back on one stream, also in
+    CUDA graphs; `free()` it on every rank. `tridist.ops.all_reduce` keeps one per shape, dtype,
+    method and stream.
+
+    | method | how | where |
+    | --- | --- | --- |
+    | `"ll"` | one-shot in low-latency packets: all of x to every peer, each 4-byte word with the call's epoch as its flag; summed in rank order | one node; small messages; whole 4-byte words |
+    | `"one_shot"` | every program pushes its slice of x to every peer, raises a flag, waits for every peer's and sums the rows it received: one step, `world_size - 1` copies of the data received per rank | any topology; while latency dominates |
+    | `"two_shot"` | a sliced reduce-scatter, then the program that summed a slice pushes the sum to every peer: each rank receives `2 (n-1)/n` of the data | any topology; large messages |
+    | `"ce"` | a copy-engine reduce-scatter, then a copy-engine all-gather of the sums | one node; large messages next to other work on the SMs |
+    | `"auto"` | [`choose_all_reduce`][tridist.ops.collectives.allreduce.choose_all_reduce]: `ll` while a rank sends at most 1 MB (one node), `one_shot` up to 4 MB sent, else `two_shot` (on one node in place on a symmetric x: `two_shot` from 1 MB) | |
+
+    With `symmetric_in_place`, every call reduces a symmetric x (`tridist.symm_empty`, the same
+    tensor on every rank) in place (`out=x`). On one node the two-shot then needs no staging: rank
+    r reads chunk r of every rank's x through `symm_at`, sums it and stores the sum into every
+    rank's x, as PyTorch's `two_shot_all_reduce_` does (from 64 MB with two programs per SM).
+
+    Args:
+        numel: elements of each rank's x.
+        dtype: bf16, fp16 or fp32.
+        method: one of the methods above.
+        programs: the most programs (blocks, so SMs) a call's kernels run (default: one per SM).
+        symmetric_in_place: every call passes a symmetric x with `out=x`.
+
+    Raises:
+        ValueError: an unknown method, a dtype it does not take, `numel` not a positive int,
+            `programs` not a positive int, a one-node method in a world of several nodes,
+            buffers past 2^31 elements, or for `"ll"` data that is not whole 4-byte words.
+    """
 
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
                  symmetric_in_place: bool = False):
@@ -529,6 +600,21 @@ class AllReduce:
                 2, self.chunk * w.world_size, dtype=dtype, device=w.device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum `x` over ranks into `out`.
+
+        Args:
+            x: `numel` elements of `dtype` (as built), contiguous, on this rank's device.
+            out: `x`'s shape and dtype; a new tensor if None; `x` itself for in place (required
+                with `symmetric_in_place`).
+
+        Returns:
+            `out`, the sum over ranks.
+
+        Raises:
+            ValueError: `x` or `out` not what this instance was built for.
+            SymmetricAllocationError: with `symmetric_in_place`, ranks passed different tensors
+                (in the emulator and with TRIDIST_DEBUG=1).
+        """
         _protocol.check_same(x, self.numel, self.dtype, "all-reduce")
         if self.symmetric_in_place:
             if out is None or out.data_ptr() != x.data_ptr():
@@ -586,6 +672,7 @@ class AllReduce:
         self.gather.join()
 
     def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank, in the same order)."""
         if self.method == "ce":
             self.scatter.free()
             self.gather.free()
@@ -600,7 +687,9 @@ def _reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, pee
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:
-    """From the runs on H200s joined by NVLink, bf16 (benchmarks/results/reducescatter-*.json): LL
+    """The method `"auto"` runs for a reduce-scatter of `nbytes` per rank.
+
+    From the runs on H200s joined by NVLink, bf16 (benchmarks/results/reducescatter-*.json): LL
     packets up to 1 MB of x (2 ranks, 2026-11-23: 3.6 us at 4 KB, 6.8 us at 1 MB; 4 ranks similar
     on 2026-11-22); each rank sends (world-1)/world of x, so the limit is the all-reduce's 1 MB sent.
     Above, the sliced one-shot (2 ranks: 13.7 us at 4 MB, 115 us at 64 MB, 407 us at 256 MB, where
@@ -615,7 +704,9 @@ def choose_reduce_scatter(nbytes: int, world) -> str:
 
 
 def choose_all_reduce(nbytes: int, world, symmetric_in_place: bool = False) -> str:
-    """By what each rank sends, from the runs on H200s joined by NVLink, bf16
+    """The method `"auto"` runs for an all-reduce of `nbytes` per rank.
+
+    By what each rank sends, from the runs on H200s joined by NVLink, bf16
     (benchmarks/results/allreduce-*.json): LL packets (twice the bytes, no signal round trip) were
     fastest up to 1 MB sent (2 ranks, 2026-11-23: 3.7-9.8 us; 4 ranks, 2026-11-22: 5.2-9.4 us up to
     256 KB), one-shot up to 4 MB sent (2 ranks: 23.5 us, two-shot 23.7), then the sliced two-shot
@@ -633,8 +724,28 @@ def choose_all_reduce(nbytes: int, world, symmetric_in_place: bool = False) -> s
 
 
 def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
-    """Sum `x` over ranks and give rank r the r-th of world_size chunks of dim 0, like
-    `torch.distributed.reduce_scatter_tensor`. A collective."""
+    """Sum `x` over ranks and give rank r the r-th of `world_size` chunks of dim 0, like
+    `torch.distributed.reduce_scatter_tensor`; summed in fp32, rounded once.
+
+    A collective: every rank calls it with the same shape, dtype and method. Keeps one
+    [`ReduceScatter`][tridist.ops.ReduceScatter] per shape, dtype, method and stream (its table
+    lists the methods).
+
+    Args:
+        x: contiguous, on this rank's device, bf16, fp16 or fp32, dim 0 a multiple of the world
+            size.
+        out: `x.shape[0] // world_size` rows of `x`'s other dimensions, `x`'s dtype; a new
+            tensor if None.
+        method: `"auto"` or one of `ReduceScatter`'s methods.
+
+    Returns:
+        `out`.
+
+    Raises:
+        ValueError: before any launch, for a dtype, device, layout or size it does not take, an
+            unknown method, or a one-node method on several nodes (see `ReduceScatter`).
+        TypeError: `x` is not a tensor.
+    """
     check_input(x, "x")
     op = _protocol.instance(lambda: ReduceScatter(x.numel(), x.dtype, method), ReduceScatter, x.numel(), x.dtype,
                             method, device=x.device)
@@ -642,10 +753,30 @@ def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str
 
 
 def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
-    """Sum `x` over ranks into `out` (a new tensor by default; pass out=x for in place). A collective:
-    every rank passes the same shape, dtype and method, and a symmetric x in place on every rank or
-    on none (on one node the two-shot then reduces it without staging: what `auto` runs once a rank
-    sends more than 1 MB)."""
+    """Sum `x` over ranks into `out`, like `torch.distributed.all_reduce`; summed in fp32,
+    rounded once, the same bits on every rank.
+
+    A collective: every rank calls it with the same shape, dtype and method, and a symmetric x
+    in place on every rank or on none. Keeps one [`AllReduce`][tridist.ops.AllReduce] per shape,
+    dtype, method and stream (its table lists the methods).
+
+    Args:
+        x: contiguous, on this rank's device, bf16, fp16 or fp32.
+        out: `x`'s shape and dtype; a new tensor if None; `x` for in place. In place on a
+            symmetric x (`tridist.symm_empty`) on one node, the two-shot reduces it without
+            staging: what `"auto"` runs once a rank sends more than 1 MB.
+        method: `"auto"` or one of `AllReduce`'s methods.
+
+    Returns:
+        `out`.
+
+    Raises:
+        ValueError: before any launch, for a dtype, device, layout or size it does not take, an
+            unknown method, or a one-node method on several nodes (see `AllReduce`).
+        TypeError: `x` is not a tensor.
+        SymmetricAllocationError: ranks disagree on a symmetric x in place (in the emulator and
+            with TRIDIST_DEBUG=1).
+    """
     check_input(x, "x")
     in_place = out is not None and out.data_ptr() == x.data_ptr()
     agree_symmetric(x if in_place else None, "x (reduced in place)")

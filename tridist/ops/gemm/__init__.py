@@ -1,7 +1,32 @@
 """GEMMs: the persistent TMA GEMM (`persistent`, `matmul`) and the GEMMs overlapped with
 communication that are built on it (AllGather-GEMM, GEMM-ReduceScatter, GEMM-AllReduce).
 
-`tridist.ops.gemm.configs(device, dtype=...)` lists the configs the GEMM ops take as `config=`."""
+| op | computes | for |
+| --- | --- | --- |
+| `ag_gemm(a_shard, b)`, `AllGatherGEMM` | `all_gather(a_shard) @ b`, the gather hidden behind the GEMM | a column-parallel layer |
+| `gemm_rs(a, b)`, `GemmReduceScatter` | `reduce_scatter(a @ b)`, partial tiles sent from the GEMM's epilogue | a row-parallel layer |
+| `gemm_ar(a, b)`, `GemmAllReduce` | `all_reduce(a @ b)` | a row-parallel layer at decode-sized M |
+| `matmul(a, b)` | `a @ b` with the same persistent GEMM, on one rank | |
+
+Operands of all four:
+
+- **bf16 or fp16**: a and b row-major, the result in the operands' dtype. K and N multiples of
+  8: TMA needs rows that start on 16-byte boundaries.
+- **fp8** (`torch.float8_e4m3fn`) with per-tensor scales, as `torch._scaled_mm` takes them:
+  `scale_a=` and `scale_b=` one-element float32 tensors on the device, `out = scale_a * scale_b *
+  (a @ b)` in bf16; b column-major (`w.t()` of a contiguous N x K weight `w`: Hopper reads fp8
+  operands along K only); K a multiple of 16. `ag_gemm` gathers A whole, so every rank passes
+  the same `scale_a`; in `gemm_rs` and `gemm_ar` each rank's partial product is scaled by its
+  own scales before the sum. The kernels read the scales, so they may change between calls and
+  under CUDA-graph replay.
+- Sums over ranks accumulate in fp32; partial tiles travel in the output dtype.
+
+Configs: the overlapped GEMMs take `config=`, a dict from
+[`configs(device, dtype=...)`][tridist.ops.gemm.configs], None for
+[`default_config`][tridist.ops.gemm.default_config], or `"tune"` to time every config on the op
+itself with `tridist.tune` (every rank together; the choice is cached on disk); `matmul` takes a
+dict or None.
+"""
 from .allgather_gemm import AllGatherGEMM, ag_gemm
 from .gemm_reduce import GemmAllReduce, GemmReduceScatter, gemm_ar, gemm_rs
 from .persistent import FP8, configs, default_config, matmul, out_dtype

@@ -5,6 +5,7 @@ Shapes: a_shard is m_shard x K on every rank (M = world_size * m_shard rows in a
 layouts as in `gemm`; with fp8, scale_a scales all of A, so every rank passes the same value.
 
 Protocol
+
 - The gathered A lives in a symmetric buffer `gathered` (slots x M x K), shard s at rows
   s * m_shard of a slot, each shard with its flags.
 - The GEMM takes its tiles shard by shard: first its own, straight from a_shard (no wait, no copy),
@@ -89,11 +90,39 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, 
 
 
 class AllGatherGEMM:
-    """out = all_gather(a_shard) @ b for an a_shard of m_shard x k and a b of k x n, with buffers
-    allocated once. Use one instance per stream. `comm` is "ce" (copy engines, one node), "sm"
-    (`comm_programs` SMs push, any topology) or "auto" (ce on one node); `config` a GEMM config
-    from `gemm.configs`, None for `gemm.default_config`, or "tune" to time them all on this op
-    (every rank together; the choice is cached on disk)."""
+    """`out = all_gather(a_shard) @ b` for an a_shard of m_shard x k and a b of k x n, with its own
+    symmetric buffers: every rank's shard of A is gathered while the GEMM runs, and out has all
+    `world_size * m_shard` rows, rank r's at `r * m_shard`.
+
+    The GEMM takes its own shard's tiles first, straight from a_shard, then each peer's shard in
+    the order they arrive (rank+1, rank+2, ...); before its first tile of a peer's shard a
+    program waits for that shard's flags, so the transfer hides behind the GEMM of the own shard.
+
+    Build it on every rank at once; call it back to back on one stream, also in CUDA graphs;
+    `free()` it on every rank. `tridist.ops.ag_gemm` keeps one per shape and stream.
+
+    | comm | how | where |
+    | --- | --- | --- |
+    | `"ce"` | the copy engines write a_shard into every peer's buffer, 8 MB at a time with a flag each: no SM is taken from the GEMM; a barrier per call | one node |
+    | `"sm"` | `comm_programs` programs on a side stream push the shard (the `2d` all-gather's order: one put with signal per other node, forwarded along it), the GEMM runs on the other SMs | any topology |
+    | `"auto"` | `ce` on one node, else `sm` | |
+
+    Args:
+        m_shard: rows of A per rank.
+        k: columns of A, rows of b.
+        n: columns of b.
+        dtype: bf16, fp16 or fp8 (see the family's page for layouts and scales).
+        comm: one of the above.
+        comm_programs: with `comm="sm"`, the programs that push the shard (default: a sixteenth
+            of the SMs).
+        config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
+            `"tune"`.
+
+    Raises:
+        ValueError: an unknown comm, a dtype it does not take, K or N not a multiple of 8 (16
+            for fp8), `m_shard` or `comm_programs` not a positive int, `comm="ce"` on several
+            nodes, buffers past 2^31 elements.
+    """
 
     def __init__(self, m_shard: int, k: int, n: int, dtype: torch.dtype, comm: str = "auto",
                  comm_programs: int | None = None, config: dict | str | None = None):
@@ -137,6 +166,22 @@ class AllGatherGEMM:
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
+        """`all_gather(a_shard) @ b` into `out`.
+
+        Args:
+            a_shard: m_shard x k of `dtype` (as built), row-major, on this rank's device.
+            b: k x n of `dtype` (column-major for fp8).
+            out: `world_size * m_shard` x n of the output dtype (bf16 for fp8); a new tensor if
+                None.
+            scale_a: fp8 only: a one-element float32 tensor, the same on every rank.
+            scale_b: fp8 only: this rank's scale of b.
+
+        Returns:
+            `out`.
+
+        Raises:
+            ValueError: operands, scales or `out` not what this instance was built for.
+        """
         out = persistent.check_call(a_shard, b, scale_a, scale_b, out, self.m, "a_shard",
                               built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
         own_desc, b_desc = persistent.descriptors(a_shard, b, self.config)
@@ -170,6 +215,7 @@ class AllGatherGEMM:
                 coresident=True)
 
     def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank, in the same order)."""
         if self.comm == "sm":
             tridist.symm_free(self.push_flags)
             tridist.symm_free(self.gathered)
@@ -180,9 +226,29 @@ class AllGatherGEMM:
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",
             config: dict | str | None = None, scale_a: torch.Tensor | None = None,
             scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """all_gather(a_shard) @ b, the gather overlapped with the GEMM. A collective: every rank calls
-    it with the same shapes. Keeps one `AllGatherGEMM` per shape and stream (see it for `config`).
-    fp8 operands take scales (see `gemm`)."""
+    """`all_gather(a_shard) @ b`, the gather overlapped with the GEMM: the column-parallel layer
+    of tensor parallelism, with tokens split over the ranks by rows.
+
+    A collective: every rank calls it with the same shapes. Keeps one
+    [`AllGatherGEMM`][tridist.ops.AllGatherGEMM] per shape, dtype, comm, config and stream.
+
+    Args:
+        a_shard: this rank's rows of A, m_shard x K, row-major; bf16, fp16 or fp8.
+        b: this rank's K x N weight (column-major for fp8).
+        out: `world_size * m_shard` x N; a new tensor if None.
+        comm: `"auto"`, `"ce"` (copy engines, one node) or `"sm"` (any topology).
+        config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
+            `"tune"`.
+        scale_a: fp8 only: A's scale, the same on every rank.
+        scale_b: fp8 only: b's scale.
+
+    Returns:
+        `out`, all the rows of A times b.
+
+    Raises:
+        ValueError: before any launch, for operands, scales, `out`, comm or config it does not
+            take (see `AllGatherGEMM`).
+    """
     op = persistent.cached(AllGatherGEMM, a_shard, b, config, "a_shard", comm=comm)
     return op(a_shard, b, out, scale_a, scale_b)
 

@@ -6,6 +6,7 @@ gemm_rs gives rank r rows [r * M/world, (r+1) * M/world) of the sum over ranks; 
 rank all of it.
 
 Protocol (one persistent kernel; see `_protocol.py` for slots and call epochs)
+
 - `tiles` is a symmetric buffer of partial tiles: tiles[slot, src, t] holds rank src's partial
   product of output tile t, BLOCK_M x BLOCK_N contiguous elements; flag (slot, src, t) says it has
   arrived.
@@ -342,6 +343,22 @@ class _GemmReduce:
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the sum over ranks of `a @ b`, into `out`.
+
+        Args:
+            a: m x k of `dtype` (as built), row-major, on this rank's device.
+            b: k x n of `dtype` (column-major for fp8).
+            out: the result (m / world_size rows for gemm_rs, m for gemm_ar) x n, of the output
+                dtype (bf16 for fp8); a new tensor if None.
+            scale_a: fp8 only: this rank's scale of a (a one-element float32 tensor).
+            scale_b: fp8 only: this rank's scale of b.
+
+        Returns:
+            `out`.
+
+        Raises:
+            ValueError: operands, scales or `out` not what this instance was built for.
+        """
         out = persistent.check_call(a, b, scale_a, scale_b, out, self.rows,
                               built=(self.name, (self.m, self.k), (self.k, self.n), self.dtype))
         ws = self.workspace
@@ -366,12 +383,37 @@ class _GemmReduce:
         return out
 
     def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank, in the same order)."""
         self.workspace.free()
 
 
 class GemmReduceScatter(_GemmReduce):
-    """reduce_scatter(a @ b) for a of m x k and b of k x n: rank r gets rows r * m/world of the sum.
-    `config`: as for `AllGatherGEMM`."""
+    """`reduce_scatter(a @ b)` for a of m x k and b of k x n, with its own symmetric buffers: rank
+    r gets rows `[r * m / world_size, (r + 1) * m / world_size)` of the sum over ranks.
+
+    One persistent kernel: every rank computes every output tile of its partial product, and
+    sends the tiles of rank s's rows to rank s from the GEMM's epilogue (stores through `symm_at`
+    and a flag per tile on one node, a put with signal across nodes); each rank takes the shards
+    in the order rank+1, rank+2, ..., its own last, and adds the partials it received to its own
+    in fp32. Across nodes the tiles are summed on the node first, and one put per node carries
+    the node's sum. Needs its whole grid resident (one program per SM): nothing else may occupy
+    the SMs while it runs.
+
+    Build it on every rank at once; call it back to back on one stream, also in CUDA graphs;
+    `free()` it on every rank. `tridist.ops.gemm_rs` keeps one per shape and stream.
+
+    Args:
+        m: rows of a (all of the product's rows), a multiple of the world size.
+        k: columns of a (this rank's part of the layer's K), rows of b.
+        n: columns of b.
+        dtype: bf16, fp16 or fp8.
+        config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
+            `"tune"`. Across nodes only configs without `FLATTEN`.
+
+    Raises:
+        ValueError: a dtype it does not take, K or N not a multiple of 8 (16 for fp8), m not a
+            multiple of the world size, a `FLATTEN` config across nodes.
+    """
 
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | str | None = None):
         super().__init__(m, k, n, dtype, scatter=True, config=config)
@@ -381,9 +423,33 @@ class GemmReduceScatter(_GemmReduce):
 
 
 class GemmAllReduce(_GemmReduce):
-    """all_reduce(a @ b) for a of m x k and b of k x n; made for decode-sized m (up to a few hundred rows).
-    `method`: "one_shot" (tiles and a flag per tile), "ll" (tiles in low-latency packets, one node)
-    or "auto" (`choose_gemm_ar`). `config`: as for `AllGatherGEMM`."""
+    """`all_reduce(a @ b)` for a of m x k and b of k x n, with its own symmetric buffers; made for
+    decode-sized m (up to a few hundred rows). Every rank computes every tile of its partial
+    product and sends it to every peer; a second pass sums the partials of ranks 0, 1, ... in that
+    order, so every rank ends with the same bits.
+
+    | method | how | where |
+    | --- | --- | --- |
+    | `"one_shot"` | tiles stored to every peer, a flag per tile | any topology |
+    | `"ll"` | the tiles in low-latency packets: each 4-byte word of two outputs travels with the call's epoch as its flag, twice the bytes and no flag round trip | one node |
+    | `"auto"` | [`choose_gemm_ar`][tridist.ops.gemm.gemm_reduce.choose_gemm_ar]: `ll` up to 128 rows on one node, else `one_shot` | |
+
+    Build it on every rank at once; call it back to back on one stream, also in CUDA graphs;
+    `free()` it on every rank. `tridist.ops.gemm_ar` keeps one per shape and stream.
+
+    Args:
+        m: rows of a and of the product.
+        k: columns of a (this rank's part of the layer's K), rows of b.
+        n: columns of b.
+        dtype: bf16, fp16 or fp8.
+        method: one of the methods above.
+        config: a dict from [`configs`][tridist.ops.gemm.configs] without `FLATTEN`, None for
+            the default, or `"tune"`.
+
+    Raises:
+        ValueError: an unknown method, a dtype it does not take, K or N not a multiple of 8 (16
+            for fp8), a `FLATTEN` config, `"ll"` on several nodes.
+    """
 
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, method: str = "auto",
                  config: dict | str | None = None):
@@ -397,7 +463,9 @@ class GemmAllReduce(_GemmReduce):
 
 
 def choose_gemm_ar(m: int, world) -> str:
-    """LL packets for decode-sized M on one node: on 2 x H200 (benchmarks/results/gemm_ar-*-2026-11-23.json,
+    """The method `"auto"` runs for an m-row product.
+
+    LL packets for decode-sized M on one node: on 2 x H200 (benchmarks/results/gemm_ar-*-2026-11-23.json,
     K = 8192, bf16) they took 37.2 us at M = 128, N = 8192 (one-shot 45.7, cuBLAS + NCCL 51.5) and
     119.7 us at N = 28672 (one-shot 162.3, cuBLAS + NCCL 152.3); at M = 32 the two ran even (29.8
     and 29.1 us). Above 128 rows the packets' doubled bytes are not worth their latency."""
@@ -406,16 +474,57 @@ def choose_gemm_ar(m: int, world) -> str:
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | str | None = None,
             scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """reduce_scatter(a @ b) over the ranks, overlapped with the GEMM. A collective. fp8 operands
-    take scales (see `gemm`)."""
+    """`reduce_scatter(a @ b)` over the ranks, overlapped with the GEMM: the row-parallel layer of
+    tensor parallelism, handing each rank back its own rows.
+
+    A collective: every rank calls it with the same shapes. Keeps one
+    [`GemmReduceScatter`][tridist.ops.GemmReduceScatter] per shape, dtype, config and stream.
+
+    Args:
+        a: M x K_local (this rank's columns of the activations), row-major; bf16, fp16 or fp8.
+            M a multiple of the world size.
+        b: K_local x N (this rank's rows of the weight; column-major for fp8).
+        out: M / world_size x N; a new tensor if None.
+        config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
+            `"tune"`.
+        scale_a: fp8 only: this rank's scale of a.
+        scale_b: fp8 only: this rank's scale of b.
+
+    Returns:
+        `out`: this rank's rows of the sum over ranks of `a @ b`.
+
+    Raises:
+        ValueError: before any launch, for operands, scales, `out` or config it does not take.
+    """
     return persistent.cached(GemmReduceScatter, a, b, config)(a, b, out, scale_a, scale_b)
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto",
             config: dict | str | None = None, scale_a: torch.Tensor | None = None,
             scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """all_reduce(a @ b) over the ranks, overlapped with the GEMM. A collective. `method`: see
-    `GemmAllReduce`; fp8 operands take scales (see `gemm`)."""
+    """`all_reduce(a @ b)` over the ranks, overlapped with the GEMM: the row-parallel layer at
+    decode-sized M.
+
+    A collective: every rank calls it with the same shapes. Keeps one
+    [`GemmAllReduce`][tridist.ops.GemmAllReduce] per shape, dtype, method, config and stream.
+
+    Args:
+        a: M x K_local, row-major; bf16, fp16 or fp8.
+        b: K_local x N (column-major for fp8).
+        out: M x N; a new tensor if None.
+        method: `"auto"`, `"one_shot"` or `"ll"` (see `GemmAllReduce`).
+        config: a dict from [`configs`][tridist.ops.gemm.configs] without `FLATTEN`, None for
+            the default, or `"tune"`.
+        scale_a: fp8 only: this rank's scale of a.
+        scale_b: fp8 only: this rank's scale of b.
+
+    Returns:
+        `out`: the sum over ranks of `a @ b`, the same bits on every rank.
+
+    Raises:
+        ValueError: before any launch, for operands, scales, `out`, method or config it does not
+            take.
+    """
     return persistent.cached(GemmAllReduce, a, b, config, method=method)(a, b, out, scale_a, scale_b)
 
 

@@ -26,6 +26,7 @@ from ...runtime.tune import tune
 from .._protocol import check_input, check_output, instance, programs_for
 
 FP8 = torch.float8_e4m3fn
+"""The fp8 dtype the GEMMs take (e4m3), with per-tensor scales."""
 DTYPES = (torch.bfloat16, torch.float16, FP8)
 
 # 128 x 256 x 64, 3 stages, 8 warps reached 90-99% of cuBLAS on an H200 (DESIGN.md). 4 stages of that
@@ -47,7 +48,12 @@ EMULATOR_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, FLATTEN=
 
 
 def configs(device: torch.device, flatten: bool = True, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """The configs to tune over for operands of `dtype`; without those that FLATTEN where the kernel cannot."""
+    """The GEMM configs for operands of `dtype` on `device`: what `config="tune"` times, and what
+    `config=` takes. Each is a dict of the kernel's block sizes (`BLOCK_M`, `BLOCK_N`,
+    `BLOCK_K`, `GROUP_M`), `FLATTEN` (pipeline the next tile's loads behind the current one) and
+    Triton's `num_stages` and `num_warps`; fp8 configs take twice the `BLOCK_K`. `flatten=False`
+    leaves out those with `FLATTEN`, for kernels Triton cannot flatten. The emulator gets small
+    tiles, so that its shapes can stay small."""
     candidates = GPU_CONFIGS if device.type == "cuda" else EMULATOR_CONFIGS
     if dtype == FP8 and device.type == "cuda":
         candidates = [{**c, "BLOCK_K": 2 * c["BLOCK_K"]} for c in candidates]
@@ -85,7 +91,9 @@ def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1)
 
 def default_config(device: torch.device, m: int, n: int, flatten: bool = True, shards: int = 1,
                    dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Without tuning, for an m x n product. For a decode batch the tiles `tridist.tune` picked on
+    """The config the GEMM ops use without `config=`, for an m x n product.
+
+    For a decode batch the tiles `tridist.tune` picked on
     2 x H200 (64 x 128 up to 64 rows, 128 x 64 up to 128; benchmarks/NOTES.md): there the GEMM
     streams B, so one row of tiles reads it once. With the big tile, M = 128 ran a tile per 256
     columns, 32 programs for N = 8192, and gemm_ar's GEMM alone took 23 us at 4 ranks (K = 2048)
@@ -293,8 +301,24 @@ def descriptors(a: torch.Tensor, b: torch.Tensor, config: dict) -> tuple[TensorD
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | None = None,
            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b with the persistent TMA GEMM of the overlapped ops (on one rank, no communication);
-    fp8 operands take scales (see the module docstring)."""
+    """`a @ b` with the persistent TMA GEMM of the overlapped ops, on one rank (no communication).
+
+    Args:
+        a: M x K, row-major, bf16, fp16 or fp8.
+        b: K x N of a's dtype, row-major (column-major for fp8); K and N multiples of 8 (K of 16
+            for fp8).
+        out: M x N of `out_dtype(a.dtype)`; a new tensor if None.
+        config: one of [`configs`][tridist.ops.gemm.configs] (a dict), or None for the default.
+        scale_a: fp8 only: a one-element float32 tensor on the device.
+        scale_b: fp8 only: the same.
+
+    Returns:
+        `out`.
+
+    Raises:
+        ValueError: operands, scales, `out` or `config` it does not take (the message says what
+            to change).
+    """
     out = check_call(a, b, scale_a, scale_b, out, a.shape[0])
     shape = tuple(out.shape)
     if config is not None and not isinstance(config, dict):

@@ -202,6 +202,7 @@ class Jacobi2D:
         return self.planes[self.iterations % 2, 1:self.local_rows + 1]
 
     def free(self) -> None:
+        """Give the planes and signals back to the symmetric heap (on every rank, in the same order)."""
         tridist.symm_free(self.signals)
         tridist.symm_free(self.planes)
 
