@@ -39,38 +39,40 @@ def record_size(group, head_dim):
 
 
 @triton.constexpr_function
-def padded(group, head_dim):
-    """The output elements of a record, flattened and padded to a power of two (a block's size)."""
-    return triton.next_power_of_2(group) * head_dim
+def group_rows(group):
+    """Rows of a record's outputs in a block: the group padded to a power of two."""
+    return triton.next_power_of_2(group)
 
 
 def merge_rows(group: int, head_dim: int, num_warps: int, count: int) -> int:
-    """Records a merge loads at once (of `count`): about 32 fp32 words a thread, so that a program
-    merging many records (the last of a unit merges `splits`) waits for few rounds of loads."""
-    return max(1, min(triton.next_power_of_2(count), 32 * 32 * num_warps // padded(group, head_dim)))
+    """Records a merge loads at once (of `count`): about 16 fp32 words a thread. More would make the
+    merge, not the loop over K and V, set the registers of the split-KV kernel's every program
+    (and so how many programs an SM holds); fewer would make the last program of a unit, which
+    merges `splits` records alone, wait for more rounds of loads."""
+    return max(1, min(triton.next_power_of_2(count), 16 * 32 * num_warps // (group_rows(group) * head_dim)))
 
 
 @triton.jit
 def merge_records(records, stride, count, GROUP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
-    """Merge `count` records `stride` words apart, ROWS at a time in order. Returns (acc, m, l) over
-    the flattened output elements (`padded`); `finish_record` makes the merged record of them. The
-    loads skip L1 (`.cg`): other programs or ranks wrote the records, and this SM may hold stale
-    lines of them from an earlier call."""
-    GD: tl.constexpr = GROUP * D
-    e = tl.arange(0, padded(GROUP, D))
-    rows = tl.arange(0, ROWS)
-    m = tl.full(e.shape, float("-inf"), tl.float32)
-    l = tl.zeros(e.shape, tl.float32)  # noqa: E741 - the softmax denominator, as the papers name it
-    acc = tl.zeros(e.shape, tl.float32)
+    """Merge `count` records `stride` words apart, ROWS at a time, in order. Returns (acc, m, l),
+    acc [group_rows, D] and m, l [group_rows, 1]: `finish_record` makes the merged record of them.
+    The loads skip L1 (`.cg`): other programs or ranks wrote the records, and this SM may hold
+    stale lines of them from an earlier call."""
+    heads = tl.arange(0, group_rows(GROUP))[None, :, None]
+    outputs = heads * D + tl.arange(0, D)[None, None, :]
+    rows = tl.arange(0, ROWS)[:, None, None]
+    m = tl.full([group_rows(GROUP), 1], float("-inf"), tl.float32)
+    l = tl.zeros([group_rows(GROUP), 1], tl.float32)  # noqa: E741 - the softmax denominator, as the papers name it
+    acc = tl.zeros([group_rows(GROUP), D], tl.float32)
     for first in range(0, count, ROWS):
-        mask = (first + rows < count)[:, None] & (e < GD)[None, :]
-        base = records + (first + rows)[:, None] * stride
-        lse = tl.load(base + GD + e[None, :] // D, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(base + e[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        mask = (first + rows < count) & (heads < GROUP)
+        base = records + (first + rows) * stride
+        lse = tl.load(base + GROUP * D + heads, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(base + outputs, mask=mask, other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing attended yet: all weights 0
         scale = tl.exp2(m - pivot)
-        weight = tl.exp2(lse - pivot[None, :])
+        weight = tl.exp2(lse - pivot[None])
         l = l * scale + tl.sum(weight, axis=0)  # noqa: E741
         acc = acc * scale + tl.sum(weight * o, axis=0)
         m = m_new
@@ -79,7 +81,8 @@ def merge_records(records, stride, count, GROUP: tl.constexpr, D: tl.constexpr, 
 
 @triton.jit
 def finish_record(acc, m, l):
-    """(output, lse) from a merge's or an attention's (acc, m, l): 0 and -inf where l is 0."""
+    """(output, lse) from a merge's or an attention's (acc, m, l), m and l a column: 0 and -inf
+    where l is 0."""
     seen = l > 0
     total = tl.where(seen, l, 1.0)
     return acc / total, tl.where(seen, m + tl.log2(total), float("-inf"))
@@ -87,10 +90,18 @@ def finish_record(acc, m, l):
 
 @triton.jit
 def store_record(record, o, lse, GROUP: tl.constexpr, D: tl.constexpr):
-    """Write a record from flattened outputs and their lse (each row's lse taken from its first element)."""
-    e = tl.arange(0, padded(GROUP, D))
-    tl.store(record + e, o, mask=e < GROUP * D)
-    tl.store(record + GROUP * D + e // D, lse, mask=(e < GROUP * D) & (e % D == 0))
+    """Write a record of (output [rows, D], lse [rows, 1]) for the first GROUP rows."""
+    heads = tl.arange(0, o.shape[0])[:, None]
+    tl.store(record + heads * D + tl.arange(0, D)[None, :], o, mask=heads < GROUP)
+    tl.store(record + GROUP * D + heads, lse, mask=heads < GROUP)
+
+
+@triton.jit
+def store_output(out_ptr, unit, o, GROUP: tl.constexpr, D: tl.constexpr):
+    """The first GROUP rows of o ([rows, D]) into rows unit * GROUP... of out ([B, Hq, D])."""
+    heads = tl.arange(0, o.shape[0])[:, None]
+    tl.store(out_ptr + (unit * GROUP + heads) * D + tl.arange(0, D)[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=heads < GROUP)
 
 
 @triton.jit
@@ -122,10 +133,9 @@ def flash_decode_combine_kernel(out_ptr, staging_ptr, flags_ptr, calls_ptr, unit
     world = dl.num_ranks()
     stage = staging_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * (units * world)
-    e = tl.arange(0, padded(GROUP, D))
     for unit in range(tl.program_id(0), units, tl.num_programs(0)):
         records = after_flags(stage + unit * record_size(GROUP, D), flags + unit * world, world, epoch)
         acc, m, l = merge_records(records, units * record_size(GROUP, D), world, GROUP, D, ROWS)
         o, _ = finish_record(acc, m, l)
-        tl.store(out_ptr + unit * GROUP * D + e, o.to(out_ptr.dtype.element_ty), mask=e < GROUP * D)
+        store_output(out_ptr, unit, o, GROUP, D)
     finish_call(calls_ptr)

@@ -25,7 +25,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from .._protocol import sync_program
-from .combine import finish_record, merge_records, padded, record_size, send_record
+from .combine import finish_record, merge_records, record_size, send_record, store_output, store_record
 
 FINISHES = ("out", "exchange", "partials")
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is one instruction
@@ -94,19 +94,17 @@ def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, out_p
         acc = dl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m = m_new
     o, lse = finish_record(acc, m[:, None], l[:, None])
-    record = partials_ptr + (unit * splits + split) * record_size(GROUP, D)
-    tl.store(record + heads[:, None] * D + cols[None, :], o, mask=(heads < GROUP)[:, None])
-    tl.store(record + GROUP * D + heads[:, None], lse, mask=(heads < GROUP)[:, None])
+    store_record(partials_ptr + (unit * splits + split) * record_size(GROUP, D), o, lse, GROUP, D)
     if FINISH != "partials":
         sync_program()  # every thread's stores come before the release below
         if dl.atomic_add(arrivals_ptr + unit, 1, scope="gpu", semantic="acq_rel") == splits - 1:
             tl.store(arrivals_ptr + unit, 0)  # every program of the unit has counted itself: reset
-            acc, m, l = merge_records(partials_ptr + unit * splits * record_size(GROUP, D), record_size(GROUP, D),
-                                      splits, GROUP, D, MERGE_ROWS)
-            o, lse = finish_record(acc, m, l)
+            # (new names: a variable keeps its shape across an if)
+            weighted, top, mass = merge_records(partials_ptr + unit * splits * record_size(GROUP, D),
+                                                record_size(GROUP, D), splits, GROUP, D, MERGE_ROWS)
+            merged, merged_lse = finish_record(weighted, top, mass)
             if FINISH == "out":
-                e = tl.arange(0, padded(GROUP, D))
-                tl.store(out_ptr + unit * GROUP * D + e, o.to(out_ptr.dtype.element_ty), mask=e < GROUP * D)
+                store_output(out_ptr, unit, merged, GROUP, D)
             else:
-                send_record(o, lse, unit, tl.num_programs(0), staging_ptr, flags_ptr, calls_ptr, slot_numel,
-                            combine_programs, local_world_size, GROUP, D)
+                send_record(merged, merged_lse, unit, tl.num_programs(0), staging_ptr, flags_ptr, calls_ptr,
+                            slot_numel, combine_programs, local_world_size, GROUP, D)
