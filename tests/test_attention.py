@@ -5,13 +5,17 @@ Every rank builds every rank's slice from one seed, so each can compute the refe
 slice does not hold are NaN (past seqlens in a contiguous cache, unused blocks and block tails in a
 paged one), and block-table entries past a sequence's blocks are out of range: none may be read.
 Outputs are poisoned with NaN before the calls, and every rank must return the same bits."""
+import argparse
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tridist
 from tridist import ops
+from tridist.bench import flash_decode as bench
 from tridist.bench.results import relative_error
+from tridist.ops import attention
 from tridist.runtime import config as settings
 
 WORLDS = ("1", "2", "3", "4", "2x2", "2x1")  # 2x1: the inter-node path on two GPUs
@@ -217,3 +221,25 @@ def _bad_input(w):
 @pytest.mark.worlds("1")
 def test_bad_input_fails_before_launch(world):
     world.run(_bad_input)
+
+
+def _bench_checks(w):
+    """`tridist bench flash_decode`'s correctness path: each rank holds its part of every sequence."""
+    rows = bench.run([(2, 45)], q_heads=4, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                     configs=attention.configs(w.device), timed=False, pages=(16, 4))
+    assert [row["layout"] for row in rows] == ["contiguous", "paged 16", "paged 4"]
+
+
+@pytest.mark.worlds("1", "2")
+def test_bench_checks(world):
+    world.run(_bench_checks)
+
+
+def test_bench_arguments():
+    assert bench.parse_shapes("1x131072, 8X32768") == [(1, 131072), (8, 32768)]
+    assert bench.parse_config("BLOCK_N=64,num_warps=4,num_stages=3,splits=8") == dict(BLOCK_N=64, num_warps=4,
+                                                                                    num_stages=3, splits=8)
+    for bad, parse in (("8x", bench.parse_shapes), ("1x2x3", bench.parse_shapes), ("BLOCK_N=64", bench.parse_config),
+                       ("BLOCK_N=sixty", bench.parse_config)):
+        with pytest.raises(argparse.ArgumentTypeError, match="shape|config"):
+            parse(bad)

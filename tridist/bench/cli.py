@@ -8,8 +8,9 @@ import sys
 BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.bench.collectives",
               "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives",
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
-              "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused"}
-SINGLE = ("primitives", "torch_fused")  # modules with one benchmark: their `main` takes no benchmark name
+              "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused",
+              "flash_decode": "tridist.bench.flash_decode"}
+SINGLE = ("primitives", "torch_fused", "flash_decode")  # modules with one benchmark: their `main` takes no benchmark name
 DEFAULT_RANKS = 2
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
 HELP = f"""{USAGE}
@@ -25,6 +26,7 @@ NAME:
                   the overlapped GEMMs against NCCL + cuBLAS one after the other, and against
                   PyTorch's fused ops where torch_fused saved their times today
   torch_fused     PyTorch's fused ag_gemm and gemm_rs, in a process that never starts tridist
+  flash_decode    the split-KV decode kernel's bandwidth against a copy and SDPA on one GPU (-n 1)
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them

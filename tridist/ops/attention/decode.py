@@ -131,9 +131,9 @@ class FlashDecode:
         whatever memory they point at.
         """
         out = self._checked_out(q, out)
-        page, capacity, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
+        page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
         scale = _scale(sm_scale, self.head_dim)
-        splits = choose_splits(self.config, self.units, capacity, self.sms)
+        splits = self.splits_for(k_cache, block_table)
         several = self.world.world_size > 1
         self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits, out,
                        "exchange" if several else "out")
@@ -150,11 +150,15 @@ class FlashDecode:
         record left in `partials`, nothing merged or sent. The benchmark times it as "the kernel
         alone". Returns `partials` viewed as [B * Hkv, splits, record words]."""
         self._checked_out(q, None)
-        page, capacity, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
-        splits = choose_splits(self.config, self.units, capacity, self.sms)
+        page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
+        splits = self.splits_for(k_cache, block_table)
         self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, _scale(sm_scale, self.head_dim),
                        splits, q, "partials")
         return self.partials[:self.units * splits * self.record].view(self.units, splits, self.record)
+
+    def splits_for(self, k_cache: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
+        """Chunks per sequence of a call on this cache (`choose_splits`)."""
+        return choose_splits(self.config, self.units, _capacity(k_cache, block_table), self.sms)
 
     def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits, out, finish):
         ws = self.workspace
@@ -183,9 +187,9 @@ class FlashDecode:
         check_output(out, shape, self.dtype)
         return out
 
-    def _layout(self, q, k_cache, v_cache, seqlens, block_table) -> tuple[int, int, int]:
-        """(block size, 0 for a contiguous cache; positions a sequence may hold; elements from one
-        sequence to the next in a contiguous cache), once the cache, seqlens and table are checked."""
+    def _layout(self, q, k_cache, v_cache, seqlens, block_table) -> tuple[int, int]:
+        """(block size, 0 for a contiguous cache; elements from one sequence to the next in a
+        contiguous cache), once the cache, seqlens and table are checked."""
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_tensor(cache, name)
             if cache.dtype != q.dtype:
@@ -204,17 +208,17 @@ class FlashDecode:
             if k_cache.shape[0] != self.batch:
                 raise ValueError(f"a contiguous cache holds one row per sequence: [{self.batch}, L, ...], got "
                                  f"{tuple(k_cache.shape)} (pass block_table for a paged cache)")
-            page, capacity = 0, k_cache.shape[1]
+            page = 0
         else:
             check_tensor(block_table, "block_table")
             if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != self.batch:
                 raise ValueError(f"block_table must be int32 of shape ({self.batch}, max_blocks), got "
                                  f"{block_table.dtype} of shape {tuple(block_table.shape)}")
-            page, capacity = k_cache.shape[1], block_table.shape[1] * k_cache.shape[1]
+            page = k_cache.shape[1]
             if page == 0:
                 raise ValueError("a paged cache needs blocks of at least one position, got block_size 0")
-        check_positions(seqlens, capacity, block_table, k_cache.shape[0], page)
-        return page, capacity, k_cache.shape[1] * self.kv_heads * self.head_dim
+        check_positions(seqlens, _capacity(k_cache, block_table), block_table, k_cache.shape[0], page)
+        return page, k_cache.shape[1] * self.kv_heads * self.head_dim
 
     def free(self) -> None:
         if self.workspace is not None:
@@ -258,6 +262,11 @@ def check_positions(seqlens: torch.Tensor, capacity: int, block_table: torch.Ten
         raise ValueError(f"block_table[{b}, {j}] = {int(entries[b, j])} is outside the cache's {num_blocks} blocks "
                          f"(sequence {b} holds {int(lengths[b])} positions here, so it uses its first "
                          f"{-(-int(lengths[b]) // page)} entries)")
+
+
+def _capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """Positions of a sequence the cache can hold: L, or max_blocks * block_size."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
 
 
 def _scale(sm_scale, head_dim: int) -> float:
