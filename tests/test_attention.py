@@ -18,19 +18,21 @@ from tridist.bench.results import relative_error
 from tridist.ops import attention
 from tridist.runtime import config as settings
 
+from .harness import load_script
+
 WORLDS = ("1", "2", "3", "4", "2x2", "2x1")  # 2x1: the inter-node path on two GPUs
 # Largest |error| over largest |expected| against fp32 SDPA: the probabilities enter P @ V rounded to
 # q's dtype, and the output is rounded to it (bf16 keeps 8 significant bits, fp16 11).
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def _slices(w, batch, q_heads, kv_heads, head_dim, dtype, lengths, page, seed):
+def _slices(w, batch, q_heads, kv_heads, head_dim, dtype, lengths, page, seed, capacity=None):
     """(q, [every rank's (k_cache, v_cache, seqlens, block_table)], [every sequence's gathered (K, V)]),
     on the CPU. `lengths[r][b]`: positions of sequence b on rank r; `page`: None (contiguous) or the
-    block size of a paged cache."""
+    block size of a paged cache; `capacity`: positions a cache holds (default: the most used)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, q_heads, head_dim, generator=g).to(dtype)
-    capacity = max(max(row) for row in lengths)
+    capacity = capacity or max(max(row) for row in lengths)
     slices, pieces = [], [[] for _ in range(batch)]
     for rank_lengths in lengths:
         k, v = (torch.randn(batch, capacity, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
@@ -147,7 +149,8 @@ def _graph_replays(w, page, replays):
     for replay in range(replays):
         g = torch.Generator().manual_seed(replay)
         lengths = [torch.randint(0, capacity + 1, (batch,), generator=g).tolist() for _ in range(w.world_size)]
-        cases.append(_slices(w, batch, kv_heads * group, kv_heads, head_dim, dtype, lengths, page, seed=replay))
+        cases.append(_slices(w, batch, kv_heads * group, kv_heads, head_dim, dtype, lengths, page, seed=replay,
+                             capacity=capacity))
     q, slices, _ = cases[0]
     static = [t.to(w.device) for t in (q, *slices[w.rank]) if t is not None]
     table = static[4] if page else None
@@ -243,3 +246,15 @@ def test_bench_arguments():
                        ("BLOCK_N=sixty", bench.parse_config)):
         with pytest.raises(argparse.ArgumentTypeError, match="shape|config"):
             parse(bad)
+
+
+def _tutorial(w):
+    tutorial = load_script("tutorials", "09-flash-decoding")
+    q, slices = tutorial.whole_problem(w.world_size)
+    assert tutorial.check_merge_rule() and tutorial.contiguous(w, q, slices) and tutorial.paged(w, q, slices)
+
+
+@pytest.mark.worlds("2")
+def test_tutorial(world):
+    """tutorials/09-flash-decoding.py's checks (its main starts and ends tridist itself)."""
+    world.run(_tutorial)
