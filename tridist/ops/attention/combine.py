@@ -113,12 +113,17 @@ def send_record(o, lse, unit, units, staging_ptr, flags_ptr, calls_ptr, slot_num
     world = dl.num_ranks()
     record = staging_ptr + (epoch % 2) * slot_numel + (me * units + unit) * record_size(GROUP, D)
     flag = flags_ptr + (epoch % 2) * (units * world) + unit * world + me
+    # Every record first, then the flags: the first flag's release waits for all the stores at once,
+    # the later ones for nothing (one NVLink round trip, not one per peer).
     for step in range(world):
         peer = (me + step) % world
         if peer // local_world_size == me // local_world_size:
             store_record(dl.symm_at(record, peer), o, lse, GROUP, D)
+    for step in range(world):
+        peer = (me + step) % world
+        if peer // local_world_size == me // local_world_size:
             dl.notify(flag, peer, signal=epoch, sig_op="set")
-        else:  # the record's copy here was stored and made visible (notify's barrier) at step 0
+        else:  # from this rank's copy, stored above and made visible by the first notify's barrier
             dl.shmem.putmem_signal_nbi_block(record, record, record_size(GROUP, D) * 4, flag, epoch,
                                              dl.shmem.SIGNAL_SET, peer)
     dl.shmem.quiet()
