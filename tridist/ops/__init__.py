@@ -1,7 +1,7 @@
 """The kernel library, grouped by family: `collectives`, `gemm`, `attention`. Each op's module holds
 its host wrapper next to its kernels; `_protocol` and `sync` are what the families share."""
-from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
 from .attention import FlashDecode, flash_decode
+from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
 from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, matmul
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter",

@@ -50,7 +50,7 @@ def check_config(config: dict) -> None:
     if not isinstance(config, dict) or not {"BLOCK_N", "num_warps", "num_stages"} <= set(config) \
             or not set(config) <= CONFIG_KEYS or ("splits" in config) == ("programs_per_sm" in config):
         raise ValueError(f"a flash_decode config is a dict of BLOCK_N, num_warps, num_stages and one of "
-                         f"programs_per_sm or splits (see flash_decode.configs(device)); got {config!r}")
+                         f"programs_per_sm or splits (see tridist.ops.attention.configs(device)); got {config!r}")
     for key, value in config.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"flash_decode config {key} must be a positive int, got {value!r}")
@@ -123,6 +123,10 @@ class FlashDecode:
             block_table: int32 [B, max_blocks], block ids of each sequence's positions in order.
             sm_scale: the scale of the scores, default 1 / sqrt(D).
             out: where to write (a new tensor by default).
+
+        Scores and softmax in fp32; the probabilities meet V rounded to q's dtype (as in FlashAttention),
+        and out is rounded to it. A sequence that no rank holds a position of gets zeros (softmax
+        over nothing; SDPA would give NaN).
 
         Raises ValueError (before any launch) for shapes, dtypes or devices that do not match; and
         for seqlens past the cache or used block-table entries outside it, where that can be seen
