@@ -45,11 +45,13 @@ def group_rows(group):
 
 
 def merge_rows(group: int, head_dim: int, num_warps: int, count: int) -> int:
-    """Records a merge loads at once (of `count`): about 16 fp32 words a thread. More would make the
-    merge, not the loop over K and V, set the registers of the split-KV kernel's every program
-    (and so how many programs an SM holds); fewer would make the last program of a unit, which
-    merges `splits` records alone, wait for more rounds of loads."""
-    return max(1, min(triton.next_power_of_2(count), 16 * 32 * num_warps // (group_rows(group) * head_dim)))
+    """Records a merge loads at once (of `count`): about 32 fp32 words a thread. The last program of
+    a unit merges `splits` records alone, one round of loads after another, so rounds should be few;
+    but the merge must not set the registers of the split-KV kernel's every program (and so how many
+    an SM holds): at 32 words it takes at most the 128 registers the paged loop over K and V takes
+    anyway (GQA 4 and 32, D 64 and 128, on sm_90), and 120 with the contiguous loop, which is held to
+    3 programs per SM by its shared memory."""
+    return max(1, min(triton.next_power_of_2(count), 32 * 32 * num_warps // (group_rows(group) * head_dim)))
 
 
 @triton.jit
