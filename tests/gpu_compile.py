@@ -106,15 +106,15 @@ def _attention_cases():
                  "combine_programs": "i32", "local_world_size": "i32", "GROUP": "constexpr", "D": "constexpr",
                  "BLOCK_N": "constexpr", "PAGE": "constexpr", "FINISH": "constexpr", "MERGE_ROWS": "constexpr"}
     config = attention.configs(CUDA)[0]
-    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     cases = []
     for group, head_dim, page, finish, warps in [(4, 128, 0, "out", None), (4, 128, 16, "exchange", None),
                                                   (4, 64, 0, "exchange", None), (4, 64, 16, "out", None),
                                                   (4, 128, 64, "partials", None), (32, 128, 0, "exchange", 8)]:
-        warps = warps or options["num_warps"]
+        warps = warps or config["num_warps"]
         constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page, "FINISH": finish,
                       "MERGE_ROWS": combine.merge_rows(group, head_dim, warps, 64)}
-        cases.append((kernel, signature, constexprs, {**options, "num_warps": warps}))
+        stages = config["num_stages"] + (attention.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
+        cases.append((kernel, signature, constexprs, {"num_warps": warps, "num_stages": stages}))
     cases.append((combine.flash_decode_combine_kernel,
                   {"out_ptr": "*bf16", "staging_ptr": "*fp32", "flags_ptr": "*i64", "calls_ptr": "*i64", "units": "i32",
                    "slot_numel": "i32", "GROUP": "constexpr", "D": "constexpr", "ROWS": "constexpr"},

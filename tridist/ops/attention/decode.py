@@ -12,8 +12,9 @@ the union of the slices. Two kernels, queued on the current stream:
 No host synchronisation, no allocation but `out`: the op can be captured in a CUDA graph.
 
 Configs (dicts, `configs(device)`): BLOCK_N, positions per step of a program's loop; num_warps and
-num_stages, as Triton takes them; programs_per_sm, how many programs of the split-KV kernel per SM
-the split count aims at (`choose_splits`), or splits, a fixed number of chunks per sequence.
+num_stages, as Triton takes them (a paged cache gets PAGED_EXTRA_STAGES more); programs_per_sm, how
+many programs of the split-KV kernel per SM the split count aims at (`choose_splits`), or splits, a
+fixed number of chunks per sequence.
 """
 import math
 
@@ -39,6 +40,11 @@ GPU_CONFIGS = [dict(BLOCK_N=block, num_warps=warps, num_stages=stages, programs_
 EMULATOR_CONFIGS = [dict(BLOCK_N=16, num_warps=4, num_stages=1, programs_per_sm=4)]
 CONFIG_KEYS = {"BLOCK_N", "num_warps", "num_stages", "programs_per_sm", "splits"}
 MIN_STEPS_PER_SPLIT = 4  # a chunk shorter than this many steps spends more on its record than it saves
+# A paged cache compiles with this many more stages than the config's num_stages: the block table's
+# load, on which the K and V addresses depend, takes two stages of Triton's pipeline, and without them
+# a program keeps one K/V tile in flight where a contiguous cache keeps num_stages - 1 (sm_90 TTGIR of
+# the kernel at GQA 4, D 128, BLOCK_N 64: one buffer each for K and V at num_stages 3 and 4, two at 5).
+PAGED_EXTRA_STAGES = 2
 
 
 def configs(device: torch.device) -> list[dict]:
@@ -177,7 +183,7 @@ class FlashDecode:
             ws.slot_numel if ws else 0, self.combine_programs if ws else 1, self.world.local_world_size,
             GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page, FINISH=finish,
             MERGE_ROWS=merge_rows(self.group, self.head_dim, c["num_warps"], splits), num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+            num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
 
     def _checked_out(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         check_input(q, "q", DTYPES)
