@@ -15,8 +15,10 @@ checked against SDPA in fp32 on the whole cache first. Then, on one rank, per sh
 - op: the whole op; at one rank the kernel with its last programs' merge (`op / kernel`).
 Targets (issue 25): contiguous >= 0.9 of the copy and no slower than SDPA; paged >= 0.85; op within
 1.05x of the kernel. With several ranks only the op is timed (and with several ranks sharing a GPU,
-TRIDIST_RANKS_PER_GPU > 1, nothing: correctness only). `--sweep` times the kernel alone with every
-config of `tridist.ops.attention.configs` and each `--programs-per-sm`.
+TRIDIST_RANKS_PER_GPU > 1, nothing: correctness only). The kernel alone is checked too, its records
+merged with torch. `--sweep` times only the kernel alone (the op's other variants would more than
+double what it compiles), with every config of `tridist.ops.attention.configs`, then the default
+config at each `--programs-per-sm`.
 """
 import argparse
 import os
@@ -114,7 +116,7 @@ def sdpa_us(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, s
                 return F.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
         try:
             run()
-        except RuntimeError:  # this backend does not take these inputs
+        except Exception:  # noqa: BLE001 - this backend does not take these inputs: not a column
             continue
         best = min(best, (op_us(run), backend.name.lower()))
     return best
@@ -133,11 +135,24 @@ def check(what: str, out: torch.Tensor, expected: torch.Tensor) -> None:
         raise AssertionError(f"flash_decode {what}: relative error {error:.2e} against fp32 SDPA")
 
 
+def merge_partials(partials: torch.Tensor, batch: int, kv_heads: int, group: int, head_dim: int) -> torch.Tensor:
+    """The attention [B, Hq, D] that the split-KV kernel's records ([B * Hkv, splits, record], as
+    `FlashDecode.split_kv` returns them) add up to, merged here in fp32 with torch (`combine`'s rule)."""
+    outputs = partials[..., :group * head_dim].unflatten(-1, (group, head_dim))
+    lse = partials[..., group * head_dim:group * (head_dim + 1)]  # base 2
+    top = lse.max(dim=1, keepdim=True).values
+    weights = torch.exp2(lse - torch.where(torch.isinf(top), 0.0, top))
+    merged = (weights[..., None] * outputs).sum(1) / weights.sum(1)[..., None]
+    return merged.view(batch, kv_heads * group, head_dim)
+
+
 def run(shapes, q_heads: int, kv_heads: int, head_dim: int, dtype, configs: list[dict], timed: bool,
-        pages=PAGES) -> list[dict]:
-    """A row per (shape, layout, config): checked against fp32 SDPA, then (if `timed`) timed."""
+        pages=PAGES, whole_op: bool = True) -> list[dict]:
+    """A row per (shape, layout, config): the kernel alone (its records merged with torch) and, with
+    `whole_op`, the op checked against fp32 SDPA, then (if `timed`) timed."""
     w = tridist.world()
     one_rank = w.world_size == 1
+    group = q_heads // kv_heads
     rows = []
     for batch, length in shapes:
         k, v = whole_cache(batch, length, kv_heads, head_dim, dtype, w.device, seed=batch + length)
@@ -145,56 +160,70 @@ def run(shapes, q_heads: int, kv_heads: int, head_dim: int, dtype, configs: list
                         device=w.device).to(dtype)
         expected = reference(q, k, v)
         mine = [rank_slice(cache, w.rank, w.world_size) for cache in (k, v)]
+        expected_here = expected if one_rank else reference(q, *mine)  # what this rank's records add up to
         seqlens = torch.full((batch,), mine[0].shape[1], dtype=torch.int32, device=w.device)
         layouts = {"contiguous": (*mine, seqlens, None)}
         for page in pages:
             pool_k, pool_v, block_table = paged(*mine, page, seed=page)
             layouts[f"paged {page}"] = (pool_k, pool_v, seqlens, block_table)
         shape_name = f"{batch}x{length}"
-        nbytes = 2 * k.numel() * k.element_size()
-        reference_us = {}
+        nbytes = 2 * mine[0].numel() * mine[0].element_size()  # K and V bytes a rank reads
+        baselines = {}
         if timed and one_rank:
-            reference_us["copy"] = copy_us(nbytes, w.device)
-            reference_us["sdpa"], reference_us["backend"] = sdpa_us(q, k, v)
+            baselines["copy"] = copy_us(nbytes, w.device)
+            baselines["sdpa"], baselines["backend"] = sdpa_us(q, k, v)
         del k, v
         for config in configs:
             op = attention.FlashDecode(batch, q_heads, kv_heads, head_dim, dtype, config=config)
             for layout, args in layouts.items():
-                out = torch.full_like(q, float("nan"))
-                check(f"{shape_name} {layout} {config_name(op.config)}", op(q, *args, out=out), expected)
+                name = f"{shape_name} {layout} {config_name(op.config)}"
+                check(f"{name} kernel alone", merge_partials(op.split_kv(q, *args), batch, kv_heads, group, head_dim),
+                      expected_here)
+                if whole_op:
+                    check(name, op(q, *args, out=torch.full_like(q, float("nan"))), expected)
                 row = {"shape": shape_name, "layout": layout, "config": config_name(op.config),
                        "splits": op.splits_for(args[0], args[3])}
                 if timed:
-                    row.update(_timings(op, q, args, out, nbytes, reference_us, layout, one_rank))
+                    row.update(_timings(op, q, args, nbytes, baselines, layout, whole_op))
                 rows.append(row)
                 if w.rank == 0 and timed:
-                    print(f"  {shape_name} {layout} {row['config']}: " + ", ".join(
-                        f"{key} {value:.2f}" for key, value in row.items() if isinstance(value, float)), flush=True)
+                    print(f"  {name}: " + ", ".join(f"{key} {value:.2f}" for key, value in row.items()
+                                                    if isinstance(value, float)), flush=True)
             tridist.barrier_all()
             op.free()
     return rows
 
 
-def _timings(op, q, args, out, nbytes, reference_us, layout, one_rank) -> dict:
-    row = {"op us": op_us(lambda: op(q, *args, out=out))}
-    if not one_rank:
+def _timings(op, q, args, nbytes, baselines, layout, whole_op) -> dict:
+    """Microseconds of the op (with `whole_op`) and, on one rank, of the kernel alone, with their
+    ratios to the copy and SDPA (`baselines`) and whether the targets are met."""
+    row = {}
+    out = torch.empty_like(q)
+    if whole_op:
+        row["op us"] = op_us(lambda: op(q, *args, out=out))
+    if not baselines:  # several ranks: the op's time only
         return row
     kernel = op_us(lambda: op.split_kv(q, *args))
-    copy_rate = 2 * nbytes / reference_us["copy"]  # bytes read and written per microsecond
-    row.update({"kernel us": kernel, "of copy": nbytes / kernel / copy_rate, "op / kernel": row["op us"] / kernel})
+    copy_rate = 2 * nbytes / baselines["copy"]  # bytes read and written per microsecond
+    row.update({"kernel us": kernel, "of copy": nbytes / kernel / copy_rate})
+    met = row["of copy"] >= TARGETS["contiguous" if layout == "contiguous" else "paged"]
+    if whole_op:
+        row["op / kernel"] = row["op us"] / kernel
+        met = met and row["op / kernel"] <= TARGETS["op / kernel"]
     if layout == "contiguous":
-        row.update({"sdpa us": reference_us["sdpa"], "sdpa backend": reference_us["backend"],
-                    "sdpa of copy": nbytes / reference_us["sdpa"] / copy_rate,
-                    "vs sdpa": reference_us["sdpa"] / kernel})
-    row["copy us"] = reference_us["copy"]
-    row["target met"] = (row["of copy"] >= TARGETS["contiguous" if layout == "contiguous" else "paged"]
-                         and row["op / kernel"] <= TARGETS["op / kernel"]
-                         and (layout != "contiguous" or kernel <= reference_us["sdpa"]))
+        row.update({"sdpa us": baselines["sdpa"], "sdpa backend": baselines["backend"],
+                    "sdpa of copy": nbytes / baselines["sdpa"] / copy_rate, "vs sdpa": baselines["sdpa"] / kernel})
+        met = met and kernel <= baselines["sdpa"] and (not whole_op or row["op us"] <= baselines["sdpa"])
+    row["copy us"] = baselines["copy"]
+    row["targets met"] = met
     return row
 
 
 def sweep_configs(device, programs_per_sm: list[int]) -> list[dict]:
-    return [{**c, "programs_per_sm": p} for c in attention.configs(device) for p in programs_per_sm]
+    """Every config of `attention.configs`, then the default one at each of `programs_per_sm`."""
+    candidates = attention.configs(device)
+    return candidates + [{**candidates[0], "programs_per_sm": p} for p in programs_per_sm
+                         if p != candidates[0]["programs_per_sm"]]
 
 
 def main(argv=None) -> int:
@@ -208,8 +237,11 @@ def main(argv=None) -> int:
                         help="BLOCK_N=..,num_warps=..,num_stages=..,programs_per_sm=.. (or splits=..); repeatable; "
                              "default: the op's default config")
     parser.add_argument("--sweep", action="store_true",
-                        help="every config of tridist.ops.attention.configs at each --programs-per-sm")
-    parser.add_argument("--programs-per-sm", default="2,4,8", help="for --sweep (default %(default)s)")
+                        help="the kernel alone (not the op) with every config of tridist.ops.attention.configs, "
+                             "then the default config at each --programs-per-sm")
+    parser.add_argument("--programs-per-sm", default="1,2,8,16", help="for --sweep (default %(default)s)")
+    parser.add_argument("--pages", default=",".join(map(str, PAGES)),
+                        help="block sizes of the paged caches, comma separated, '' for none (default %(default)s)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     q_heads, kv_heads = (int(h) for h in args.heads.split(","))
@@ -219,8 +251,9 @@ def main(argv=None) -> int:
     configs = (sweep_configs(w.device, [int(p) for p in args.programs_per_sm.split(",")]) if args.sweep
                else args.config or [attention.configs(w.device)[0]])
     shared_gpu = int(os.environ.get("TRIDIST_RANKS_PER_GPU", "1")) > 1  # ranks split the SMs: no speed claims
+    pages = [int(p) for p in args.pages.split(",") if p.strip()]
     rows = run(args.shapes, q_heads, kv_heads, args.head_dim, getattr(torch, args.dtype), configs,
-               timed=not shared_gpu)
+               timed=not shared_gpu, pages=pages, whole_op=not args.sweep)
     if w.rank == 0:
         columns = []
         for row in rows:

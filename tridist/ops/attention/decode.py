@@ -182,7 +182,9 @@ class FlashDecode:
             seq_stride, self.kv_heads * self.head_dim, table.shape[-1], splits, self.kv_heads,
             ws.slot_numel if ws else 0, self.combine_programs if ws else 1, self.world.local_world_size,
             GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page, FINISH=finish,
-            MERGE_ROWS=merge_rows(self.group, self.head_dim, c["num_warps"], splits), num_warps=c["num_warps"],
+            # (no merge without a FINISH that merges: one value, one compiled variant)
+            MERGE_ROWS=merge_rows(self.group, self.head_dim, c["num_warps"], splits) if finish != "partials" else 1,
+            num_warps=c["num_warps"],
             num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
 
     def _checked_out(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
