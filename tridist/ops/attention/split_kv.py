@@ -1,4 +1,4 @@
-"""Split-KV decode attention over this rank's slice of the KV cache, and the merge of partial results.
+"""Split-KV decode attention over this rank's slice of the KV cache.
 
 Decoding attends one query per sequence over every cached position: little arithmetic, and K and V
 read once. One program per KV head and sequence leaves most SMs idle when the batch is small and
@@ -27,7 +27,6 @@ from tridist.runtime.jit import jit
 from .._protocol import sync_program
 from .combine import finish_record, merge_records, record_size, send_record, store_output, store_record
 
-FINISHES = ("out", "exchange", "partials")
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is one instruction
 
 
