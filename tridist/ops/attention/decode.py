@@ -86,9 +86,9 @@ class FlashDecode:
     chunks' records, fp32), and with several ranks a symmetric workspace; `free()` gives them back.
 
     Every rank builds it with the same sizes (a collective with several ranks: the workspace is
-    symmetric); each rank's cache may hold a different number of positions. Use one instance per
-    stream (`flash_decode` keeps one per shape and stream). `config`: a dict (`configs(device)`),
-    None for the default.
+    symmetric); each rank's cache may hold a different number of positions, in either layout. Use
+    one instance per stream (`flash_decode` keeps one per shape and stream). `config`: a dict
+    (`configs(device)`), None for the default.
 
     Raises ValueError for a dtype, head dim or head counts it does not take, or a bad config.
     """
@@ -127,7 +127,7 @@ class FlashDecode:
             seqlens: int32 [B], the positions of each sequence this rank holds (0 allowed): the
                 first seqlens[b] rows of sequence b (contiguous), or of its blocks block_table[b, :].
             block_table: int32 [B, max_blocks], block ids of each sequence's positions in order.
-            sm_scale: the scale of the scores, default 1 / sqrt(D).
+            sm_scale: the scale of the scores, default 1 / sqrt(D); the same on every rank.
             out: where to write (a new tensor by default).
 
         Scores and softmax in fp32; the probabilities meet V rounded to q's dtype (as in FlashAttention),
