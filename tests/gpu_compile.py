@@ -112,7 +112,7 @@ def _attention_cases():
                                                   (4, 128, 64, "partials", None), (32, 128, 0, "exchange", 8)]:
         warps = warps or config["num_warps"]
         constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page, "FINISH": finish,
-                      "MERGE_ROWS": combine.merge_rows(group, head_dim, warps, 64)}
+                      "MERGE_ROWS": combine.merge_rows(group, head_dim, warps, 64) if finish != "partials" else 1}
         stages = config["num_stages"] + (attention.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
         cases.append((kernel, signature, constexprs, {"num_warps": warps, "num_stages": stages}))
     cases.append((combine.flash_decode_combine_kernel,
