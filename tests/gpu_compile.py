@@ -23,8 +23,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tridist.bench import primitives  # noqa: E402
 from tridist.ops import _protocol, sync  # noqa: E402
+from tridist.ops.attention import combine, split_kv  # noqa: E402
 from tridist.ops.collectives import allgather, allreduce  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
+from tridist.ops.attention import decode as attention  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.stencil import jacobi  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
@@ -128,6 +130,33 @@ def _step_options(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> 
     return {"num_warps": _protocol.warps_for(_largest_step(pointer_type, step_bytes), _ITEMSIZE[pointer_type])}
 
 
+def _attention_cases():
+    """The split-KV kernel for D 64 and 128, contiguous and paged, each way it finishes (GQA 4, the
+    default config, and GQA 32 on 8 warps: the most query rows it takes), and the combine."""
+    kernel = split_kv.flash_decode_split_kernel
+    signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "seqlens_ptr": "*i32", "table_ptr": "*i32",
+                 "out_ptr": "*bf16", "partials_ptr": "*fp32", "arrivals_ptr": "*i32", "staging_ptr": "*fp32",
+                 "flags_ptr": "*i64", "calls_ptr": "*i64", "sm_scale": "fp32", "seq_stride": "i32",
+                 "row_stride": "i32", "table_stride": "i32", "splits": "i32", "kv_heads": "i32", "slot_numel": "i32",
+                 "combine_programs": "i32", "local_world_size": "i32", "GROUP": "constexpr", "D": "constexpr",
+                 "BLOCK_N": "constexpr", "PAGE": "constexpr", "FINISH": "constexpr", "MERGE_ROWS": "constexpr"}
+    config = attention.configs(CUDA)[0]
+    cases = []
+    for group, head_dim, page, finish, warps in [(4, 128, 0, "out", None), (4, 128, 16, "exchange", None),
+                                                  (4, 64, 0, "exchange", None), (4, 64, 16, "out", None),
+                                                  (4, 128, 64, "partials", None), (32, 128, 0, "exchange", 8)]:
+        warps = warps or config["num_warps"]
+        constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page, "FINISH": finish,
+                      "MERGE_ROWS": combine.merge_rows(group, head_dim, warps, 64) if finish != "partials" else 1}
+        stages = config["num_stages"] + (attention.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
+        cases.append((kernel, signature, constexprs, {"num_warps": warps, "num_stages": stages}))
+    cases.append((combine.flash_decode_combine_kernel,
+                  {"out_ptr": "*bf16", "staging_ptr": "*fp32", "flags_ptr": "*i64", "calls_ptr": "*i64", "units": "i32",
+                   "slot_numel": "i32", "GROUP": "constexpr", "D": "constexpr", "ROWS": "constexpr"},
+                  {"GROUP": 4, "D": 128, "ROWS": combine.merge_rows(4, 128, 4, 8)}))
+    return cases
+
+
 @functools.cache
 def cases():
     """(kernel, signature, constexprs[, compile options]). Built once: `main`'s forked workers
@@ -135,6 +164,7 @@ def cases():
     CE = _protocol.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
     return [
         *_gemm_cases(),
+        *_attention_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
@@ -270,7 +300,7 @@ def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False)
 # Kernels whose bf16 data must move in 16-byte accesses, peers' memory included (through symm_at,
 # whose pointers Triton knows nothing about unless told: 2-byte stores to peers, until 2026-11-23).
 VECTORISED = {"all_gather_push_kernel",
-              "all_reduce_two_shot_kernel", "all_reduce_symmetric_kernel"}
+              "all_reduce_two_shot_kernel", "all_reduce_symmetric_kernel", "flash_decode_split_kernel"}
 
 
 def scalar_accesses(kernel, signature, compiled) -> list[str]:
@@ -305,7 +335,7 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
                 "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
                 "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel", "rotate_kernel",
-                "jacobi_fused_kernel"}
+                "jacobi_fused_kernel", "flash_decode_combine_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

@@ -9,8 +9,8 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives",
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
               "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused",
-              "jacobi": "tridist.bench.jacobi"}
-SINGLE = ("primitives", "torch_fused", "jacobi")  # modules with one benchmark: their `main` takes no benchmark name
+              "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode"}
+SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode")  # modules with one benchmark: their `main` takes no benchmark name
 DEFAULT_RANKS = 2
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
 HELP = f"""{USAGE}
@@ -28,6 +28,7 @@ NAME:
                   PyTorch's fused ops where torch_fused saved their times today
   torch_fused     PyTorch's fused ag_gemm and gemm_rs, in a process that never starts tridist
   jacobi          the 2D Jacobi solver per iteration, host loop against one fused co-resident kernel
+  flash_decode    the split-KV decode kernel's bandwidth against a copy and SDPA on one GPU (-n 1)
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them

@@ -1,6 +1,7 @@
 """The kernel library, grouped by family: [`collectives`][tridist.ops.collectives] (all-gather,
 reduce-scatter, all-reduce), [`gemm`][tridist.ops.gemm] (the persistent GEMM and the GEMMs
-overlapped with communication) and [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo
+overlapped with communication), [`attention`][tridist.ops.attention] (flash decoding over a KV
+cache split across ranks) and [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo
 exchange runs inside its kernels). Each op's module holds its host wrapper next to its kernels;
 `_protocol` and `sync` are what the families share.
 
@@ -47,10 +48,11 @@ What holds for every op:
   fp8). Each returns a new tensor (no `out=`, nothing in place), and the GEMMs run their default
   config.
 """
+from .attention import FlashDecode, flash_decode
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
 from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, matmul
 from .stencil import Jacobi2D, jacobi_reference
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter",
            "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
-           "Jacobi2D", "jacobi_reference"]
+           "Jacobi2D", "jacobi_reference", "FlashDecode", "flash_decode"]

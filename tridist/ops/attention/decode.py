@@ -1,0 +1,310 @@
+"""`flash_decode`: decode attention over a KV cache split by sequence across the ranks.
+
+Each rank holds a slice of every sequence's cached positions (any slice: the order of positions does
+not matter to softmax) and the same queries; every rank returns the attention of the queries over
+the union of the slices. Two kernels, queued on the current stream:
+1. `split_kv.flash_decode_split_kernel`: attention over this rank's slice, each sequence's positions
+   cut in chunks so that every SM has work; the last program of each (sequence, KV head) merges its
+   chunks' partial results. With one rank it writes `out` and nothing else runs.
+2. With several ranks, that last program sends the merged partial result to every rank and
+   `combine.flash_decode_combine_kernel` merges every rank's, in rank order (so every rank gets the
+   same bits), into `out` (the protocol: `combine`'s docstring).
+No host synchronisation, no allocation but `out`: the op can be captured in a CUDA graph.
+
+Configs (dicts, `configs(device)`): BLOCK_N, positions per step of a program's loop; num_warps and
+num_stages, as Triton takes them (a paged cache gets PAGED_EXTRA_STAGES more); programs_per_sm, how
+many programs of the split-KV kernel per SM the split count aims at (`choose_splits`), or splits, a
+fixed number of chunks per sequence.
+"""
+import math
+
+import torch
+import triton
+
+import tridist
+from tridist.runtime import config as settings
+from tridist.runtime.tensors import check_tensor
+
+from .. import _protocol
+from .._protocol import Workspace, check_input, check_output
+from .combine import flash_decode_combine_kernel, merge_rows, record_size
+from .split_kv import flash_decode_split_kernel
+
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+MAX_GROUP = 32  # query heads per KV head: a program holds all of them, in registers, as dot rows
+
+GPU_CONFIGS = [dict(BLOCK_N=block, num_warps=warps, num_stages=stages, programs_per_sm=4)
+               for block in (64, 32, 128) for warps, stages in ((4, 3), (4, 2), (4, 4), (8, 3))]
+# The emulator: small steps, so that tiny test sequences still take several steps and chunks.
+EMULATOR_CONFIGS = [dict(BLOCK_N=16, num_warps=4, num_stages=1, programs_per_sm=4)]
+CONFIG_KEYS = {"BLOCK_N", "num_warps", "num_stages", "programs_per_sm", "splits"}
+MIN_STEPS_PER_SPLIT = 4  # a chunk shorter than this many steps spends more on its record than it saves
+# A paged cache compiles with this many more stages than the config's num_stages: the block table's
+# load, on which the K and V addresses depend, takes two stages of Triton's pipeline, and without them
+# a program keeps one K/V tile in flight where a contiguous cache keeps num_stages - 1 (sm_90 TTGIR of
+# the kernel at GQA 4, D 128, BLOCK_N 64: one buffer each for K and V at num_stages 3 and 4, two at 5).
+PAGED_EXTRA_STAGES = 2
+
+
+def configs(device: torch.device) -> list[dict]:
+    """The configs to sweep on `device`, the default first."""
+    return [dict(c) for c in (GPU_CONFIGS if device.type == "cuda" else EMULATOR_CONFIGS)]
+
+
+def check_config(config: dict) -> None:
+    if not isinstance(config, dict) or not {"BLOCK_N", "num_warps", "num_stages"} <= set(config) \
+            or not set(config) <= CONFIG_KEYS or ("splits" in config) == ("programs_per_sm" in config):
+        raise ValueError(f"a flash_decode config is a dict of BLOCK_N, num_warps, num_stages and one of "
+                         f"programs_per_sm or splits (see tridist.ops.attention.configs(device)); got {config!r}")
+    for key, value in config.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"flash_decode config {key} must be a positive int, got {value!r}")
+    if config["BLOCK_N"] & (config["BLOCK_N"] - 1) or config["BLOCK_N"] < 16:
+        raise ValueError(f"flash_decode config BLOCK_N must be a power of two of at least 16, got {config['BLOCK_N']}")
+
+
+def choose_splits(config: dict, units: int, capacity: int, sms: int) -> int:
+    """Chunks per sequence: `splits` if the config fixes them, else enough for about
+    programs_per_sm programs of (units x splits) per SM, each chunk at least MIN_STEPS_PER_SPLIT
+    steps of the longest sequence this cache can hold (`capacity` positions)."""
+    if "splits" in config:
+        return config["splits"]
+    wanted = triton.cdiv(config["programs_per_sm"] * sms, units)
+    return max(1, min(wanted, capacity // (MIN_STEPS_PER_SPLIT * config["BLOCK_N"])))
+
+
+def most_splits(config: dict, units: int, sms: int) -> int:
+    """The most chunks per sequence `choose_splits` gives, whatever the cache: what `partials` holds."""
+    return config["splits"] if "splits" in config else max(1, triton.cdiv(config["programs_per_sm"] * sms, units))
+
+
+class FlashDecode:
+    """Decode attention for `batch` sequences of `q_heads` query heads over `kv_heads` KV heads of
+    `head_dim` (64 or 128) in `dtype` (bf16 or fp16), the KV cache split by position across the
+    ranks (see the module docstring and `__call__`). Owns its buffers: `partials` (this rank's
+    chunks' records, fp32), and with several ranks a symmetric workspace; `free()` gives them back.
+
+    Every rank builds it with the same sizes (a collective with several ranks: the workspace is
+    symmetric); each rank's cache may hold a different number of positions, in either layout. Use
+    one instance per stream (`flash_decode` keeps one per shape and stream). `config`: a dict
+    (`configs(device)`), None for the default.
+
+    Raises ValueError for a dtype, head dim or head counts it does not take, or a bad config.
+    """
+
+    def __init__(self, batch: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 config: dict | None = None):
+        check_sizes(batch, q_heads, kv_heads, head_dim, dtype)
+        self.world = w = tridist.world()
+        self.batch, self.q_heads, self.kv_heads, self.head_dim, self.dtype = batch, q_heads, kv_heads, head_dim, dtype
+        self.group = q_heads // kv_heads
+        self.units = batch * kv_heads
+        self.config = configs(w.device)[0] if config is None else dict(config)
+        check_config(self.config)
+        self.sms = _protocol.programs_for(w.device)
+        self.record = record_size(self.group, head_dim)
+        self.max_splits = most_splits(self.config, self.units, self.sms)
+        _protocol.check_offsets("flash_decode", self.units * self.max_splits * self.record)
+        _protocol.check_offsets("flash_decode", w.world_size * self.units * self.record)
+        self.partials = torch.empty(self.units * self.max_splits * self.record, dtype=torch.float32, device=w.device)
+        self.arrivals = torch.zeros(self.units, dtype=torch.int32, device=w.device)
+        self.workspace = None
+        if w.world_size > 1:
+            self.combine_programs = min(self.units, self.sms)
+            self.workspace = Workspace(w.world_size * self.units * self.record, torch.float32,
+                                       self.units * w.world_size)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+                 block_table: torch.Tensor | None = None, sm_scale: float | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """out [B, Hq, D] = softmax(q k^T * sm_scale) v over the positions every rank holds.
+
+        Args:
+            q: [B, Hq, D], the same on every rank.
+            k_cache, v_cache: this rank's slice, contiguous [B, L, Hkv, D] (block_table None) or
+                paged [num_blocks, block_size, Hkv, D] (vLLM's layout), q's dtype.
+            seqlens: int32 [B], the positions of each sequence this rank holds (0 allowed): the
+                first seqlens[b] rows of sequence b (contiguous), or of its blocks block_table[b, :].
+            block_table: int32 [B, max_blocks], block ids of each sequence's positions in order.
+            sm_scale: the scale of the scores, default 1 / sqrt(D); the same on every rank.
+            out: where to write (a new tensor by default).
+
+        Scores and softmax in fp32; the probabilities meet V rounded to q's dtype (as in FlashAttention),
+        and out is rounded to it. A sequence that no rank holds a position of gets zeros (softmax
+        over nothing; SDPA would give NaN).
+
+        Raises ValueError (before any launch) for shapes, dtypes or devices that do not match; and
+        for seqlens past the cache or used block-table entries outside it, where that can be seen
+        without a device synchronisation (tensors on the CPU: the emulator) or with TRIDIST_DEBUG=1
+        outside a CUDA-graph capture. Otherwise such values are not checked: the kernel would read
+        whatever memory they point at.
+        """
+        out = self._checked_out(q, out)
+        page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
+        scale = _scale(sm_scale, self.head_dim)
+        splits = self.splits_for(k_cache, block_table)
+        several = self.world.world_size > 1
+        self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits, out,
+                       "exchange" if several else "out")
+        if several:
+            ws = self.workspace
+            flash_decode_combine_kernel[(self.combine_programs,)](
+                out, ws.staging, ws.flags, ws.calls, self.units, ws.slot_numel, GROUP=self.group, D=self.head_dim,
+                ROWS=merge_rows(self.group, self.head_dim, 4, self.world.world_size), num_warps=4)
+        return out
+
+    def split_kv(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+                 block_table: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+        """Only the split-KV kernel over this rank's slice (arguments as `__call__`): each chunk's
+        record left in `partials`, nothing merged or sent. The benchmark times it as "the kernel
+        alone". Returns `partials` viewed as [B * Hkv, splits, record words]."""
+        self._checked_out(q, None)
+        page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
+        splits = self.splits_for(k_cache, block_table)
+        self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, _scale(sm_scale, self.head_dim),
+                       splits, q, "partials")
+        return self.partials[:self.units * splits * self.record].view(self.units, splits, self.record)
+
+    def splits_for(self, k_cache: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
+        """Chunks per sequence of a call on this cache (`choose_splits`)."""
+        return choose_splits(self.config, self.units, _capacity(k_cache, block_table), self.sms)
+
+    def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits, out, finish):
+        ws = self.workspace
+        # Where a FINISH does not use them, any tensor stands in for the table and the workspace.
+        table = seqlens if block_table is None else block_table
+        staging, flags, calls = (ws.staging, ws.flags, ws.calls) if ws else (self.partials, self.arrivals,
+                                                                               self.arrivals)
+        c = self.config
+        flash_decode_split_kernel[(self.units, splits)](
+            q, k_cache, v_cache, seqlens, table, out, self.partials, self.arrivals, staging, flags, calls, scale,
+            seq_stride, self.kv_heads * self.head_dim, table.shape[-1], splits, self.kv_heads,
+            ws.slot_numel if ws else 0, self.combine_programs if ws else 1, self.world.local_world_size,
+            GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page, FINISH=finish,
+            # (no merge without a FINISH that merges: one value, one compiled variant)
+            MERGE_ROWS=merge_rows(self.group, self.head_dim, c["num_warps"], splits) if finish != "partials" else 1,
+            num_warps=c["num_warps"],
+            num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
+
+    def _checked_out(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        check_input(q, "q", DTYPES)
+        shape = (self.batch, self.q_heads, self.head_dim)
+        if tuple(q.shape) != shape or q.dtype != self.dtype:
+            raise ValueError(f"this FlashDecode was built for q of shape {shape} in {self.dtype}; q is {q.dtype} of "
+                             f"shape {tuple(q.shape)}: build another, or call tridist.ops.flash_decode, which keeps "
+                             "one per shape")
+        if out is None:
+            return torch.empty_like(q)
+        check_output(out, shape, self.dtype)
+        return out
+
+    def _layout(self, q, k_cache, v_cache, seqlens, block_table) -> tuple[int, int]:
+        """(block size, 0 for a contiguous cache; elements from one sequence to the next in a
+        contiguous cache), once the cache, seqlens and table are checked."""
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_tensor(cache, name)
+            if cache.dtype != q.dtype:
+                raise ValueError(f"{name} is {cache.dtype} but q is {q.dtype}: the cache and q take one dtype")
+            if cache.dim() != 4 or tuple(cache.shape[2:]) != (self.kv_heads, self.head_dim):
+                raise ValueError(f"{name} must be [B, L, {self.kv_heads}, {self.head_dim}] (contiguous) or "
+                                 f"[num_blocks, block_size, {self.kv_heads}, {self.head_dim}] (paged), got "
+                                 f"{tuple(cache.shape)}")
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+        check_tensor(seqlens, "seqlens")
+        if seqlens.dtype != torch.int32 or tuple(seqlens.shape) != (self.batch,):
+            raise ValueError(f"seqlens must be int32 of shape ({self.batch},), got {seqlens.dtype} of shape "
+                             f"{tuple(seqlens.shape)}")
+        if block_table is None:
+            if k_cache.shape[0] != self.batch:
+                raise ValueError(f"a contiguous cache holds one row per sequence: [{self.batch}, L, ...], got "
+                                 f"{tuple(k_cache.shape)} (pass block_table for a paged cache)")
+            page = 0
+        else:
+            check_tensor(block_table, "block_table")
+            if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != self.batch:
+                raise ValueError(f"block_table must be int32 of shape ({self.batch}, max_blocks), got "
+                                 f"{block_table.dtype} of shape {tuple(block_table.shape)}")
+            page = k_cache.shape[1]
+            if page == 0:
+                raise ValueError("a paged cache needs blocks of at least one position, got block_size 0")
+        check_positions(seqlens, _capacity(k_cache, block_table), block_table, k_cache.shape[0], page)
+        return page, k_cache.shape[1] * self.kv_heads * self.head_dim
+
+    def free(self) -> None:
+        if self.workspace is not None:
+            self.workspace.free()
+
+
+def check_sizes(batch, q_heads, kv_heads, head_dim, dtype) -> None:
+    """What a FlashDecode for these sizes needs, checked before anything is allocated."""
+    if dtype not in DTYPES:
+        raise ValueError(f"flash_decode takes {' or '.join(map(str, DTYPES))}; got {dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"flash_decode takes head dims {' or '.join(map(str, HEAD_DIMS))}; got {head_dim}")
+    for name, value in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"flash_decode needs a positive int {name}, got {value!r}")
+    if q_heads % kv_heads or q_heads // kv_heads > MAX_GROUP:
+        raise ValueError(f"flash_decode needs q_heads a multiple of kv_heads, at most {MAX_GROUP} query heads per KV "
+                         f"head; got {q_heads} query heads over {kv_heads} KV heads")
+
+
+def check_positions(seqlens: torch.Tensor, capacity: int, block_table: torch.Tensor | None, num_blocks: int,
+                    page: int) -> None:
+    """seqlens within [0, capacity] and the block-table entries they use within [0, num_blocks), where
+    reading them costs no device synchronisation (CPU tensors) or TRIDIST_DEBUG=1 allows one (not
+    while a CUDA graph is captured, which a synchronisation would end)."""
+    if seqlens.is_cuda and not (settings.debug() and not torch.cuda.is_current_stream_capturing()):
+        return
+    lengths = seqlens.cpu()
+    bad = ((lengths < 0) | (lengths > capacity)).nonzero()
+    if len(bad):
+        b = int(bad[0, 0])
+        raise ValueError(f"seqlens[{b}] = {int(lengths[b])}: this rank's cache holds 0 to {capacity} positions of "
+                         "each sequence")
+    if block_table is None:
+        return
+    entries = block_table.cpu()
+    used = torch.arange(entries.shape[1]) < ((lengths + page - 1) // page)[:, None]
+    bad = (used & ((entries < 0) | (entries >= num_blocks))).nonzero()
+    if len(bad):
+        b, j = (int(i) for i in bad[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(entries[b, j])} is outside the cache's {num_blocks} blocks "
+                         f"(sequence {b} holds {int(lengths[b])} positions here, so it uses its first "
+                         f"{-(-int(lengths[b]) // page)} entries)")
+
+
+def _capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """Positions of a sequence the cache can hold: L, or max_blocks * block_size."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+
+
+def _scale(sm_scale, head_dim: int) -> float:
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite Python number (or None for 1/sqrt(D)), got {sm_scale!r}")
+    return float(sm_scale)
+
+
+def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+                 block_table: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+    """Decode attention of q ([B, Hq, D], the same on every rank) over a KV cache split by position
+    across the ranks: every rank returns out [B, Hq, D], the attention over every rank's positions,
+    the same bits on every rank. A collective. Arguments, limits and errors: `FlashDecode.__call__`;
+    keeps one `FlashDecode` per shape, dtype and stream."""
+    check_input(q, "q", DTYPES)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    check_tensor(k_cache, "k_cache")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [B, L, Hkv, D] or [num_blocks, block_size, Hkv, D], got shape "
+                         f"{tuple(k_cache.shape)}")
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    check_sizes(batch, q_heads, kv_heads, head_dim, q.dtype)
+    op = _protocol.instance(lambda: FlashDecode(batch, q_heads, kv_heads, head_dim, q.dtype), FlashDecode, batch,
+                            q_heads, kv_heads, head_dim, q.dtype, device=q.device)
+    return op(q, k_cache, v_cache, seqlens, block_table, sm_scale)
