@@ -122,8 +122,9 @@ class FlashDecode:
 
         Args:
             q: [B, Hq, D], the same on every rank.
-            k_cache, v_cache: this rank's slice, contiguous [B, L, Hkv, D] (block_table None) or
-                paged [num_blocks, block_size, Hkv, D] (vLLM's layout), q's dtype.
+            k_cache: this rank's slice of the keys, contiguous [B, L, Hkv, D] (block_table None)
+                or paged [num_blocks, block_size, Hkv, D] (vLLM's layout), q's dtype.
+            v_cache: this rank's slice of the values, laid out as k_cache.
             seqlens: int32 [B], the positions of each sequence this rank holds (0 allowed): the
                 first seqlens[b] rows of sequence b (contiguous), or of its blocks block_table[b, :].
             block_table: int32 [B, max_blocks], block ids of each sequence's positions in order.
@@ -233,6 +234,7 @@ class FlashDecode:
         return page, k_cache.shape[1] * self.kv_heads * self.head_dim
 
     def free(self) -> None:
+        """Give the exchange's symmetric buffers back (on every rank, in the same order)."""
         if self.workspace is not None:
             self.workspace.free()
 
