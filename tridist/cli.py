@@ -1,4 +1,4 @@
-"""The `tridist` command: `run`, `info` and `bench`."""
+"""The `tridist` command: `run`, `info`, `bench` and `stress`."""
 import argparse
 import sys
 
@@ -26,6 +26,12 @@ def main(argv=None) -> int:
 
     commands.add_parser("bench", help="benchmarks (see `tridist bench -h`)")  # listed here, parsed above
 
+    from . import stress
+
+    stress.add_arguments(commands.add_parser(
+        "stress", help="a seeded random sequence of calls of every op, every result checked, hangs caught",
+        description=stress.__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter))
+
     args = parser.parse_args(argv)
     if args.command == "run":
         if not args.script:
@@ -33,6 +39,8 @@ def main(argv=None) -> int:
         from .runtime.launcher import run as launch
 
         return launch(args.nproc, args.script, nnodes=args.nnodes, backend=args.backend)
+    if args.command == "stress":
+        return stress.main(args)
     from .runtime.info import report
 
     print(report())

@@ -38,11 +38,16 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def file_name(name: str, env: dict, ranks: int | None = None) -> str:
+    """`<name>-<device>x<ranks>-<date>.json` for results measured in `env` (`environment()`)."""
+    device = env.get("device", "cpu").replace(" ", "-").lower()
+    return f"{name}-{device}x{ranks or env.get('ranks', 1)}-{env['date']}.json"
+
+
 def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) -> str:
     env = environment()
     os.makedirs(folder, exist_ok=True)
-    device = env.get("device", "cpu").replace(" ", "-").lower()
-    path = os.path.join(folder, f"{name}-{device}x{env.get('ranks', 1)}-{env['date']}.json")
+    path = os.path.join(folder, file_name(name, env))
     with open(path, "w") as f:
         json.dump({"benchmark": name, **env, **(extra or {}), "rows": rows}, f, indent=1)
     return path
