@@ -89,7 +89,7 @@ class Limits:
 
 
 GPU_LIMITS = Limits(nbytes=8 << 20, rows=2048, k=4096, n=2048)
-EMULATOR_LIMITS = Limits(nbytes=4 << 10, rows=48, k=64, n=48)
+EMULATOR_LIMITS = Limits(nbytes=4 << 10, rows=32, k=48, n=32)
 
 
 def limits_for(world) -> Limits:

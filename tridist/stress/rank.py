@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
@@ -47,7 +48,7 @@ class Watchdog(threading.Thread):
     def __init__(self, seconds: float, on_hang):
         super().__init__(daemon=True, name="tridist-stress-watchdog")
         self.seconds, self.on_hang = seconds, on_hang
-        self._what, self._deadline = None, None
+        self._what, self._deadline, self._closed = None, None, False
         self._changed = threading.Condition()
 
     def watch(self, what: str) -> None:
@@ -59,9 +60,14 @@ class Watchdog(threading.Thread):
         with self._changed:
             self._what, self._deadline = None, None
 
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+
     def run(self) -> None:
         with self._changed:
-            while True:
+            while not self._closed:
                 left = None if self._deadline is None else self._deadline - time.monotonic()
                 if left is None or left > 0:
                     self._changed.wait(left)
@@ -246,21 +252,24 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
     dog = Watchdog(watchdog, lambda what: stop("hang", what, f"still running after {watchdog:g} s (--watchdog)",
                                                report["calls"], from_watchdog=True))
     dog.start()
-    for call in plan.calls:
-        if time_limit is not None and time.monotonic() - started > time_limit:
-            report["stop"] = {"kind": "time limit", "what": f"call {call.index}", "message": f"--time-limit {time_limit:g} s"}
-            break
-        what = f"call {call.index} {call.describe()}"
-        report["calls"] = call.index + 1  # calls started
-        dog.watch(what)
-        try:
-            runner.run(call)
-        except Stop as error:
-            stop(error.kind, what, str(error), call.index + 1)
-        dog.done()
-    dog.watch("the end of the run (a barrier, then freeing the instances the functions keep)")
-    runner.finish()
-    dog.done()
+    try:
+        for call in plan.calls:
+            if time_limit is not None and time.monotonic() - started > time_limit:
+                report["stop"] = {"kind": "time limit", "what": f"call {call.index}",
+                                  "message": f"--time-limit {time_limit:g} s"}
+                break
+            what = f"call {call.index} {call.describe()}"
+            report["calls"] = call.index + 1  # calls started
+            dog.watch(what)
+            try:
+                runner.run(call)
+            except Stop as error:
+                stop(error.kind, what, str(error), call.index + 1)
+            dog.done()
+        dog.watch("the end of the run (a barrier, then freeing the instances the functions keep)")
+        runner.finish()
+    finally:
+        dog.close()
     report["loop_s"] = time.monotonic() - started
     _write(reports, world.rank, report)
     return report
@@ -287,6 +296,9 @@ def _write(folder: str | None, rank: int, report: dict) -> None:
 
 
 def main(argv=None) -> int:
+    # The emulator computes masked-off lanes too (e.g. the rows of a GEMM tile past a shard, read
+    # from staging that holds old data): numpy's warnings about their values say nothing of the results.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
     parser = argparse.ArgumentParser(prog="python -m tridist.stress.rank",
                                      description="one rank of `tridist stress` (start it with that command)")
     from . import add_run_arguments
