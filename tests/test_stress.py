@@ -104,3 +104,37 @@ def test_planted_wrong_and_hang_are_counted(tmp_path):
     assert elapsed < 90, f"the job took {elapsed:.0f} s to end after a hang"
     figures = json.loads(out.read_text())
     assert (figures["calls"], figures["wrong"], figures["hangs"], figures["seed"], figures["world"]) == (7, 1, 1, 0, 2)
+
+
+def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
+    """The command sums up the ranks' reports: wrong calls counted once whichever ranks saw them,
+    exit code 1 for wrong results, 0 for none; the JSON named as the benchmarks' results are."""
+    import argparse
+
+    from tridist import stress
+    from tridist.runtime import launcher
+
+    def fake_launch(reports):
+        def launch(nproc, script, **options):
+            folder = script[script.index("--reports") + 1]
+            for report in reports:
+                with open(f"{folder}/rank{report['rank']}.json", "w") as f:
+                    json.dump({"stop": None, "skipped": {}, **report}, f)
+            return 0
+        return launch
+
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    args = parser.parse_args(["-n", "2", "--calls", "5", "--out", str(tmp_path)])
+    wrong = {"call": 3, "line": "call 3 ...: element 0: expected 1, got 2"}
+    monkeypatch.setattr(launcher, "run", fake_launch([
+        {"rank": 0, "calls": 5, "wrong": [wrong], "environment": {"date": "2026-11-24"}, "loop_s": 1.0},
+        {"rank": 1, "calls": 5, "wrong": [wrong]}]))
+    assert stress.main(args) == stress.EXIT_WRONG
+    assert re.fullmatch(r"stress: 5 calls, 1 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
+    figures = json.loads((tmp_path / "stress-cpux2-2026-11-24.json").read_text())
+    assert (figures["calls"], figures["wrong"], figures["hangs"], figures["world"]) == (5, 1, 0, 2)
+    assert len(figures["wrong_calls"]) == 2, "each rank's line is kept"
+    monkeypatch.setattr(launcher, "run", fake_launch([{"rank": r, "calls": 5, "wrong": []} for r in (0, 1)]))
+    assert stress.main(args) == 0
+    assert re.fullmatch(r"stress: 5 calls, 0 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])

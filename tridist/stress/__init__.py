@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Launch the ranks, then sum up their reports: print the summary line, write --out, exit."""
-    if args.calls < 0:
-        raise SystemExit("tridist stress: --calls must be 0 or more")
+    if args.calls < 0 or args.watchdog <= 0:
+        raise SystemExit("tridist stress: --calls must be 0 or more, and --watchdog above 0 seconds")
     from ..runtime.launcher import run as launch
 
     folder = tempfile.mkdtemp(prefix="tridist-stress-")

@@ -29,7 +29,6 @@ import torch
 
 FAMILIES = ("collectives", "gemm")  # modules of tridist.stress that register op cases; add new families here
 
-MODES = ("eager", "graph", "streams")
 FORMS = ("function", "class")
 
 
@@ -185,29 +184,33 @@ _ATTEMPTS = 1000  # draws per call before an op is declared impossible in this w
 
 
 def plan(seed: int, count: int, world, ops: list[str]) -> Plan:
-    """`count` calls drawn from `seed` for this world (the same on every rank). Half the calls take
-    the op and sizes of one of the last 8 calls of another mode or form, so that instances the
-    functions keep are called again, at later epochs and in the other slot."""
+    """`count` calls drawn from `seed` for this world (the same on every rank). A call picks a family,
+    then one of its ops (so that each family gets its share however many ops it has), or, half the
+    time, takes the op and sizes of one of the last 8 calls, so that the instances the functions
+    keep are called again, at later epochs and in the other slot. Modes: eager half the time (GPUs:
+    graph and streams a quarter each; the emulator: streams a quarter); 1 call (half the time), 2 or 3."""
     rng = random.Random(seed)
     cases = registry()
     limits = limits_for(world)
-    gpu = world.device.type == "cuda"
-    modes = MODES if gpu else ("eager", "streams")
+    modes = ("eager", "eager", "graph", "streams") if world.device.type == "cuda" else ("eager",) * 3 + ("streams",)
+    families = {}
+    for op in ops:
+        families.setdefault(cases[op].family, []).append(op)
     calls, skipped, recent = [], {}, []
     for index in range(count):
         for _ in range(_ATTEMPTS):
             if recent and rng.random() < 0.5:
                 fields = dict(rng.choice(recent))
             else:
-                op = rng.choice(ops)
+                op = rng.choice(families[rng.choice(list(families))])
                 try:
                     fields = {"op": op, **cases[op].draw(rng, world, limits)}
                 except Invalid as reason:
                     skipped[str(reason)] = skipped.get(str(reason), 0) + 1
                     continue
             mode = rng.choice(modes)
-            call = Call(index, **fields, form=rng.choice(cases[fields["op"]].forms), mode=mode,
-                        repeats=rng.randint(2 if mode == "graph" else 1, 3))
+            repeats = rng.choice((1, 1, 2, 3)) if mode != "graph" else rng.choice((2, 3))
+            call = Call(index, **fields, form=rng.choice(cases[fields["op"]].forms), mode=mode, repeats=repeats)
             break
         else:
             raise ValueError(f"stress: no valid call found in {_ATTEMPTS} draws among {', '.join(ops)} in this world "
