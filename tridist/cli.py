@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
     stress.add_arguments(commands.add_parser(
         "stress", help="a seeded random sequence of calls of every op, every result checked, hangs caught",
-        description=stress.__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter))
+        description=stress.description(), formatter_class=argparse.RawDescriptionHelpFormatter))
 
     args = parser.parse_args(argv)
     if args.command == "run":

@@ -47,6 +47,11 @@ EXIT_HANG = 3
 EXIT_STOPPED = 4  # a call failed on some rank
 
 
+def description() -> str:
+    """`tridist stress --help`'s text: this docstring but its title and usage (argparse prints its own)."""
+    return __doc__.split("\n\n", 2)[2]
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every rank reads (`rank.main`)."""
     parser.add_argument("--calls", type=int, default=1000, help="calls to make (default 1000)")
@@ -69,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["nvshmem", "emulator"], default=None,
                         help="default: nvshmem where CUDA GPUs are present, emulator elsewhere")
     parser.add_argument("--ranks-per-gpu", type=int, default=None, help="ranks sharing each GPU (see tridist run)")
-    parser.add_argument("--start-mps", action="store_true", help="start a CUDA MPS daemon for the job (see tridist run)")
+    parser.add_argument("--start-mps", action="store_true",
+                        help="start a CUDA MPS daemon for the job (see tridist run)")
     parser.add_argument("--out", default=None,
                         help="write the figures as JSON: a .json file, or a folder (e.g. benchmarks/results)")
     add_run_arguments(parser)

@@ -106,7 +106,20 @@ def round_up(value: int, multiple: int) -> int:
 
 class OpCases:
     """How a stress run calls one op. Subclasses set `name` (the op's), `family` (its module in
-    tridist.ops) and `forms` (those it has), and implement `draw` and `trial`."""
+    tridist.ops) and `forms` (those it has), and implement `draw` and `trial`. A family's module,
+    e.g. `tridist/stress/moe.py` (with "moe" added to FAMILIES):
+
+        class DispatchCases(OpCases):
+            name, family = "moe_dispatch", "moe"
+
+            def draw(self, rng, world, limits):  # raise Invalid("...") for what this world cannot run
+                return dict(method=rng.choice(METHODS), dtype=torch.bfloat16, shape=(tokens, hidden))
+
+            def trial(self, call, world):
+                return DispatchTrial(call, world)  # a `Trial`: buffers, fill, build, call, free
+
+        register(DispatchCases())
+    """
 
     name: str
     family: str

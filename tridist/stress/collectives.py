@@ -35,7 +35,8 @@ class _Everyone:
     """Every rank's input of one call, made from its seed on this rank's device."""
 
     def __init__(self, world, seed: int, shape, dtype: torch.dtype):
-        self.inputs = [random_tensor(shape, dtype, seed_of(seed, rank), world.device) for rank in range(world.world_size)]
+        self.inputs = [random_tensor(shape, dtype, seed_of(seed, rank), world.device)
+                       for rank in range(world.world_size)]
         self.mine = self.inputs[world.rank]
 
 

@@ -116,9 +116,8 @@ class GemmTrial(Trial):
         b = random_tensor(tuple(self.b_storage.shape), self.spec.dtype, seed_of(seed, rank, 1), device)
         if not self.fp8:
             return a, b, 1.0, 1.0
-        rng = random.Random(seed_of(seed, rank, 2))
-        scale_a = random.Random(seed_of(seed, 2)).uniform(0.25, 2) if self.spec.op == "ag_gemm" else rng.uniform(0.25, 2)
-        return a, b, scale_a, rng.uniform(0.25, 2)
+        scale_a = random.Random(seed_of(seed, rank if self.spec.op != "ag_gemm" else -1, 2)).uniform(0.25, 2)
+        return a, b, scale_a, random.Random(seed_of(seed, rank, 3)).uniform(0.25, 2)
 
     def _product(self, operands) -> torch.Tensor:
         a, b, scale_a, scale_b = operands
