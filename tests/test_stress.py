@@ -13,7 +13,11 @@ from tridist.stress import EXIT_HANG, cases, rank
 from .harness import backend
 from .test_launcher import gpus, tridist_cli
 
-CALLS = 100  # per world: every op, mode and form comes up, in CI's time
+# Per world. In the emulator every op, mode and form comes up in CI's time. On GPUs, where each new
+# kernel variant takes seconds to compile, seed 1's first 8 calls (at 2 ranks) cover the graph and
+# stream modes, both forms and both families; `tridist stress` itself makes the long GPU runs.
+CALLS = 100 if backend() == "emulator" else 8
+SEED = 1
 
 
 def _stress(w, calls, seed):
@@ -25,10 +29,13 @@ def _stress(w, calls, seed):
 
 @pytest.mark.worlds("2", "3")
 def test_stress_run(world):
-    drawn = world.run(_stress, calls=CALLS, seed=world.size)[0]
-    assert {op for op, _, _ in drawn} == set(cases.registry())
+    drawn = world.run(_stress, calls=CALLS, seed=SEED)[0]
     assert {form for _, form, _ in drawn} == set(cases.FORMS)
-    assert {mode for _, _, mode in drawn} >= {"eager", "streams"}
+    if world.backend == "emulator":
+        assert {op for op, _, _ in drawn} == set(cases.registry())
+        assert {mode for _, _, mode in drawn} == {"eager", "streams"}
+    elif world.size == 2:
+        assert {mode for _, _, mode in drawn} == {"eager", "graph", "streams"}
 
 
 def _world(size, nnodes, device="cpu"):

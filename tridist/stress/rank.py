@@ -211,7 +211,7 @@ def _join(stream) -> None:
 def _cuda_failure(error: BaseException) -> bool:
     """A kernel that failed on the GPU (with TRIDIST_DEBUG=1, what an expired wait's trap gives)."""
     while error is not None:
-        if isinstance(error, torch.AcceleratorError) or "CUDA error" in str(error):
+        if isinstance(error, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(error):
             return True
         error = error.__cause__
     return False
