@@ -146,3 +146,9 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launcher, "run", fake_launch([{"rank": r, "calls": 5, "wrong": []} for r in (0, 1)]))
     assert stress.main(args) == 0
     assert re.fullmatch(r"stress: 5 calls, 0 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
+    failed = {"kind": "failed", "what": "call 2 ...", "message": "ValueError: ..."}
+    monkeypatch.setattr(launcher, "run", fake_launch([
+        {"rank": 0, "calls": 3, "wrong": [{"call": 2, "line": "call 2 ... failed: ValueError: ..."}], "stop": failed},
+        {"rank": 1, "calls": 3, "wrong": []}]))
+    assert stress.main(args) == stress.EXIT_STOPPED, "a call that raised ends the run, counted wrong"
+    assert re.fullmatch(r"stress: 3 calls, 1 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])

@@ -44,7 +44,7 @@ import time
 
 EXIT_WRONG = 1
 EXIT_HANG = 3
-EXIT_STOPPED = 4  # a call failed on some rank
+EXIT_STOPPED = 4  # a call raised on some rank (it is counted wrong too)
 
 
 def description() -> str:
@@ -117,9 +117,11 @@ def main(args: argparse.Namespace) -> int:
           flush=True)
     if figures["hangs"]:
         return EXIT_HANG
+    if any(stop["kind"] == "failed" for stop in figures["stops"]):
+        return EXIT_STOPPED
     if figures["wrong"]:
         return EXIT_WRONG
-    return code if code else 0
+    return code
 
 
 def _read_reports(folder: str) -> list[dict]:
