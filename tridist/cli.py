@@ -1,4 +1,4 @@
-"""The `tridist` command: `run`, `info` and `bench`."""
+"""The `tridist` command: `run`, `info`, `bench` and `stress`."""
 import argparse
 import sys
 
@@ -37,6 +37,12 @@ def main(argv=None) -> int:
 
     commands.add_parser("bench", help="benchmarks (see `tridist bench -h`)")  # listed here, parsed above
 
+    from . import stress
+
+    stress.add_arguments(commands.add_parser(
+        "stress", help="a seeded random sequence of calls of every op, every result checked, hangs caught",
+        description=stress.description(), formatter_class=argparse.RawDescriptionHelpFormatter))
+
     args = parser.parse_args(argv)
     if args.command == "run":
         if not args.script:
@@ -45,6 +51,8 @@ def main(argv=None) -> int:
 
         return launch(args.nproc, args.script, nnodes=args.nnodes, backend=args.backend,
                       ranks_per_gpu=args.ranks_per_gpu, start_mps=args.start_mps, prefix=not args.no_prefix)
+    if args.command == "stress":
+        return stress.main(args)
     from .runtime.info import report
 
     print(report())

@@ -40,15 +40,21 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def file_name(name: str, env: dict, ranks: int | None = None) -> str:
+    """`<name>-<device>x<ranks>-<date>.json` for results measured in `env` (`environment()`), with
+    `-shared<K>` before the date where K ranks share each GPU (`shared_gpu.fields`)."""
+    device = env.get("device", "cpu").replace(" ", "-").lower()
+    sharing = shared_gpu.fields()
+    shared = f"-shared{sharing['ranks_per_gpu']}" if sharing else ""
+    return f"{name}-{device}x{ranks or env.get('ranks', 1)}{shared}-{env['date']}.json"
+
+
 def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) -> str:
     """Writes the JSON; where ranks share a GPU it records so (`shared_gpu.fields`) and its name says
     "shared", so that it never replaces a result measured on GPUs of their own."""
     env = environment()
     os.makedirs(folder, exist_ok=True)
-    device = env.get("device", "cpu").replace(" ", "-").lower()
-    sharing = shared_gpu.fields()
-    shared = f"-shared{sharing['ranks_per_gpu']}" if sharing else ""
-    path = os.path.join(folder, f"{name}-{device}x{env.get('ranks', 1)}{shared}-{env['date']}.json")
+    path = os.path.join(folder, file_name(name, env))
     with open(path, "w") as f:
         json.dump({"benchmark": name, **env, **sharing, **(extra or {}), "rows": rows}, f, indent=1)
     return path

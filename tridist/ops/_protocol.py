@@ -194,6 +194,18 @@ def instance(build, *key, device: torch.device):
     return _instances[key]
 
 
+def free_instances() -> int:
+    """Free every op instance that the functions of `tridist.ops` keep (`instance`), so that a
+    program moving on to other shapes gets its symmetric heap back; the next call of a function
+    builds a new one. A collective: every rank calls it at the same point, once no call of those
+    instances is in flight on any rank (after `tridist.barrier_all()`). Returns how many it freed."""
+    freed = len(_instances)
+    for op in _instances.values():  # in the order they were built: the same on every rank
+        op.free()
+    _instances.clear()
+    return freed
+
+
 def method_error(op: str, method: str, methods) -> ValueError:
     return ValueError(f"{op}: unknown method {method!r}; choose one of {', '.join(methods)}")
 

@@ -1,0 +1,154 @@
+"""`tridist stress`: its plan, its checks, a short run in the emulator's worlds, and a planted wrong
+result and a planted hang counted as such by the command, which ends promptly."""
+import json
+import re
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tridist.stress import EXIT_HANG, cases, rank
+
+from .harness import backend
+from .test_launcher import gpus, tridist_cli
+
+# Calls per world. In the emulator every op, mode and form comes up in CI's time (3 ranks cost twice
+# what 2 do on two cores). On GPUs, where each new kernel variant takes seconds to compile, seed 1's
+# first 8 calls at 2 ranks cover the graph and stream modes, both forms and both families; the long
+# GPU runs are `tridist stress`'s own.
+CALLS = {"2": 100, "3": 60} if backend() == "emulator" else {"2": 8, "3": 8}
+SEED = 1
+
+
+def _stress(w, calls, seed):
+    report = rank.run(w, calls, seed)
+    assert report["calls"] == calls and not report["wrong"], report["wrong"]
+    plan = cases.plan(seed, calls, w, cases.select(None))
+    return sorted({(c.op, c.form, c.mode) for c in plan.calls})
+
+
+@pytest.mark.worlds("2", "3")
+def test_stress_run(world):
+    drawn = world.run(_stress, calls=CALLS[world.name], seed=SEED)[0]
+    assert {form for _, form, _ in drawn} == set(cases.FORMS)
+    if world.backend == "emulator":
+        assert {op for op, _, _ in drawn} == set(cases.registry())
+        assert {mode for _, _, mode in drawn} == {"eager", "streams"}
+    elif world.size == 2:
+        assert {mode for _, _, mode in drawn} == {"eager", "graph", "streams"}
+
+
+def _world(size, nnodes, device="cpu"):
+    return SimpleNamespace(world_size=size, nnodes=nnodes, rank=0, device=torch.device(device))
+
+
+def test_plan_is_the_seed_s_and_valid_for_the_world():
+    """The same calls from the same seed; across nodes no one-node method is drawn, and the draws
+    refused are listed with their reason; LL only for whole 4-byte words."""
+    ops = cases.select(None)
+    first, again = cases.plan(3, 300, _world(4, 2), ops), cases.plan(3, 300, _world(4, 2), ops)
+    assert first.calls == again.calls and first.skipped == again.skipped
+    assert any("one node only" in reason for reason in first.skipped), first.skipped
+    for call in first.calls:
+        assert call.method not in ("pull", "ll", "ce"), call.describe()
+        assert call.mode != "graph", "CUDA graphs need GPUs"
+    one_node = cases.plan(3, 300, _world(2, 1), ops).calls
+    ll = [c for c in one_node if c.method == "ll" and c.op != "gemm_ar"]
+    assert ll and all(c.shape[0] * c.dtype.itemsize % 4 == 0 for c in ll)
+    assert cases.select("gemm,all_reduce") == ["matmul", "ag_gemm", "gemm_rs", "gemm_ar", "all_reduce"]
+    with pytest.raises(ValueError, match="unknown op or family 'alltoall'"):
+        cases.select("alltoall")
+
+
+def test_mismatch_names_the_first_wrong_element():
+    reference = torch.arange(8, dtype=torch.int16)
+    assert cases.mismatch(reference.clone(), cases.Expected(reference)) is None
+    poisoned = torch.empty_like(reference)
+    cases.poison(poisoned, cases.Expected(reference))
+    assert (poisoned != reference).all()
+    wrong = reference.clone()
+    wrong[5] = 7
+    where = cases.Expected(reference, where=lambda i: f"rank {i // 4}'s element {i % 4}")
+    assert cases.mismatch(wrong, where) == \
+        "element 5 (rank 1's element 1): expected 5 (0x0005), got 7 (0x0007); 1 of 8 elements differ"
+    inputs = [torch.full((3,), 1.0, dtype=torch.bfloat16), torch.full((3,), 2.0, dtype=torch.bfloat16)]
+    total = sum(x.double() for x in inputs)
+    summed = cases.Expected(total, cases.sum_tolerance(inputs, total, torch.bfloat16))
+    assert cases.mismatch(torch.tensor([3.0, 3.01, float("nan")], dtype=torch.bfloat16), summed).startswith(
+        "element 2: expected 3 +- 0.023, got nan; 1 of 3 elements off")
+
+
+def test_watchdog_fires_only_past_its_time():
+    fired = []
+    dog = rank.Watchdog(0.2, fired.append)
+    dog.start()
+    dog.watch("quick call")
+    dog.done()
+    dog.watch("slow call")
+    time.sleep(0.5)
+    dog.done()
+    dog.close()
+    dog.join(timeout=5)
+    assert fired == ["slow call"] and not dog.is_alive()
+
+
+def test_planted_wrong_and_hang_are_counted(tmp_path):
+    """A wrong result planted at call 2 on rank 1 is counted and the run goes on; rank 1 then never
+    joins call 6, so rank 0's bounded wait expires there (the watchdog on GPUs without
+    TRIDIST_DEBUG): one hang, the job ends at once with EXIT_HANG and one summary line."""
+    if backend() == "nvshmem" and gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "stress.json"
+    result, elapsed = tridist_cli("stress", "-n", "2", "--calls", "12", "--ops", "collectives", "--watchdog", "20",
+                                  "--plant-wrong", "2", "--plant-hang", "6", "--out", str(out),
+                                  env={"TRIDIST_WAIT_TIMEOUT": "3"})
+    lines = result.stdout.splitlines()
+    assert result.returncode == EXIT_HANG, result.stdout + result.stderr
+    assert re.fullmatch(r"stress: 7 calls, 1 wrong, 1 hangs, [0-9.]+ s", lines[-1]), lines[-1]
+    assert sum(line.startswith("stress:") for line in lines) == 1
+    assert any(re.match(r"\[rank 1\] call 2 .*: element 0.*: expected .*, got ", line) for line in lines), result.stdout
+    assert any(re.match(r"\[rank \d\] call 6 .* hung: ", line) for line in lines), result.stdout
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to end after a hang"
+    figures = json.loads(out.read_text())
+    assert (figures["calls"], figures["wrong"], figures["hangs"], figures["seed"], figures["world"]) == (7, 1, 1, 0, 2)
+
+
+def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
+    """The command sums up the ranks' reports: wrong calls counted once whichever ranks saw them,
+    exit code 1 for wrong results, 0 for none; the JSON named as the benchmarks' results are."""
+    import argparse
+
+    from tridist import stress
+    from tridist.runtime import launcher
+
+    def fake_launch(reports):
+        def launch(nproc, script, **options):
+            folder = script[script.index("--reports") + 1]
+            for report in reports:
+                with open(f"{folder}/rank{report['rank']}.json", "w") as f:
+                    json.dump({"stop": None, "skipped": {}, **report}, f)
+            return 0
+        return launch
+
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    args = parser.parse_args(["-n", "2", "--calls", "5", "--out", str(tmp_path)])
+    wrong = {"call": 3, "line": "call 3 ...: element 0: expected 1, got 2"}
+    monkeypatch.setattr(launcher, "run", fake_launch([
+        {"rank": 0, "calls": 5, "wrong": [wrong], "environment": {"date": "2026-11-24"}, "loop_s": 1.0},
+        {"rank": 1, "calls": 5, "wrong": [wrong]}]))
+    assert stress.main(args) == stress.EXIT_WRONG
+    assert re.fullmatch(r"stress: 5 calls, 1 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
+    figures = json.loads((tmp_path / "stress-cpux2-2026-11-24.json").read_text())
+    assert (figures["calls"], figures["wrong"], figures["hangs"], figures["world"]) == (5, 1, 0, 2)
+    assert len(figures["wrong_calls"]) == 2, "each rank's line is kept"
+    monkeypatch.setattr(launcher, "run", fake_launch([{"rank": r, "calls": 5, "wrong": []} for r in (0, 1)]))
+    assert stress.main(args) == 0
+    assert re.fullmatch(r"stress: 5 calls, 0 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
+    failed = {"kind": "failed", "what": "call 2 ...", "message": "ValueError: ..."}
+    monkeypatch.setattr(launcher, "run", fake_launch([
+        {"rank": 0, "calls": 3, "wrong": [{"call": 2, "line": "call 2 ... failed: ValueError: ..."}], "stop": failed},
+        {"rank": 1, "calls": 3, "wrong": []}]))
+    assert stress.main(args) == stress.EXIT_STOPPED, "a call that raised ends the run, counted wrong"
+    assert re.fullmatch(r"stress: 3 calls, 1 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
