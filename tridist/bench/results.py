@@ -56,7 +56,7 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, file_name(name, env))
     with open(path, "w") as f:
-        json.dump({"benchmark": name, **env, **sharing, **(extra or {}), "rows": rows}, f, indent=1)
+        json.dump({"benchmark": name, **env, **shared_gpu.fields(), **(extra or {}), "rows": rows}, f, indent=1)
     return path
 
 
