@@ -25,6 +25,7 @@ from tridist.bench import primitives  # noqa: E402
 from tridist.ops import _protocol, sync  # noqa: E402
 from tridist.ops.collectives import allgather, allreduce  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
+from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
@@ -81,6 +82,29 @@ def _gemm_cases():
     return cases
 
 
+def _grouped_cases():
+    """The grouped GEMM at every config it ships, for bf16 and for fp8 (w's descriptor over its
+    transpose per expert, scales)."""
+    cases = []
+    for dtype in (torch.bfloat16, gemm.FP8):
+        fp8 = dtype == gemm.FP8
+        element = "fp8e4nv" if fp8 else "bf16"
+        for config in grouped.configs(CUDA, dtype):
+            config = dict(config)
+            options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+            w_block = (config["BLOCK_N"], config["BLOCK_K"]) if fp8 else (config["BLOCK_K"], config["BLOCK_N"])
+            signature = {"x_desc": f"tensordesc<{element}[{config['BLOCK_M']}, {config['BLOCK_K']}]>",
+                         "w_desc": f"tensordesc<{element}[1, {w_block[0]}, {w_block[1]}]>",
+                         "scale_a_ptr": "*fp32" if fp8 else "constexpr", "scale_b_ptr": "*fp32" if fp8 else "constexpr",
+                         "out_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32", "E": "i32", "N": "i32", "K": "i32",
+                         "E_PAD": "constexpr", **{name: "constexpr" for name in config}}
+            constexprs = {"E_PAD": 256 if fp8 else 32, **config}
+            if not fp8:
+                constexprs.update(scale_a_ptr=None, scale_b_ptr=None)
+            cases.append((grouped.grouped_gemm_kernel, signature, constexprs, options))
+    return cases
+
+
 _ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
 
 
@@ -100,6 +124,7 @@ def cases():
     CE = _protocol.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
     return [
         *_gemm_cases(),
+        *_grouped_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
@@ -242,10 +267,19 @@ SHARED_MEMORY_LIMIT = 227 << 10  # bytes a block may use on sm_90 (H100, H200)
 
 def unpipelined(signature, constexprs, options, compiled) -> bool:
     """A GEMM compiled with FLATTEN whose operands do not get a shared-memory buffer per stage: its
-    loop was not fused and pipelined (a gpu.barrier in the loop was enough to stop it, 2026-11-23)."""
+    loop was not fused and pipelined (a gpu.barrier in the loop was enough to stop it, 2026-11-23);
+    or a GEMM (a case giving num_stages) whose operand loads were not pipelined: a pipelined loop
+    loads each of its two operands in num_stages places (num_stages - 1 in the prologue), where a
+    fused loop that Triton could not pipeline keeps one load and waits for it at once (a wait
+    inside the tile loop on a pointer that the loads then used did that, 2026-11-25)."""
+    if "num_stages" in options:
+        ir = compiled.asm["ttgir"]
+        sites = ir.count("ttng.async_tma_copy_global_to_local") + ir.count("ttg.async_copy_global_to_local")
+        if sites < 2 * options["num_stages"]:
+            return True
     if not constexprs.get("FLATTEN"):  # (the GEMM cases always give their num_stages)
         return False
-    itemsize = 1 if "fp8" in signature["a_desc"] else 2
+    itemsize = 1 if "fp8" in next(t for t in signature.values() if t.startswith("tensordesc")) else 2
     stage_bytes = itemsize * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
     return compiled.metadata.shared < options["num_stages"] * stage_bytes
 
