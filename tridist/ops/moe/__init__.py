@@ -1,0 +1,6 @@
+"""Mixture of experts. Tensor parallel: `ag_moe` (all-gather + grouped GEMM) and `moe_rs` (grouped
+GEMM + top-k sum + reduce-scatter), with the routing they share in `tp_routing`."""
+from .ag_moe import AllGatherMoE, ag_moe
+from .tp_routing import MoEHandle
+
+__all__ = ["AllGatherMoE", "ag_moe", "MoEHandle"]
