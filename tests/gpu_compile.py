@@ -27,6 +27,7 @@ from tridist.ops.collectives import allgather, allreduce  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
+from tridist.ops.moe import allgather_moe, moe_reduce, tp_routing  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402
@@ -105,6 +106,46 @@ def _grouped_cases():
     return cases
 
 
+def _moe_cases():
+    """The tensor-parallel MoE kernels: the routing, ag_moe's GEMM (at every grouped GEMM config,
+    with the copy-engine flags, and at the first with the epoch flags of comm="sm"), moe_rs's GEMM
+    (every config) and its two combines."""
+    cases = [(tp_routing.route_kernel, {"idx_ptr": "*i64", "exchange_ptr": "*i32", "flags_ptr": "*i64",
+                                        "calls_ptr": "*i64", "layout_ptr": "*i32", "pairs": "i32", "E": "i32",
+                                        "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
+                                        "E_PAD": "constexpr", "BLOCK_P": "constexpr"},
+              {"E_PAD": e_pad, "BLOCK_P": tp_routing.SORT_IDS // e_pad}, {"num_warps": 8}) for e_pad in (8, 256)]
+    for index, config in enumerate(grouped.configs(CUDA, torch.bfloat16)):
+        config = dict(config)
+        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+        blocks = {name: "constexpr" for name in config}
+        w_desc = f"tensordesc<bf16[1, {config['BLOCK_K']}, {config['BLOCK_N']}]>"
+        for flags, per_shard, epochs in (("*i32", 1, False), ("*i64", 4, True))[:2 if index == 0 else 1]:
+            cases.append((allgather_moe.ag_moe_kernel,
+                          {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16",
+                           "pair_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32", "flags_ptr": flags,
+                           "calls_ptr": "*i64", "tokens": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
+                           "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
+                           "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", **blocks},
+                          {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
+                           **config}, options))
+        cases.append((moe_reduce.moe_rs_gemm_kernel,
+                      {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
+                       "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
+                       "calls_ptr": "*i64", "N": "i32", "K": "i32", "W_PAD": "constexpr", "E_PAD": "constexpr",
+                       **blocks}, {"W_PAD": 8, "E_PAD": 256, **config}, options))
+    combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
+    combine.update(row_of_pair_ptr="*i32", counts_ptr="*i32", weights_ptr="*fp32", exchange_ptr="*fp32",
+                   flags_ptr="*i64", done_ptr="*i64", calls_ptr="*i64")
+    combine.update({name: "i32" for name in ("tokens", "K", "topk", "weights_row", "slot_numel", "local_world_size",
+                                             "chunks", "gemm_tiles_n")})
+    combine.update({name: "constexpr" for name in ("GEMM_BLOCK_M", "OWN", "W_PAD", "E_PAD", "CHUNK", "BLOCK_C")})
+    cases += [(moe_reduce.moe_combine_kernel, dict(combine),
+               {"GEMM_BLOCK_M": 128, "OWN": own, "W_PAD": 8, "E_PAD": 32, "CHUNK": moe_reduce.CHUNK["cuda"],
+                "BLOCK_C": moe_reduce.BLOCK_C["cuda"]}) for own in (False, True)]
+    return cases
+
+
 _ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
 
 
@@ -125,6 +166,7 @@ def cases():
     return [
         *_gemm_cases(),
         *_grouped_cases(),
+        *_moe_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
@@ -287,7 +329,8 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
 # TRIDIST_DEBUG=1 changes only how waits compile (bounded, with a trap): one kernel per kind of wait.
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
                 "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
-                "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel"}
+                "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel", "route_kernel", "ag_moe_kernel",
+                "moe_combine_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

@@ -44,10 +44,14 @@ def gathered_product(a_rows, row_mask, w_desc, expert, col, K, BLOCK_M: tl.const
     """A @ w[expert][:, col:col+BLOCK_N] in fp32, row i of A at a_rows[i] (K elements; rows outside
     `row_mask` read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Made 2-D before the loop: broadcast inside it, Triton 3.6 did not pipeline these loads (the
+    # flattened tile loop then kept A in registers, 2026-11-25).
+    starts = a_rows[:, None]
+    rows = row_mask[:, None]
     columns = tl.arange(0, BLOCK_K)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
         inner = k * BLOCK_K + columns
-        a = tl.load(a_rows[:, None] + inner[None, :], mask=row_mask[:, None] & (inner < K)[None, :], other=0.0)
+        a = tl.load(starts + inner[None, :], mask=rows & (inner < K)[None, :], other=0.0)
         acc = dl.dot(a, grouped.expert_weights(w_desc, expert, k * BLOCK_K, col, BLOCK_N, BLOCK_K), acc)
     return acc
 

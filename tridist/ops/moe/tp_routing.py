@@ -38,7 +38,7 @@ from ..gemm import grouped, persistent
 
 # The stable counting sort compares BLOCK_P pairs with every expert at once: BLOCK_P * E_PAD ids.
 SORT_IDS = 8192
-PUSH_BLOCK = 1024  # int32 words a step of the exchange moves
+PUSH_BLOCK = tl.constexpr(1024)  # int32 words a step of the exchange moves
 
 
 @triton.jit
