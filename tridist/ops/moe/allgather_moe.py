@@ -169,8 +169,8 @@ class AllGatherMoE:
         self.gather = ShardGather(tokens, k, dtype, self.comm, comm_programs)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
-    def __call__(self, x_shard: torch.Tensor, topk_idx_shard: torch.Tensor,
-                 w_shard: torch.Tensor) -> tuple[torch.Tensor, MoEHandle]:
+    def __call__(self, x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEHandle]:
         _protocol.check_input(x_shard, "x_shard", (self.dtype,))
         if tuple(x_shard.shape) != (self.tokens, self.k):
             raise ValueError(f"this ag_moe takes x_shard {self.dtype} of shape {(self.tokens, self.k)}; got shape "
@@ -178,28 +178,30 @@ class AllGatherMoE:
         check_routing(topk_idx_shard, "topk_idx_shard", self.tokens, self.topk, torch.int64)
         check_weights(w_shard, "w_shard", self.experts, self.k, self.n, self.dtype)
         tp_routing.check_experts(topk_idx_shard, self.experts)
+        if out is None:
+            out = torch.empty((self.pairs, self.n), dtype=self.dtype, device=x_shard.device)
+        _protocol.check_output(out, (self.pairs, self.n), self.dtype)
         config = self.config
         self.gather.start(x_shard)
         handle = self.router(topk_idx_shard)
-        h = torch.empty((self.pairs, self.n), dtype=self.dtype, device=x_shard.device)
         w = self.world
         bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
             triton.cdiv(self.n, config["BLOCK_N"])
         ag_moe_kernel[(min(bound, self.gather.gemm_programs),)](
-            x_shard, self.gather.gathered, grouped.weight_descriptor(w_shard, config), h, handle.pair_of_row,
+            x_shard, self.gather.gathered, grouped.weight_descriptor(w_shard, config), out, handle.pair_of_row,
             handle.padded_counts, handle.padded_base, self.gather.flags, self.calls, self.tokens, self.n, self.k,
             self.gather.slot_rows, TOPK=self.topk, W_PAD=triton.next_power_of_2(w.world_size), E_PAD=handle.e_pad,
             FLAGS_PER_SHARD=self.gather.flags_per_shard, EPOCH_FLAGS=self.gather.epoch_flags, **config)
         self.gather.finish()
-        return h, handle
+        return out, handle
 
     def free(self) -> None:
         self.router.free()
         self.gather.free()
 
 
-def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor, comm: str = "auto",
-           config: dict | str | None = None) -> tuple[torch.Tensor, MoEHandle]:
+def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor, out: torch.Tensor | None = None,
+           comm: str = "auto", config: dict | str | None = None) -> tuple[torch.Tensor, MoEHandle]:
     """The up projection of a tensor-parallel MoE layer, the all-gather of the tokens overlapped with
     the grouped GEMM. A collective: every rank calls it with the same shapes.
 
@@ -209,6 +211,7 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
             launch in the emulator and with TRIDIST_DEBUG=1, which read them back; otherwise an id
             out of range is clamped into it).
         w_shard: E x K x N/world of x_shard's dtype: this rank's columns of every expert's weights.
+        out: h, or None for a new tensor.
         comm: "ce" (copy engines, one node), "sm" (any topology) or "auto" (ce on one node).
         config: a dict of `tridist.ops.gemm.grouped.configs`, None, or "tune".
 
@@ -231,4 +234,22 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
     op = _protocol.instance(lambda: AllGatherMoE(tokens, k, n, experts, topk, x_shard.dtype, comm, config=config),
                             AllGatherMoE, tokens, k, n, experts, topk, x_shard.dtype, comm, repr(config),
                             device=x_shard.device)
-    return op(x_shard, topk_idx_shard, w_shard)
+    return op(x_shard, topk_idx_shard, w_shard, out)
+
+
+@torch.library.custom_op("tridist::ag_moe", mutates_args=())
+def ag_moe_op(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor,
+              comm: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """`ag_moe` as a PyTorch custom op (`torch.ops.tridist.ag_moe`), for torch.compile: returns h and
+    the handle's `layout`, which `torch.ops.tridist.moe_rs` takes."""
+    h, handle = ag_moe(x_shard, topk_idx_shard, w_shard, comm=comm)
+    return h, handle.layout
+
+
+@ag_moe_op.register_fake
+def _ag_moe_shape(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor,
+                  comm: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    world_size = tridist.world().world_size
+    (tokens, topk), (experts, _, n) = topk_idx_shard.shape, w_shard.shape
+    return (x_shard.new_empty((world_size * tokens * topk, n)),
+            x_shard.new_empty((MoEHandle.numel(world_size, tokens, topk, experts),), dtype=torch.int32))

@@ -218,14 +218,14 @@ class MoEReduceScatter:
     def __call__(self, h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         w = self.world
+        allgather_moe.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk, torch.float32)
+        allgather_moe.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
+        check_handle(handle, w.world_size, self.tokens, self.topk, self.experts, w.device)
         _protocol.check_input(h, "h", (self.dtype,))
         if tuple(h.shape) != (self.pairs, self.n):
             raise ValueError(f"this moe_rs takes h {self.dtype} of shape {(self.pairs, self.n)} (a row per pair of "
                              f"every rank's tokens); got shape {tuple(h.shape)}: build another instance, or call "
                              "tridist.ops.moe_rs")
-        allgather_moe.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
-        allgather_moe.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk, torch.float32)
-        check_handle(handle, w.world_size, self.tokens, self.topk, self.experts, h.device)
         if out is None:
             out = torch.empty((self.tokens, self.k), dtype=self.dtype, device=h.device)
         _protocol.check_output(out, (self.tokens, self.k), self.dtype)
@@ -331,3 +331,19 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
     op = _protocol.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config),
                             MoEReduceScatter, tokens, n, k, experts, topk, h.dtype, repr(config), device=h.device)
     return op(h, w_shard, handle, topk_weights_shard, out)
+
+
+@torch.library.custom_op("tridist::moe_rs", mutates_args=())
+def moe_rs_op(h: torch.Tensor, w_shard: torch.Tensor, layout: torch.Tensor,
+              topk_weights_shard: torch.Tensor) -> torch.Tensor:
+    """`moe_rs` as a PyTorch custom op (`torch.ops.tridist.moe_rs`), for torch.compile: takes the
+    handle's `layout`, as `torch.ops.tridist.ag_moe` returns it."""
+    (tokens, topk), experts = topk_weights_shard.shape, w_shard.shape[0]
+    handle = MoEHandle(layout, tridist.world().world_size, tokens, topk, experts)
+    return moe_rs(h, w_shard, handle, topk_weights_shard)
+
+
+@moe_rs_op.register_fake
+def _moe_rs_shape(h: torch.Tensor, w_shard: torch.Tensor, layout: torch.Tensor,
+                  topk_weights_shard: torch.Tensor) -> torch.Tensor:
+    return h.new_empty((topk_weights_shard.shape[0], w_shard.shape[2]))
