@@ -9,6 +9,7 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives",
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
               "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused"}
+BENCHMARKS.update({"grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe"})
 SINGLE = ("primitives", "torch_fused")  # modules with one benchmark: their `main` takes no benchmark name
 DEFAULT_RANKS = 2
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
@@ -25,6 +26,8 @@ NAME:
                   the overlapped GEMMs against NCCL + cuBLAS one after the other, and against
                   PyTorch's fused ops where torch_fused saved their times today
   torch_fused     PyTorch's fused ag_gemm and gemm_rs, in a process that never starts tridist
+  grouped_gemm    the grouped GEMM against torch._grouped_mm (fp8: _scaled_grouped_mm) and a copy's bandwidth
+  ag_moe, moe_rs  the tensor-parallel MoE ops against the grouped GEMM alone and NCCL + torch._grouped_mm
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them
