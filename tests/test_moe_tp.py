@@ -49,7 +49,8 @@ class Layer:
         seed = 1000 * call
         self.x = [torch.randn(tokens, k, generator=_generator(seed + r)).to(dtype) for r in range(world_size)]
         self.idx = [_routing(kind, tokens, topk, experts, seed + 100 + r) for r in range(world_size)]
-        self.w1 = [torch.randn(experts, k, n, generator=_generator(seed + 200 + r)).to(dtype) for r in range(world_size)]
+        self.w1 = [torch.randn(experts, k, n, generator=_generator(seed + 200 + r)).to(dtype)
+                   for r in range(world_size)]
         self.h = [torch.randn(world_size * tokens * topk, n, generator=_generator(seed + 300 + r)).to(dtype)
                   for r in range(world_size)]
         self.w2 = [torch.randn(experts, n, out_k, generator=_generator(seed + 400 + r)).to(dtype)

@@ -165,7 +165,8 @@ class _Layer:
         self.x = _random((tokens, k), 3, device, scale=k ** -0.25)
         self.idx = balanced_routing(tokens, topk, experts, device)
         self.weights = torch.rand(tokens, topk, generator=torch.Generator(device).manual_seed(4), device=device)
-        self.x_shard, self.idx_shard, self.weights_shard = (t[mine].contiguous() for t in (self.x, self.idx, self.weights))
+        self.x_shard, self.idx_shard, self.weights_shard = (t[mine].contiguous()
+                                                            for t in (self.x, self.idx, self.weights))
         self.order = torch.sort(self.idx.reshape(-1), stable=True).indices  # pair of each row of h
         self.offs = _offs(self.idx, experts)
         self.pairs = tokens * topk

@@ -18,13 +18,13 @@ Protocol (slots and call epochs as in `_protocol.py`)
   GEMM (a few programs: `comm_programs`): program 0 first sends this rank's topk weights into row
   `rank` of every peer's `weights` and raises flag (slot, rank) there to the epoch. Then, for each
   peer s in the GEMM's order, once done[slot, s] has reached the tile count of s's rows (computed
-  from `counts`) and s's weights are here, chunk after chunk of CHUNK of s's tokens: the weighted
-  sum of the products of their top-k pairs, in fp32, goes to rank s's `partials` row `rank`, in
-  h's dtype (stores through symm_at on this node, an NVSHMEM put of a copy in `send` across
-  nodes), and flag (slot, rank, chunk) goes up there.
+  from `counts`) and s's weights are here, piece after piece (CHUNK of s's tokens by a span of
+  the K columns): the weighted sum of the products of their top-k pairs, in fp32, goes to rank
+  s's `partials` row `rank`, in h's dtype (stores through symm_at on this node, an NVSHMEM put of
+  a copy in `send` across nodes), and flag (slot, rank, piece) goes up there.
 - The combine of the own tokens (OWN=True), on the current stream after the GEMM, with every SM:
-  this rank's weighted sums plus every peer's partials of the same chunk (waiting for its flag), in
-  fp32, into y_shard. At world size 1 it is the only combine.
+  this rank's weighted sums plus every peer's partials of the same piece (waiting for its flag),
+  in fp32, into y_shard. At world size 1 it is the only combine.
 Nothing waits on a kernel that waits back: the GEMM waits for nothing, the peers' combine for the
 GEMM and the peers' weights (sent before anything else), the own combine for the peers' combines.
 """
@@ -43,8 +43,8 @@ from ..gemm import grouped, persistent
 from . import allgather_moe, tp_routing
 from .tp_routing import MoEHandle
 
-# Tokens per chunk of the combine (a flag each), and columns per step; small in the emulator, where
-# tests use a few tokens and want several chunks.
+# Tokens per piece of the combine, and columns per step; small in the emulator, where tests use a
+# few tokens and want several pieces.
 CHUNK = {"cuda": 16, "cpu": 2}
 BLOCK_C = {"cuda": 256, "cpu": 16}
 WEIGHTS_BLOCK = tl.constexpr(1024)  # weights moved per step of their exchange
@@ -98,29 +98,32 @@ def _weighted_sum(products_ptr, row_of_pair_ptr, weights_ptr, pair0, t0, tokens,
 
 
 @triton.jit
-def _chunk_offsets(t0, col, K, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Offsets in a tokens x K matrix of the block at rows t0.., columns col.."""
-    return (t0 + tl.arange(0, CHUNK))[:, None] * K + (col + tl.arange(0, BLOCK_C))[None, :]
+def _piece_offsets(col, span, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Offsets of columns col..col+BLOCK_C of a piece: CHUNK rows of `span` columns, contiguous."""
+    return tl.arange(0, CHUNK)[:, None] * span + col + tl.arange(0, BLOCK_C)[None, :]
 
 
 @jit
 def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, exchange_ptr, partials_ptr, send_ptr,
                        flags_ptr, done_ptr, calls_ptr, out_ptr, tokens, K, topk, weights_row, slot_numel,
-                       local_world_size, chunks, gemm_tiles_n, GEMM_BLOCK_M: tl.constexpr, OWN: tl.constexpr,
+                       local_world_size, spans, span, gemm_tiles_n, GEMM_BLOCK_M: tl.constexpr, OWN: tl.constexpr,
                        W_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     """OWN=False: the combine for the peers; OWN=True: of this rank's own tokens (see the module
-    docstring). exchange: the weights, rows `weights_row` apart; partials: a slot of `slot_numel`,
-    rank src's sums at row src (tokens x K); flags per slot: world x chunks for the partials, then
-    world for the weights; send: this rank's sums for peers on other nodes (rows per peer)."""
+    docstring). The work comes in pieces: CHUNK tokens by `span` columns (`spans` of them across K),
+    piece p = chunk * spans + j. exchange: the weights, rows `weights_row` apart; partials: a slot of
+    `slot_numel`, rank src's sums at row src, piece after piece, each CHUNK x span contiguous; flags
+    per slot: world x pieces for the partials, then world for the weights; send: this rank's sums
+    for peers on other nodes, laid out as partials' rows."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
+    pieces = tl.cdiv(tokens, CHUNK) * spans
     slot = epoch % 2
-    flags = flags_ptr + slot * (world * chunks + world)
-    weights_flags = flags + world * chunks
+    flags = flags_ptr + slot * (world * pieces + world)
+    weights_flags = flags + world * pieces
     exchange = exchange_ptr + slot * world * weights_row
     partials = partials_ptr + slot * slot_numel
-    rows = tokens * K
+    row = pieces * CHUNK * span  # elements of a row of partials
     if not OWN:
         if tl.program_id(0) == 0:
             copy_slice(weights_ptr, exchange + me * weights_row, 0, tokens * topk, WEIGHTS_BLOCK)
@@ -135,44 +138,43 @@ def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, e
                                    grouped.pick(row_tiles, j) * gemm_tiles_n)
             weights = after_flags(exchange + source * weights_row, weights_flags + source, 1, epoch)
             same_node = source // local_world_size == me // local_world_size
-            to = partials + me * rows
-            for chunk in range(tl.program_id(0), chunks, tl.num_programs(0)):
-                t0 = chunk * CHUNK
-                mask_rows = (t0 + tl.arange(0, CHUNK) < tokens)[:, None]
-                for col in range(0, K, BLOCK_C):
+            for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+                t0 = (piece // spans) * CHUNK
+                first_col = (piece % spans) * span
+                to = partials + me * row + piece * CHUNK * span
+                staged = send_ptr + source * row + piece * CHUNK * span
+                for col in range(0, tl.minimum(span, K - first_col), BLOCK_C):
                     total = _weighted_sum(products, row_of_pair_ptr, weights, source * tokens * topk, t0, tokens,
-                                          col, K, topk, CHUNK, BLOCK_C)
-                    at = _chunk_offsets(t0, col, K, CHUNK, BLOCK_C)
-                    mask = mask_rows & (col + tl.arange(0, BLOCK_C) < K)[None, :]
+                                          first_col + col, K, topk, CHUNK, BLOCK_C)
+                    at = _piece_offsets(col, span, CHUNK, BLOCK_C)
                     if same_node:
-                        tl.store(dl.symm_at(to, source) + at, total.to(partials_ptr.dtype.element_ty), mask=mask)
+                        tl.store(dl.symm_at(to, source) + at, total.to(partials_ptr.dtype.element_ty))
                     else:
-                        tl.store(send_ptr + source * rows + at, total.to(partials_ptr.dtype.element_ty), mask=mask)
-                flag = flags + me * chunks + chunk
+                        tl.store(staged + at, total.to(partials_ptr.dtype.element_ty))
+                flag = flags + me * pieces + piece
                 if same_node:
                     dl.notify(flag, source, signal=epoch, sig_op="set")
                 else:
                     sync_program()  # the whole block puts what its threads stored
-                    itemsize = partials_ptr.dtype.element_ty.primitive_bitwidth // 8
-                    nbytes = tl.minimum(tokens - t0, CHUNK) * K * itemsize
-                    dl.shmem.putmem_signal_nbi_block(to + t0 * K, send_ptr + source * rows + t0 * K, nbytes, flag,
-                                                     epoch, dl.shmem.SIGNAL_SET, source)
+                    nbytes = CHUNK * span * (partials_ptr.dtype.element_ty.primitive_bitwidth // 8)
+                    dl.shmem.putmem_signal_nbi_block(to, staged, nbytes, flag, epoch, dl.shmem.SIGNAL_SET, source)
     else:
-        for chunk in range(tl.program_id(0), chunks, tl.num_programs(0)):
-            t0 = chunk * CHUNK
-            mask_rows = (t0 + tl.arange(0, CHUNK) < tokens)[:, None]
-            received = partials
+        for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+            t0 = (piece // spans) * CHUNK
+            first_col = (piece % spans) * span
+            received = partials + piece * CHUNK * span
             for step in range(1, world):
-                received = after_flags(received, flags + ((me + step) % world) * chunks + chunk, 1, epoch)
-            for col in range(0, K, BLOCK_C):
-                total = _weighted_sum(products_ptr, row_of_pair_ptr, weights_ptr, me * tokens * topk, t0, tokens, col,
-                                      K, topk, CHUNK, BLOCK_C)
-                at = _chunk_offsets(t0, col, K, CHUNK, BLOCK_C)
-                mask = mask_rows & (col + tl.arange(0, BLOCK_C) < K)[None, :]
+                received = after_flags(received, flags + ((me + step) % world) * pieces + piece, 1, epoch)
+            for col in range(0, tl.minimum(span, K - first_col), BLOCK_C):
+                total = _weighted_sum(products_ptr, row_of_pair_ptr, weights_ptr, me * tokens * topk, t0, tokens,
+                                      first_col + col, K, topk, CHUNK, BLOCK_C)
+                at = _piece_offsets(col, span, CHUNK, BLOCK_C)
                 for step in range(1, world):
-                    src = (me + step) % world
-                    total += tl.load(received + src * rows + at, mask=mask, other=0.0).to(tl.float32)
-                tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+                    total += tl.load(received + ((me + step) % world) * row + at).to(tl.float32)
+                rows = t0 + tl.arange(0, CHUNK)[:, None]
+                cols = first_col + col + tl.arange(0, BLOCK_C)[None, :]
+                mask = (rows < tokens) & (cols < K)
+                tl.store(out_ptr + rows * K + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -204,12 +206,20 @@ class MoEReduceScatter:
         self.programs = programs
         kind = w.device.type
         self.chunk, self.block_c = CHUNK[kind], BLOCK_C[kind]
-        self.chunks = triton.cdiv(tokens, self.chunk)
+        chunks = triton.cdiv(tokens, self.chunk)
+        # Pieces across K as well where the tokens alone would leave SMs without work: about two
+        # pieces per SM for the combine of the own tokens, which nothing overlaps.
+        spans = max(1, min(triton.cdiv(k, self.block_c), triton.cdiv(2 * programs, chunks)))
+        self.span = triton.cdiv(triton.cdiv(k, spans), self.block_c) * self.block_c
+        self.spans = triton.cdiv(k, self.span)
+        self.pieces = chunks * self.spans
         self.products = torch.empty((self.pairs, k), dtype=dtype, device=w.device)
-        self.workspace = _protocol.Workspace(w.world_size * tokens * k, dtype, w.world_size * (self.chunks + 1))
+        row = self.pieces * self.chunk * self.span
+        _protocol.check_offsets("moe_rs", 2 * w.world_size * row)
+        self.workspace = _protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1))
         self.weights_row = _protocol.row_stride(tokens * topk)
         self.exchange = tridist.symm_empty((2 * w.world_size * self.weights_row,), torch.float32)
-        self.send = tridist.symm_empty((w.world_size * tokens * k,), dtype) if w.nnodes > 1 else None
+        self.send = tridist.symm_empty((w.world_size * row,), dtype) if w.nnodes > 1 else None
         self.done = tridist.signals(2 * w.world_size)
         self.gemm_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         self.peer_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
@@ -240,14 +250,14 @@ class MoEReduceScatter:
         ws = self.workspace
         args = (self.products, handle.row_of_pair, handle.padded_counts, topk_weights_shard, self.exchange, ws.staging,
                 self.send if self.send is not None else ws.staging, ws.flags, self.done)
-        sizes = (out, self.tokens, self.k, self.topk, self.weights_row, ws.slot_numel, w.local_world_size, self.chunks,
-                 triton.cdiv(self.k, config["BLOCK_N"]))
+        sizes = (out, self.tokens, self.k, self.topk, self.weights_row, ws.slot_numel, w.local_world_size, self.spans,
+                 self.span, triton.cdiv(self.k, config["BLOCK_N"]))
         blocks = dict(GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad, CHUNK=self.chunk, BLOCK_C=self.block_c)
         if self.overlap:
             with self.side.fork():
-                moe_combine_kernel[(min(self.comm_programs, self.chunks),)](*args, self.peer_calls, *sizes, OWN=False,
+                moe_combine_kernel[(min(self.comm_programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False,
                                                                             **blocks)
-        moe_combine_kernel[(min(self.programs, self.chunks),)](*args, ws.calls, *sizes, OWN=True, **blocks)
+        moe_combine_kernel[(min(self.programs, self.pieces),)](*args, ws.calls, *sizes, OWN=True, **blocks)
         self.side.join()
         return out
 
