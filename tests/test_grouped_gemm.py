@@ -156,3 +156,20 @@ def _bad_input(w):
 @pytest.mark.worlds("1")
 def test_grouped_gemm_bad_input(world):
     world.run(_bad_input)
+
+
+def _tuned(w, folder):
+    import os
+
+    os.environ["TRIDIST_TUNE_CACHE"] = folder
+    dtype, sizes = torch.bfloat16, [3, 0, 9]
+    x, weights = _random((12, 16), 9, dtype), _random((3, 16, 8), 10, dtype)
+    offs = _offs(sizes)
+    out = ops.grouped_gemm(x.to(w.device), weights.to(w.device), offs.to(w.device), config="tune")
+    assert_close(out, reference(x, weights, offs), TOLERANCE[dtype], "tuned")
+    assert len(grouped._tuned) == 1 and next(iter(grouped._tuned.values())) in grouped.configs(w.device, dtype)
+
+
+@pytest.mark.worlds("1")
+def test_grouped_gemm_tuned(world, tmp_path):
+    world.run(_tuned, folder=str(tmp_path))

@@ -216,6 +216,68 @@ def test_moe_custom_ops_under_torch_compile(world):
     world.run(_custom_ops)
 
 
+def _tuned(w, folder):
+    """config="tune" picks one of the grouped GEMM's configs, the same on every rank."""
+    import os
+
+    from tridist.ops.gemm import grouped
+
+    os.environ["TRIDIST_TUNE_CACHE"] = folder
+    layer = Layer(w, "random", torch.bfloat16, call=3)
+    x, idx, w1, h, w2, weights = layer.inputs(w.rank, w.device)
+    tokens, k, n, experts, topk = layer.tokens, w1.shape[1], w1.shape[2], layer.experts, layer.topk
+    up = ops.AllGatherMoE(tokens, k, n, experts, topk, torch.bfloat16, comm="sm", config="tune")
+    down = ops.MoEReduceScatter(tokens, n, w2.shape[2], experts, topk, torch.bfloat16, config="tune")
+    assert up.config in grouped.configs(w.device) and down.config in grouped.configs(w.device)
+    result, handle = up(x, idx, w1)
+    assert relative_error(result, layer.expected_h(w.rank)) <= TOLERANCE[torch.bfloat16]
+    assert relative_error(down(h, w2, handle, weights), layer.expected_y(w.rank)) <= TOLERANCE[torch.bfloat16]
+    tridist.barrier_all()
+    up.free()
+    down.free()
+
+
+@pytest.mark.worlds("2")
+def test_moe_tuned_config(world, tmp_path):
+    world.run(_tuned, folder=str(tmp_path))
+
+
+def _graph_replays(w, replays):
+    """AllGatherMoE and MoEReduceScatter captured in one CUDA graph, replayed back to back with new
+    tokens, routing and weights copied in; every 10th replay checked against eager calls."""
+    layers = [Layer(w, "random", torch.bfloat16, call) for call in range(3)]
+    inputs = [layer.inputs(w.rank, w.device) for layer in layers]
+    x, idx, w1, h, w2, weights = buffers = [t.clone() for t in inputs[0]]
+    up = ops.AllGatherMoE(x.shape[0], x.shape[1], w1.shape[2], layers[0].experts, layers[0].topk, torch.bfloat16)
+    down = ops.MoEReduceScatter(x.shape[0], w2.shape[1], w2.shape[2], layers[0].experts, layers[0].topk,
+                                torch.bfloat16)
+    eager = []
+    for args in inputs:
+        result, handle = up(*args[:3])
+        eager.append((result.clone(), down(args[3], args[4], handle, args[5]).clone()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result, handle = up(x, idx, w1)
+        y = down(h, w2, handle, weights)
+    for i in range(replays):
+        for buffer, value in zip(buffers, inputs[i % 3]):
+            buffer.copy_(value)
+        graph.replay()
+        if i % 10 == 9:
+            assert torch.equal(result, eager[i % 3][0]) and torch.equal(y, eager[i % 3][1]), i
+    torch.cuda.synchronize()
+    tridist.barrier_all()
+    up.free()
+    down.free()
+
+
+@pytest.mark.worlds("1", "2", "2x1")
+def test_moe_cuda_graph_replays(world):
+    if world.backend == "emulator":
+        pytest.skip("CUDA graphs need GPUs")
+    world.run(_graph_replays, replays=60)
+
+
 def _example(w):
     load_example("moe_tensor_parallel").moe_block(w)
 

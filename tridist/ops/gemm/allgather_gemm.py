@@ -170,7 +170,10 @@ class ShardGather:
             self.gemm_programs = programs
 
     def start(self, shard: torch.Tensor) -> None:
-        """Queue the transfer of this rank's shard (contiguous, m_shard x k) to every peer."""
+        """Queue the transfer of this rank's shard (contiguous, m_shard x k) to every peer (none at
+        world size 1: the GEMM reads its own shard where it is)."""
+        if self.world.world_size == 1:
+            return
         if self.comm == "ce":
             self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
             self.push.push([shard.reshape(-1)] * self.world.world_size)
@@ -187,6 +190,8 @@ class ShardGather:
     def finish(self) -> None:
         """After the GEMM that read the shards: the current stream waits for the transfer (and "ce"
         zeroes its flags)."""
+        if self.world.world_size == 1:
+            return
         if self.comm == "ce":
             self.push.join()
         else:
