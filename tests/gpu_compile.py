@@ -83,14 +83,21 @@ def _gemm_cases():
     return cases
 
 
+def _shipped(configs, decode: bool = True):
+    """Of a grouped GEMM's configs, those the cases compile: the big tile with FLATTEN and without
+    (as `_gemm_cases`), and the first decode tile."""
+    big = [c for c in configs if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256)]
+    return big + [c for c in configs if c["BLOCK_M"] == 64 and c["GROUP_M"] == 1][:1 if decode else 0]
+
+
 def _grouped_cases():
-    """The grouped GEMM at every config it ships, for bf16 and for fp8 (w's descriptor over its
-    transpose per expert, scales)."""
+    """The grouped GEMM at its big tile (FLATTEN on and off) and its decode tile, for bf16 and for
+    fp8 (w's descriptor over its transpose per expert, scales)."""
     cases = []
     for dtype in (torch.bfloat16, gemm.FP8):
         fp8 = dtype == gemm.FP8
         element = "fp8e4nv" if fp8 else "bf16"
-        for config in grouped.configs(CUDA, dtype):
+        for config in _shipped(grouped.configs(CUDA, dtype)):
             config = dict(config)
             options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
             w_block = (config["BLOCK_N"], config["BLOCK_K"]) if fp8 else (config["BLOCK_K"], config["BLOCK_N"])
@@ -107,15 +114,15 @@ def _grouped_cases():
 
 
 def _moe_cases():
-    """The tensor-parallel MoE kernels: the routing, ag_moe's GEMM (at every grouped GEMM config,
+    """The tensor-parallel MoE kernels: the routing, ag_moe's GEMM (at the configs of `_shipped`,
     with the copy-engine flags, and at the first with the epoch flags of comm="sm"), moe_rs's GEMM
-    (every config) and its two combines."""
+    and its two combines."""
     cases = [(tp_routing.route_kernel, {"idx_ptr": "*i64", "exchange_ptr": "*i32", "flags_ptr": "*i64",
                                         "calls_ptr": "*i64", "layout_ptr": "*i32", "pairs": "i32", "E": "i32",
                                         "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                                         "E_PAD": "constexpr", "BLOCK_P": "constexpr"},
-              {"E_PAD": e_pad, "BLOCK_P": tp_routing.SORT_IDS // e_pad}, {"num_warps": 8}) for e_pad in (8, 256)]
-    for index, config in enumerate(grouped.configs(CUDA, torch.bfloat16)):
+              {"E_PAD": 256, "BLOCK_P": tp_routing.SORT_IDS // 256}, {"num_warps": 8})]
+    for index, config in enumerate(_shipped(grouped.configs(CUDA, torch.bfloat16))):
         config = dict(config)
         options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
         blocks = {name: "constexpr" for name in config}

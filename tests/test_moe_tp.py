@@ -181,7 +181,7 @@ def _bad_input(w):
     tridist.barrier_all()
 
 
-@pytest.mark.worlds("1", "2x2")
+@pytest.mark.worlds("1")
 def test_moe_bad_input(world):
     world.run(_bad_input)
 
@@ -211,7 +211,7 @@ def _custom_ops(w):
     tridist.barrier_all()
 
 
-@pytest.mark.worlds("2")
+@pytest.mark.worlds("1")
 def test_moe_custom_ops_under_torch_compile(world):
     world.run(_custom_ops)
 
@@ -237,7 +237,7 @@ def _tuned(w, folder):
     down.free()
 
 
-@pytest.mark.worlds("2")
+@pytest.mark.worlds("1")
 def test_moe_tuned_config(world, tmp_path):
     world.run(_tuned, folder=str(tmp_path))
 
@@ -282,7 +282,7 @@ def _example(w):
     load_example("moe_tensor_parallel").moe_block(w)
 
 
-@pytest.mark.worlds("1", "2x2")
+@pytest.mark.worlds("1")
 def test_moe_tensor_parallel_example(world):
     world.run(_example)
 
