@@ -12,7 +12,7 @@ Protocol (slots and call epochs as in `_protocol.py`)
   of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs orders its tiles.
   Each tile's rows go to `products` (P x K, local, h's row order), and one tile late (so that the
   tile's stores have drained when the release is made) it adds 1 to done[slot, source], the
-  count of finished tiles of that source's rows. Program 0 zeroes the other slot's counts for the
+  count of finished tiles of that source's rows (not at world size 1: nothing waits for it). Program 0 zeroes the other slot's counts for the
   next call (this call's other kernels have finished with it: each call waits for the last).
 - The combine for the peers (`moe_combine_kernel` with OWN=False), on a side stream beside the
   GEMM (a few programs: `comm_programs`): program 0 first sends this rank's topk weights into row
@@ -52,10 +52,10 @@ WEIGHTS_BLOCK = tl.constexpr(1024)  # weights moved per step of their exchange
 
 @jit
 def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_ptr, calls_ptr, N, K,
-                       W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                       COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
-    count per source rank, two slots."""
+    count per source rank, two slots, raised with COUNT (nothing waits for them at world size 1)."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -71,9 +71,10 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
         source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
                                                            base_ptr, tiles_n, E_PAD, BLOCK_M, GROUP_M)
         acc = grouped.group_product(h_desc, w_desc, row, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        if late >= 0:
-            dl.notify(done + late, me, signal=1, sig_op="add")
-        late = source
+        if COUNT:
+            if late >= 0:
+                dl.notify(done + late, me, signal=1, sig_op="add")
+            late = source
         persistent.store_tile(products_ptr, acc, row, tn * BLOCK_N, end, N, BLOCK_M, BLOCK_N)
     if late >= 0:
         dl.notify(done + late, me, signal=1, sig_op="add")
@@ -246,7 +247,8 @@ class MoEReduceScatter:
         w_pad, e_pad = triton.next_power_of_2(w.world_size), handle.e_pad
         moe_rs_gemm_kernel[(min(bound, self.gemm_programs),)](
             h_desc, grouped.weight_descriptor(w_shard, config), self.products, handle.padded_counts,
-            handle.padded_base, self.done, self.gemm_calls, self.k, self.n, W_PAD=w_pad, E_PAD=e_pad, **config)
+            handle.padded_base, self.done, self.gemm_calls, self.k, self.n, COUNT=self.overlap, W_PAD=w_pad,
+            E_PAD=e_pad, **config)
         ws = self.workspace
         args = (self.products, handle.row_of_pair, handle.padded_counts, topk_weights_shard, self.exchange, ws.staging,
                 self.send if self.send is not None else ws.staging, ws.flags, self.done)
