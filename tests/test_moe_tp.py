@@ -163,6 +163,8 @@ def _bad_input(w):
         ((h, w2, handle, weights.double()), "dtype"),
         ((h, w2, handle, weights[:, :1].contiguous()), r"the handle is of an ag_moe call"),
         ((h[:-1], w2, handle, weights), "shape"),
+        ((torch.zeros(h.numel() + 1, dtype=dtype, device=w.device)[1:].view(h.shape), w2, handle, weights),
+         "16-byte boundary"),
         ((h, w2[:, :, :8].contiguous(), handle, weights), None),  # a fine call with K = 8: no error
         ((h, torch.zeros((experts + 1, n, k), dtype=dtype, device=w.device), handle, weights), "handle is of"),
         ((h.half(), w2.half(), handle, weights), None),

@@ -237,6 +237,9 @@ class MoEReduceScatter:
             raise ValueError(f"this moe_rs takes h {self.dtype} of shape {(self.pairs, self.n)} (a row per pair of "
                              f"every rank's tokens); got shape {tuple(h.shape)}: build another instance, or call "
                              "tridist.ops.moe_rs")
+        if h.data_ptr() % 16:
+            raise ValueError("h does not start on a 16-byte boundary, as TMA needs (a view at an odd offset?): pass "
+                             "h.clone()")
         if out is None:
             out = torch.empty((self.tokens, self.k), dtype=self.dtype, device=h.device)
         _protocol.check_output(out, (self.tokens, self.k), self.dtype)
