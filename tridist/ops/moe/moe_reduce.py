@@ -263,7 +263,8 @@ class MoEReduceScatter:
                 moe_combine_kernel[(min(self.comm_programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False,
                                                                             **blocks)
         moe_combine_kernel[(min(self.programs, self.pieces),)](*args, ws.calls, *sizes, OWN=True, **blocks)
-        self.side.join()
+        if self.overlap:
+            self.side.join()
         return out
 
     def free(self) -> None:
