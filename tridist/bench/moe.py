@@ -140,7 +140,6 @@ def grouped_rows(layers, dtype, timed: bool = True, configs: bool = False) -> li
             row.update({"weights GB/s": weight_bytes / us / 1e3, "copy GB/s": 2 * weight_bytes / copy_us / 1e3,
                         "weights / copy": (weight_bytes / us) / (2 * weight_bytes / copy_us)})
             rows.append(row)
-        del copy
     return rows
 
 
