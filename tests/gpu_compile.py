@@ -27,7 +27,9 @@ from tridist.ops.attention import combine, split_kv  # noqa: E402
 from tridist.ops.collectives import allgather, allreduce  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
 from tridist.ops.attention import decode as attention  # noqa: E402
+from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
+from tridist.ops.moe import allgather_moe, moe_reduce, tp_routing  # noqa: E402
 from tridist.ops.stencil import jacobi  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
@@ -118,6 +120,76 @@ def _tutorial_cases():
     ]
 
 
+def _shipped(configs, decode: bool = True):
+    """Of a grouped GEMM's configs, those the cases compile: the big tile with FLATTEN and without
+    (as `_gemm_cases`), and the first decode tile."""
+    big = [c for c in configs if (c["BLOCK_M"], c["BLOCK_N"]) == (128, 256)]
+    return big + [c for c in configs if c["BLOCK_M"] == 64 and c["GROUP_M"] == 1][:1 if decode else 0]
+
+
+def _grouped_cases():
+    """The grouped GEMM at its big tile (FLATTEN on and off) and its decode tile, for bf16 and for
+    fp8 (w's descriptor over its transpose per expert, scales)."""
+    cases = []
+    for dtype in (torch.bfloat16, gemm.FP8):
+        fp8 = dtype == gemm.FP8
+        element = "fp8e4nv" if fp8 else "bf16"
+        for config in _shipped(grouped.configs(CUDA, dtype)):
+            config = dict(config)
+            options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+            w_block = (config["BLOCK_N"], config["BLOCK_K"]) if fp8 else (config["BLOCK_K"], config["BLOCK_N"])
+            signature = {"x_desc": f"tensordesc<{element}[{config['BLOCK_M']}, {config['BLOCK_K']}]>",
+                         "w_desc": f"tensordesc<{element}[1, {w_block[0]}, {w_block[1]}]>",
+                         "scale_a_ptr": "*fp32" if fp8 else "constexpr", "scale_b_ptr": "*fp32" if fp8 else "constexpr",
+                         "out_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32", "E": "i32", "N": "i32", "K": "i32",
+                         "E_PAD": "constexpr", **{name: "constexpr" for name in config}}
+            constexprs = {"E_PAD": 256 if fp8 else 32, **config}
+            if not fp8:
+                constexprs.update(scale_a_ptr=None, scale_b_ptr=None)
+            cases.append((grouped.grouped_gemm_kernel, signature, constexprs, options))
+    return cases
+
+
+def _moe_cases():
+    """The tensor-parallel MoE kernels: the routing, ag_moe's GEMM (at the configs of `_shipped`,
+    with the copy-engine flags, and at the first with the epoch flags of comm="sm"), moe_rs's GEMM
+    and its two combines."""
+    cases = [(tp_routing.route_kernel, {"idx_ptr": "*i64", "exchange_ptr": "*i32", "flags_ptr": "*i64",
+                                        "calls_ptr": "*i64", "layout_ptr": "*i32", "pairs": "i32", "E": "i32",
+                                        "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
+                                        "E_PAD": "constexpr", "BLOCK_P": "constexpr"},
+              {"E_PAD": 256, "BLOCK_P": tp_routing.SORT_IDS // 256}, {"num_warps": 8})]
+    for index, config in enumerate(_shipped(grouped.configs(CUDA, torch.bfloat16))):
+        config = dict(config)
+        options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+        blocks = {name: "constexpr" for name in config}
+        w_desc = f"tensordesc<bf16[1, {config['BLOCK_K']}, {config['BLOCK_N']}]>"
+        for flags, per_shard, epochs in (("*i32", 1, False), ("*i64", 4, True))[:2 if index == 0 else 1]:
+            cases.append((allgather_moe.ag_moe_kernel,
+                          {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16",
+                           "pair_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32", "flags_ptr": flags,
+                           "calls_ptr": "*i64", "tokens": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
+                           "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
+                           "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", **blocks},
+                          {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
+                           **config}, options))
+        cases.append((moe_reduce.moe_rs_gemm_kernel,
+                      {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
+                       "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
+                       "calls_ptr": "*i64", "N": "i32", "K": "i32", "COUNT": "constexpr", "W_PAD": "constexpr",
+                       "E_PAD": "constexpr", **blocks}, {"COUNT": True, "W_PAD": 8, "E_PAD": 256, **config}, options))
+    combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
+    combine.update(row_of_pair_ptr="*i32", counts_ptr="*i32", weights_ptr="*fp32", exchange_ptr="*fp32",
+                   flags_ptr="*i64", done_ptr="*i64", calls_ptr="*i64")
+    combine.update({name: "i32" for name in ("tokens", "K", "topk", "weights_row", "slot_numel", "local_world_size",
+                                             "spans", "span", "gemm_tiles_n")})
+    combine.update({name: "constexpr" for name in ("GEMM_BLOCK_M", "OWN", "W_PAD", "E_PAD", "CHUNK", "BLOCK_C")})
+    cases += [(moe_reduce.moe_combine_kernel, dict(combine),
+               {"GEMM_BLOCK_M": 128, "OWN": own, "W_PAD": 8, "E_PAD": 32, "CHUNK": moe_reduce.CHUNK["cuda"],
+                "BLOCK_C": moe_reduce.BLOCK_C["cuda"]}) for own in (False, True)]
+    return cases
+
+
 _ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
 
 
@@ -165,6 +237,8 @@ def cases():
     return [
         *_gemm_cases(),
         *_attention_cases(),
+        *_grouped_cases(),
+        *_moe_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
                                                "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
@@ -323,10 +397,19 @@ SHARED_MEMORY_LIMIT = 227 << 10  # bytes a block may use on sm_90 (H100, H200)
 
 def unpipelined(signature, constexprs, options, compiled) -> bool:
     """A GEMM compiled with FLATTEN whose operands do not get a shared-memory buffer per stage: its
-    loop was not fused and pipelined (a gpu.barrier in the loop was enough to stop it, 2026-11-23)."""
+    loop was not fused and pipelined (a gpu.barrier in the loop was enough to stop it, 2026-11-23);
+    or a GEMM (a case giving num_stages) whose operand loads were not pipelined: a pipelined loop
+    loads each of its two operands in num_stages places (num_stages - 1 in the prologue), where a
+    fused loop that Triton could not pipeline keeps one load and waits for it at once (a wait
+    inside the tile loop on a pointer that the loads then used did that, 2026-11-25)."""
+    if "num_stages" in options:
+        ir = compiled.asm["ttgir"]
+        sites = ir.count("ttng.async_tma_copy_global_to_local") + ir.count("ttg.async_copy_global_to_local")
+        if sites < 2 * options["num_stages"]:
+            return True
     if not constexprs.get("FLATTEN"):  # (the GEMM cases always give their num_stages)
         return False
-    itemsize = 1 if "fp8" in signature["a_desc"] else 2
+    itemsize = 1 if "fp8" in next(t for t in signature.values() if t.startswith("tensordesc")) else 2
     stage_bytes = itemsize * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
     return compiled.metadata.shared < options["num_stages"] * stage_bytes
 
@@ -335,7 +418,8 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
 DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "all_gather_ll_kernel",
                 "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
                 "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel", "rotate_kernel",
-                "jacobi_fused_kernel", "flash_decode_combine_kernel"}
+                "jacobi_fused_kernel", "flash_decode_combine_kernel", "route_kernel", "ag_moe_kernel",
+                "moe_combine_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The modules the API reference renders (docs/reference/*.md), whose every public name must be
 # documented: mkdocstrings leaves out silently what has no docstring or cannot be resolved.
 REFERENCE = ["tridist", "tridist.language", "tridist.language.shmem", "tridist.language.ll", "tridist.ops",
-             "tridist.ops.collectives", "tridist.ops.gemm", "tridist.ops.attention",
+             "tridist.ops.collectives", "tridist.ops.gemm", "tridist.ops.moe", "tridist.ops.attention",
              "tridist.ops.stencil"]
 
 

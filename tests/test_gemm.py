@@ -54,7 +54,7 @@ def _ag_gemm(w, comm, dtype, m_shard, k, n, calls, flags_per_shard=1):
         return
     with _protocol.piece_sizes(chunk_bytes=256 if flags_per_shard > 1 else None):
         op = ops.AllGatherGEMM(m_shard, k, n, dtype, comm, comm_programs=16 if flags_per_shard > 1 else None)
-    pieces = op.push.chunks if comm == "ce" else op.splits
+    pieces = op.gather.flags_per_shard
     assert (pieces > 1) == (flags_per_shard > 1), f"{pieces} flags per shard"
     shards = [[_random((m_shard, k), dtype, 100 * call + r) for r in range(w.world_size)] for call in range(calls)]
     bs = [_random((k, n), dtype, 1000 * call + 7 * w.rank) for call in range(calls)]

@@ -9,7 +9,8 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "reducescatter": "tridist.bench.collectives", "allreduce": "tridist.bench.collectives",
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
               "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused",
-              "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode"}
+              "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode",
+              "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe"}
 SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode")  # modules with one benchmark: their `main` takes no benchmark name
 DEFAULT_RANKS = 2
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
@@ -29,6 +30,8 @@ NAME:
   torch_fused     PyTorch's fused ag_gemm and gemm_rs, in a process that never starts tridist
   jacobi          the 2D Jacobi solver per iteration, host loop against one fused co-resident kernel
   flash_decode    the split-KV decode kernel's bandwidth against a copy and SDPA on one GPU (-n 1)
+  grouped_gemm    the grouped GEMM against torch._grouped_mm (fp8: _scaled_grouped_mm) and a copy's bandwidth
+  ag_moe, moe_rs  the tensor-parallel MoE ops against the grouped GEMM alone and NCCL + torch._grouped_mm
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them

@@ -1,6 +1,7 @@
 """The kernel library, grouped by family: [`collectives`][tridist.ops.collectives] (all-gather,
 reduce-scatter, all-reduce), [`gemm`][tridist.ops.gemm] (the persistent GEMM and the GEMMs
-overlapped with communication), [`attention`][tridist.ops.attention] (flash decoding over a KV
+overlapped with communication, and the grouped GEMM of MoE layers), [`moe`][tridist.ops.moe]
+(tensor-parallel MoE layers), [`attention`][tridist.ops.attention] (flash decoding over a KV
 cache split across ranks) and [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo
 exchange runs inside its kernels). Each op's module holds its host wrapper next to its kernels;
 `_protocol` and `sync` are what the families share.
@@ -38,21 +39,23 @@ What holds for every op:
   that says what to change: dtype, device, layout, shape, method, a one-node method on several
   nodes. Each op indexes its buffers with 32-bit offsets and refuses a size that would pass 2^31
   elements.
-- **`torch.compile`.** Importing `tridist.ops` registers six functions as PyTorch custom ops,
+- **`torch.compile`.** Importing `tridist.ops` registers the functions as PyTorch custom ops,
   with shape-only fake implementations so that `torch.compile` can trace through them:
   `torch.ops.tridist.all_gather(x, method="auto")`,
   `torch.ops.tridist.reduce_scatter(x, method="auto")`,
   `torch.ops.tridist.all_reduce(x, method="auto")`,
-  `torch.ops.tridist.ag_gemm(a_shard, b, comm="auto")`, `torch.ops.tridist.gemm_rs(a, b)` and
+  `torch.ops.tridist.ag_gemm(a_shard, b, comm="auto")`, `torch.ops.tridist.gemm_rs(a, b)`,
   `torch.ops.tridist.gemm_ar(a, b, method="auto")` (the GEMMs also with `scale_a`, `scale_b` for
-  fp8). Each returns a new tensor (no `out=`, nothing in place), and the GEMMs run their default
-  config.
+  fp8), and the MoE and all-to-all ops (their family pages list them). Each returns new tensors
+  (no `out=`, nothing in place), and the GEMMs run their default config.
 """
 from .attention import FlashDecode, flash_decode
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
-from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, matmul
+from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, grouped_gemm, matmul
+from .moe import AllGatherMoE, MoEHandle, MoEReduceScatter, ag_moe, moe_rs
 from .stencil import Jacobi2D, jacobi_reference
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter",
            "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
-           "Jacobi2D", "jacobi_reference", "FlashDecode", "flash_decode"]
+           "grouped_gemm", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
+           "flash_decode", "Jacobi2D", "jacobi_reference"]

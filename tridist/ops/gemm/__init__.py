@@ -1,5 +1,6 @@
-"""GEMMs: the persistent TMA GEMM (`persistent`, `matmul`) and the GEMMs overlapped with
-communication that are built on it (AllGather-GEMM, GEMM-ReduceScatter, GEMM-AllReduce).
+"""GEMMs: the persistent TMA GEMM (`persistent`, `matmul`), the GEMMs overlapped with
+communication that are built on it (AllGather-GEMM, GEMM-ReduceScatter, GEMM-AllReduce), and the
+grouped GEMM of mixture-of-experts layers (`grouped`, `grouped_gemm`).
 
 | op | computes | for |
 | --- | --- | --- |
@@ -29,7 +30,8 @@ dict or None.
 """
 from .allgather_gemm import AllGatherGEMM, ag_gemm
 from .gemm_reduce import GemmAllReduce, GemmReduceScatter, gemm_ar, gemm_rs
+from .grouped import grouped_gemm
 from .persistent import FP8, configs, default_config, matmul, out_dtype
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "GemmAllReduce", "GemmReduceScatter", "gemm_ar", "gemm_rs", "FP8", "configs",
-           "default_config", "matmul", "out_dtype"]
+           "default_config", "matmul", "out_dtype", "grouped_gemm"]

@@ -144,25 +144,9 @@ class AllGatherGEMM:
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
             lambda: persistent.random_operands(m_shard, k, n, dtype, w.device), w.device, self.m, n, shards=w.world_size,
             dtype=dtype)
-        programs = _protocol.programs_for(w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-        if self.comm == "sm":
-            _protocol.check_offsets("ag_gemm comm='sm'", 2 * self.m * k)  # all_gather_2d_kernel into `gathered`
-            self.gathered = tridist.symm_empty((2 * self.m, k), dtype)
-            self.side = _protocol.SideStream(w.device)
-            # A few SMs push (8 of an H200's 132), the GEMM keeps the others; "sm" is there for several
-            # nodes, where the network, not these programs, sets the pace.
-            self.comm_programs = comm_programs or max(1, programs // 16)
-            self.push_tasks = allgather.spread_tasks(w)
-            self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
-            self.push_flags = tridist.signals(2 * w.world_size * self.splits)
-            self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-            self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
-        else:
-            self.push = _protocol.CopyEnginePush(m_shard * k, dtype, row=m_shard * k)
-            self.gathered = self.push.staging.view(self.m, k)
-            self.gemm_programs = programs
-        self.a_desc = TensorDescriptor.from_tensor(self.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
+        self.gather = ShardGather(m_shard, k, dtype, self.comm, comm_programs)
+        self.a_desc = TensorDescriptor.from_tensor(self.gather.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,39 +169,88 @@ class AllGatherGEMM:
         out = persistent.check_call(a_shard, b, scale_a, scale_b, out, self.m, "a_shard",
                               built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
         own_desc, b_desc = persistent.descriptors(a_shard, b, self.config)
-        if self.comm == "ce":
-            self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
-            self.push.push([a_shard.reshape(-1)] * self.world.world_size)
-            flags, flags_per_shard = self.push.flags, self.push.chunks
-        else:
-            self._push_shard(a_shard)
-            flags, flags_per_shard = self.push_flags, self.splits
+        gather = self.gather
+        gather.start(a_shard)
         tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
             triton.cdiv(self.n, self.config["BLOCK_N"])
-        ag_gemm_kernel[(min(tiles, self.gemm_programs),)](
-            own_desc, self.a_desc, b_desc, scale_a, scale_b, out, flags, self.calls, self.m_shard, self.n, self.k,
-            self.m, FLAGS_PER_SHARD=flags_per_shard, EPOCH_FLAGS=self.comm == "sm", **self.config)
+        ag_gemm_kernel[(min(tiles, gather.gemm_programs),)](
+            own_desc, self.a_desc, b_desc, scale_a, scale_b, out, gather.flags, self.calls, self.m_shard, self.n,
+            self.k, self.m, FLAGS_PER_SHARD=gather.flags_per_shard, EPOCH_FLAGS=gather.epoch_flags, **self.config)
+        gather.finish()
+        return out
+
+    def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank, in the same order)."""
+        self.gather.free()
+
+
+class ShardGather:
+    """The all-gather behind ag_gemm (and ag_moe): every rank's shard of m_shard x k into
+    `gathered` on every rank (shard s at rows s * m_shard of a slot, `slot_rows` rows per slot),
+    with `flags_per_shard` flags per shard that a GEMM on the current stream waits for before
+    reading it: with `epoch_flags`, flag (slot, s, i) raised to the call epoch (comm "sm"), without,
+    flag (s, i) of the single slot raised to 1 and zeroed after the call (comm "ce"; see the module
+    docstring). `gemm_programs`: the SMs left to that GEMM. Queue `start(shard)` before the GEMM
+    and `finish()` after it."""
+
+    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None):
+        self.world = w = tridist.world()
+        self.comm, self.m_shard, self.k = comm, m_shard, k
+        self.slot_rows = m = w.world_size * m_shard
+        programs = _protocol.programs_for(w.device)
+        self.epoch_flags = comm == "sm"
+        if comm == "sm":
+            _protocol.check_offsets("ag_gemm comm='sm'", 2 * m * k)  # all_gather_2d_kernel into `gathered`
+            self.gathered = tridist.symm_empty((2 * m, k), dtype)
+            self.side = _protocol.SideStream(w.device)
+            # A few SMs push (8 of an H200's 132), the GEMM keeps the others; "sm" is there for several
+            # nodes, where the network, not these programs, sets the pace.
+            self.comm_programs = comm_programs or max(1, programs // 16)
+            self.push_tasks = allgather.spread_tasks(w)
+            self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
+            self.flags = tridist.signals(2 * w.world_size * self.splits)
+            self.flags_per_shard = self.splits
+            self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+            self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
+        else:
+            self.push = _protocol.CopyEnginePush(m_shard * k, dtype, row=m_shard * k)
+            self.gathered = self.push.staging.view(m, k)
+            self.flags, self.flags_per_shard = self.push.flags, self.push.chunks
+            self.gemm_programs = programs
+
+    def start(self, shard: torch.Tensor) -> None:
+        """Queue the transfer of this rank's shard (contiguous, m_shard x k) to every peer (none at
+        world size 1: the GEMM reads its own shard where it is)."""
+        if self.world.world_size == 1:
+            return
+        if self.comm == "ce":
+            self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
+            self.push.push([shard.reshape(-1)] * self.world.world_size)
+            return
+        w = self.world
+        with self.side.fork():
+            # Shards lie back to back in `gathered` (row = shard size), as the GEMM reads them;
+            # without the copy-out, `out` (here `gathered`) is never written.
+            n = shard.numel()
+            allgather.all_gather_2d_kernel[(self.push_tasks, self.splits)](
+                shard, self.gathered, self.gathered, self.flags, self.push_calls, n, n, self.slot_rows * self.k,
+                w.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8,
+                coresident=True)
+
+    def finish(self) -> None:
+        """After the GEMM that read the shards: the current stream waits for the transfer (and "ce"
+        zeroes its flags)."""
+        if self.world.world_size == 1:
+            return
         if self.comm == "ce":
             self.push.join()
         else:
             self.side.join()
-        return out
-
-    def _push_shard(self, a_shard: torch.Tensor) -> None:
-        w = self.world
-        with self.side.fork():
-            # Shards lie back to back in `gathered` (row = shard size), as the GEMM's TMA reads them;
-            # without the copy-out, `out` (here `gathered`) is never written.
-            n = a_shard.numel()
-            allgather.all_gather_2d_kernel[(self.push_tasks, self.splits)](
-                a_shard, self.gathered, self.gathered, self.push_flags, self.push_calls, n, n, self.m * self.k,
-                w.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8,
-                coresident=True)
 
     def free(self) -> None:
         """Give the symmetric buffers back (collective: every rank, in the same order)."""
         if self.comm == "sm":
-            tridist.symm_free(self.push_flags)
+            tridist.symm_free(self.flags)
             tridist.symm_free(self.gathered)
         else:
             self.push.free()

@@ -108,12 +108,14 @@ def default_config(device: torch.device, m: int, n: int, flatten: bool = True, s
 
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
-                   flatten: bool = True, shards: int = 1, dtype: torch.dtype = torch.bfloat16) -> dict:
+                   flatten: bool = True, shards: int = 1, dtype: torch.dtype = torch.bfloat16,
+                   candidates: list[dict] | None = None, default: dict | None = None) -> dict:
     """`config` as given; the default for an m x n product (in `shards` row shards) if None; with
     "tune", the config of `configs` under which `make_op(config)(*make_inputs())` is fastest on the
-    slowest rank (`tridist.tune`, cached on disk). A collective when tuning."""
+    slowest rank (`tridist.tune`, cached on disk). A collective when tuning. `candidates` and
+    `default` replace `configs` and `default_config` (for the grouped GEMMs)."""
     if config is None:
-        return default_config(device, m, n, flatten, shards, dtype)
+        return default if default is not None else default_config(device, m, n, flatten, shards, dtype)
     if config != "tune":
         return config
     built = []
@@ -130,7 +132,7 @@ def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.d
         return lambda: built[-1](*inputs)
 
     try:
-        return tune(name, key, configs(device, flatten, dtype), make_run)
+        return tune(name, key, candidates if candidates is not None else configs(device, flatten, dtype), make_run)
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # nothing may still use the buffers that are given back

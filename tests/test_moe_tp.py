@@ -1,0 +1,325 @@
+"""The tensor-parallel MoE ops (ag_moe, moe_rs) against float32 references: random routing, every
+token to one expert (topk 1, the other experts empty), topk 8; outputs poisoned, calls back to back
+with no host synchronisation, bad input refused before launch, shapes under torch.compile; the
+example and the benchmarks' checks."""
+import pytest
+import torch
+
+import tridist
+from tridist import ops
+from tridist.bench.results import relative_error
+from tridist.ops.moe import MoEHandle, tp_routing
+
+from .test_language import load_example
+
+# h rounds each product once; y rounds each rank's partial sums (as gemm_rs does) and then the total:
+# errors relative to the largest value.
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+# name: (tokens per rank, topk, experts, routing); "one expert" leaves the other experts empty
+CASES = {
+    "random": (3, 2, 4, "random"),
+    "one expert": (2, 1, 4, "expert 2"),
+    "topk 8": (1, 8, 8, "random"),
+}
+
+
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _routing(kind, tokens, topk, experts, seed):
+    if kind == "random":
+        return torch.rand(tokens, experts, generator=_generator(seed)).argsort(dim=1)[:, :topk].contiguous()
+    return torch.full((tokens, topk), 2, dtype=torch.int64)
+
+
+def pair_order(idx):
+    """Rows of h: the pairs (global token * topk + k) sorted stably by expert."""
+    experts = idx.reshape(-1).tolist()
+    return sorted(range(len(experts)), key=lambda p: (experts[p], p))
+
+
+class Layer:
+    """Every rank's inputs of one call, made alike on every rank from seeds."""
+
+    def __init__(self, w, case, dtype, call, k=16, n=8, out_k=24):
+        tokens, topk, experts, kind = CASES[case]
+        world_size = w.world_size
+        seed = 1000 * call
+        self.x = [torch.randn(tokens, k, generator=_generator(seed + r)).to(dtype) for r in range(world_size)]
+        self.idx = [_routing(kind, tokens, topk, experts, seed + 100 + r) for r in range(world_size)]
+        self.w1 = [torch.randn(experts, k, n, generator=_generator(seed + 200 + r)).to(dtype)
+                   for r in range(world_size)]
+        self.h = [torch.randn(world_size * tokens * topk, n, generator=_generator(seed + 300 + r)).to(dtype)
+                  for r in range(world_size)]
+        self.w2 = [torch.randn(experts, n, out_k, generator=_generator(seed + 400 + r)).to(dtype)
+                   for r in range(world_size)]
+        self.weights = [torch.rand(tokens, topk, generator=_generator(seed + 500 + r)) for r in range(world_size)]
+        self.tokens, self.topk, self.experts, self.dtype = tokens, topk, experts, dtype
+        self.rows = pair_order(torch.cat(self.idx))
+
+    def expected_h(self, rank):
+        x, idx = torch.cat(self.x).float(), torch.cat(self.idx).reshape(-1)
+        return torch.stack([x[p // self.topk] @ self.w1[rank][int(idx[p])].float() for p in self.rows])
+
+    def expected_y(self, rank):
+        row_of_pair = {p: row for row, p in enumerate(self.rows)}
+        idx = torch.cat(self.idx).reshape(-1)
+        y = torch.zeros(self.tokens, self.w2[0].shape[2], dtype=torch.float64)
+        for t in range(self.tokens):
+            for k in range(self.topk):
+                pair = (rank * self.tokens + t) * self.topk + k
+                expert = int(idx[pair])
+                total = sum(self.h[r][row_of_pair[pair]].double() @ self.w2[r][expert].double()
+                            for r in range(len(self.h)))
+                y[t] += self.weights[rank][t, k].double() * total
+        return y.float()
+
+    def inputs(self, rank, device):
+        return (self.x[rank].to(device), self.idx[rank].to(device), self.w1[rank].to(device), self.h[rank].to(device),
+                self.w2[rank].to(device), self.weights[rank].to(device))
+
+
+def _check_handle(handle, layer, w):
+    assert handle.pair_of_row.tolist() == layer.rows
+    assert handle.row_of_pair[torch.tensor(layer.rows)].tolist() == list(range(len(layer.rows)))
+    assert torch.equal(handle.topk_idx.cpu(), torch.cat(layer.idx).int())
+    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=layer.experts) for i in layer.idx])
+    assert torch.equal(handle.counts.cpu(), counts.int())
+    assert handle.offs.tolist() == counts.sum(0).cumsum(0).tolist()
+
+
+def _moe(w, dtype, calls):
+    """`calls`: case -> (comm, calls of it back to back); comm "ce" runs as "sm" across nodes."""
+    for case, (comm, count) in calls.items():
+        if comm == "ce" and w.nnodes > 1:
+            comm = "sm"
+        layers = [Layer(w, case, dtype, call) for call in range(count)]
+        inputs = [layer.inputs(w.rank, w.device) for layer in layers]
+        tokens, k = layers[0].x[0].shape
+        n, out_k = layers[0].w2[0].shape[1:]
+        hs = [torch.full((w.world_size * tokens * layers[0].topk, n), float("nan"), dtype=dtype, device=w.device)
+              for _ in layers]
+        ys = [torch.full((tokens, out_k), float("nan"), dtype=dtype, device=w.device) for _ in layers]
+        handles = []
+        for call, (x, idx, w1, h, w2, weights) in enumerate(inputs):  # back to back
+            handles.append(ops.ag_moe(x, idx, w1, out=hs[call], comm=comm)[1])
+            ops.moe_rs(h, w2, handles[-1], weights, out=ys[call])
+        for call, (layer, h, y, handle) in enumerate(zip(layers, hs, ys, handles)):
+            what = f"{case}, {dtype}, comm {comm}, call {call}"
+            _check_handle(handle, layer, w)
+            error = relative_error(h, layer.expected_h(w.rank))
+            assert error <= TOLERANCE[dtype], f"h, {what}: relative error {error:.2e}"
+            error = relative_error(y, layer.expected_y(w.rank))
+            assert error <= TOLERANCE[dtype], f"y, {what}: relative error {error:.2e}"
+    tridist.barrier_all()
+
+
+# Random routing back to back through the copy engines (on one node), the edge cases once each
+# through SM pushes (the path that works across nodes).
+CALLS = {"random": ("ce", 2), "one expert": ("sm", 1), "topk 8": ("sm", 1)}
+
+
+@pytest.mark.worlds("1", "2", "3", "4", "2x2")
+def test_ag_moe_and_moe_rs(world):
+    world.run(_moe, dtype=torch.bfloat16, calls=CALLS)
+
+
+@pytest.mark.worlds("2")
+def test_ag_moe_and_moe_rs_fp16(world):
+    world.run(_moe, dtype=torch.float16, calls={"random": ("sm", 1)})
+
+
+def _bad_input(w):
+    dtype, tokens, k, n, experts, topk = torch.bfloat16, 4, 16, 8, 4, 2
+    x = torch.zeros((tokens, k), dtype=dtype, device=w.device)
+    idx = torch.zeros((tokens, topk), dtype=torch.int64, device=w.device)
+    w1 = torch.zeros((experts, k, n), dtype=dtype, device=w.device)
+    cases = [
+        ((x, idx.int(), w1), "int64"),
+        ((x, idx[:, :1].repeat(1, 5), w1), "more than the 4 experts"),
+        ((x.half(), idx, w1), "must be"),
+        ((x.float(), idx, w1.float()), "dtype"),
+        ((x, idx, w1[0]), "3-D"),
+        ((x[:, :8], idx, w1), "contiguous"),
+        ((torch.zeros((tokens, 12), dtype=dtype, device=w.device), idx,
+          torch.zeros((experts, 12, n), dtype=dtype, device=w.device)), "multiple of 8"),
+        ((x, idx[:3], w1), r"shape \(4, 2\)"),
+    ]
+    if w.device.type == "cpu":  # expert ids are read back only where that costs no synchronisation
+        cases.append(((x, idx + experts, w1), "ids from 4 to 4"))
+        cases.append(((x, idx - 1, w1), "ids from -1"))
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ops.ag_moe(*args)
+    with pytest.raises(ValueError, match="unknown method"):
+        ops.ag_moe(x, idx, w1, comm="nccl")
+    h, handle = ops.ag_moe(x, idx, w1)
+    w2 = torch.zeros((experts, n, k), dtype=dtype, device=w.device)
+    weights = torch.ones((tokens, topk), device=w.device)
+    rs_cases = [
+        ((h, w2, handle.layout, weights), "MoEHandle"),
+        ((h, w2, handle, weights.double()), "dtype"),
+        ((h, w2, handle, weights[:, :1].contiguous()), r"the handle is of an ag_moe call"),
+        ((h[:-1], w2, handle, weights), "shape"),
+        ((torch.zeros(h.numel() + 1, dtype=dtype, device=w.device)[1:].view(h.shape), w2, handle, weights),
+         "16-byte boundary"),
+        ((h, w2[:, :, :8].contiguous(), handle, weights), None),  # a fine call with K = 8: no error
+        ((h, torch.zeros((experts + 1, n, k), dtype=dtype, device=w.device), handle, weights), "handle is of"),
+        ((h.half(), w2.half(), handle, weights), None),
+    ]
+    for args, message in rs_cases:
+        if message is None:
+            ops.moe_rs(*args)
+            continue
+        with pytest.raises(ValueError, match=message):
+            ops.moe_rs(*args)
+    broken = MoEHandle(handle.layout[:-1], handle.world_size, handle.tokens, handle.topk, handle.experts)
+    with pytest.raises(ValueError, match="layout must be"):
+        ops.moe_rs(h, w2, broken, weights)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.moe_rs(h, w2, handle, weights, out=torch.empty((tokens, k + 1), dtype=dtype, device=w.device))
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("1")
+def test_moe_bad_input(world):
+    world.run(_bad_input)
+
+
+def _custom_ops(w):
+    """A tensor-parallel MoE MLP through the custom ops, under torch.compile, and fake shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = Layer(w, "random", torch.bfloat16, call=7)
+    x, idx, w1, _, w2, weights = layer.inputs(w.rank, w.device)
+
+    def mlp(x, idx, weights):
+        h, layout = torch.ops.tridist.ag_moe(x, idx, w1)
+        return torch.ops.tridist.moe_rs(torch.relu(h), w2, layout, weights), h
+
+    y, h = torch.compile(mlp, backend="eager", fullgraph=True)(x, idx, weights)
+    error = relative_error(h, layer.expected_h(w.rank))
+    assert error <= TOLERANCE[torch.bfloat16], f"h under torch.compile: relative error {error:.2e}"
+    handle = ops.ag_moe(x, idx, w1)[1]
+    assert torch.equal(y, ops.moe_rs(torch.relu(h), w2, handle, weights))
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (x, idx, w1, w2, weights)]
+        h, layout = torch.ops.tridist.ag_moe(*fake[:3])
+        assert h.shape == (w.world_size * layer.tokens * layer.topk, w1.shape[2]) and h.dtype == x.dtype
+        assert layout.dtype == torch.int32 and layout.numel() == handle.layout.numel()
+        assert torch.ops.tridist.moe_rs(h, fake[3], layout, fake[4]).shape == (layer.tokens, w2.shape[2])
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("1")
+def test_moe_custom_ops_under_torch_compile(world):
+    world.run(_custom_ops)
+
+
+def _tuned(w, folder):
+    """config="tune" picks one of the grouped GEMM's configs, the same on every rank."""
+    import os
+
+    from tridist.ops.gemm import grouped
+
+    os.environ["TRIDIST_TUNE_CACHE"] = folder
+    layer = Layer(w, "random", torch.bfloat16, call=3)
+    x, idx, w1, h, w2, weights = layer.inputs(w.rank, w.device)
+    tokens, k, n, experts, topk = layer.tokens, w1.shape[1], w1.shape[2], layer.experts, layer.topk
+    up = ops.AllGatherMoE(tokens, k, n, experts, topk, torch.bfloat16, comm="sm", config="tune")
+    down = ops.MoEReduceScatter(tokens, n, w2.shape[2], experts, topk, torch.bfloat16, config="tune")
+    assert up.config in grouped.configs(w.device) and down.config in grouped.configs(w.device)
+    result, handle = up(x, idx, w1)
+    assert relative_error(result, layer.expected_h(w.rank)) <= TOLERANCE[torch.bfloat16]
+    assert relative_error(down(h, w2, handle, weights), layer.expected_y(w.rank)) <= TOLERANCE[torch.bfloat16]
+    tridist.barrier_all()
+    up.free()
+    down.free()
+
+
+@pytest.mark.worlds("1")
+def test_moe_tuned_config(world, tmp_path):
+    world.run(_tuned, folder=str(tmp_path))
+
+
+def _graph_replays(w, replays):
+    """AllGatherMoE and MoEReduceScatter captured in one CUDA graph, replayed back to back with new
+    tokens, routing and weights copied in; every 10th replay checked against eager calls."""
+    layers = [Layer(w, "random", torch.bfloat16, call) for call in range(3)]
+    inputs = [layer.inputs(w.rank, w.device) for layer in layers]
+    x, idx, w1, h, w2, weights = buffers = [t.clone() for t in inputs[0]]
+    up = ops.AllGatherMoE(x.shape[0], x.shape[1], w1.shape[2], layers[0].experts, layers[0].topk, torch.bfloat16)
+    down = ops.MoEReduceScatter(x.shape[0], w2.shape[1], w2.shape[2], layers[0].experts, layers[0].topk,
+                                torch.bfloat16)
+    eager = []
+    for args in inputs:
+        result, handle = up(*args[:3])
+        eager.append((result.clone(), down(args[3], args[4], handle, args[5]).clone()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result, handle = up(x, idx, w1)
+        y = down(h, w2, handle, weights)
+    for i in range(replays):
+        for buffer, value in zip(buffers, inputs[i % 3]):
+            buffer.copy_(value)
+        graph.replay()
+        if i % 10 == 9:
+            assert torch.equal(result, eager[i % 3][0]) and torch.equal(y, eager[i % 3][1]), i
+    torch.cuda.synchronize()
+    tridist.barrier_all()
+    up.free()
+    down.free()
+
+
+@pytest.mark.worlds("1", "2", "2x1")
+def test_moe_cuda_graph_replays(world):
+    if world.backend == "emulator":
+        pytest.skip("CUDA graphs need GPUs")
+    world.run(_graph_replays, replays=60)
+
+
+def _example(w):
+    load_example("moe_tensor_parallel").moe_block(w)
+
+
+@pytest.mark.worlds("1")
+def test_moe_tensor_parallel_example(world):
+    world.run(_example)
+
+
+def test_routing_sizes():
+    """The handle's parts tile its layout (host code only)."""
+    handle = MoEHandle(torch.arange(MoEHandle.numel(3, 5, 2, 6), dtype=torch.int32), 3, 5, 2, 6)
+    parts = [handle.pair_of_row, handle.row_of_pair, handle.topk_idx.reshape(-1), handle.padded_counts,
+             handle.padded_base, handle.offs]
+    assert sum(p.numel() for p in parts) == handle.layout.numel() - (handle.e_pad - handle.experts)
+    assert torch.equal(torch.cat(parts[:5]), handle.layout[:-handle.e_pad])
+    assert handle.counts.shape == handle.base.shape == (3, 6)
+    assert tp_routing.SORT_IDS // handle.e_pad >= 1
+
+
+def _bench(w):
+    """`tridist bench grouped_gemm|ag_moe|moe_rs`'s checks on a tiny layer (the timing needs GPUs)."""
+    from tridist.bench import moe as bench
+
+    layers = bench.parse_layers(f"4x6x16x{8 * w.world_size}x2")
+    if w.world_size == 1:
+        assert bench.grouped_rows(layers, torch.bfloat16, timed=False, configs=True) == []
+        assert bench.grouped_rows(layers, ops.gemm.FP8, timed=False) == []
+    for op in ("ag_moe", "moe_rs"):
+        assert bench.moe_rows(op, layers, timed=False) == []
+
+
+@pytest.mark.worlds("1", "2")
+def test_moe_bench_checks(world):
+    world.run(_bench)
+
+
+def test_moe_bench_layers():
+    from tridist.bench import moe as bench
+
+    assert bench.parse_layers("mixtral, 2x3x16x8x1")[1] == ("2x3x16x8x1", 2, 3, 16, 8, 1)
+    with pytest.raises(Exception, match="five positive integers"):
+        bench.parse_layers("8x1024")

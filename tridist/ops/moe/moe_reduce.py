@@ -1,0 +1,368 @@
+"""MoE-ReduceScatter: the down projection of a tensor-parallel MoE layer, the grouped GEMM, the
+top-k weighted sum and the reduce-scatter to the tokens' owners overlapped.
+
+h is what `ag_moe` returned (P = world_size * T_r * topk rows grouped by expert, after any
+activation, N/world columns), w_shard (E x N/world x K) this rank's rows of every expert's down
+weights, topk_weights_shard (T_r x topk, float32) the weights of this rank's tokens. Rank r gets
+y_shard (T_r x K): for each of its tokens t, sum over k of topk_weights[t, k] * (h[row of (t, k)] @
+w[expert]), summed over the ranks (each holds a part of the N columns).
+
+Protocol (slots and call epochs as in `_protocol.py`)
+- The GEMM (`moe_rs_gemm_kernel`) walks the segments of h phase by phase (`tp_routing`): the rows
+  of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs orders its tiles.
+  Each tile's rows go to `products` (P x K, local, h's row order), and one tile late (so that the
+  tile's stores have drained when the release is made) it adds 1 to done[slot, source], the
+  count of finished tiles of that source's rows (not at world size 1: nothing waits for it). Program 0 zeroes the other slot's counts for the
+  next call (this call's other kernels have finished with it: each call waits for the last).
+- The combine for the peers (`moe_combine_kernel` with OWN=False), on a side stream beside the
+  GEMM (a few programs: `comm_programs`): program 0 first sends this rank's topk weights into row
+  `rank` of every peer's `weights` and raises flag (slot, rank) there to the epoch. Then, for each
+  peer s in the GEMM's order, once done[slot, s] has reached the tile count of s's rows (computed
+  from `counts`) and s's weights are here, piece after piece (CHUNK of s's tokens by a span of
+  the K columns): the weighted sum of the products of their top-k pairs, in fp32, goes to rank
+  s's `partials` row `rank`, in h's dtype (stores through symm_at on this node, an NVSHMEM put of
+  a copy in `send` across nodes), and flag (slot, rank, piece) goes up there.
+- The combine of the own tokens (OWN=True), on the current stream after the GEMM, with every SM:
+  this rank's weighted sums plus every peer's partials of the same piece (waiting for its flag),
+  in fp32, into y_shard. At world size 1 it is the only combine.
+Nothing waits on a kernel that waits back: the GEMM waits for nothing, the peers' combine for the
+GEMM and the peers' weights (sent before anything else), the own combine for the peers' combines.
+"""
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+import tridist
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from .. import _protocol
+from .._protocol import after_flags, call_epoch, copy_slice, finish_call, push_slice, sync_program
+from ..gemm import grouped, persistent
+from . import allgather_moe, tp_routing
+from .tp_routing import MoEHandle
+
+# Tokens per piece of the combine, and columns per step; small in the emulator, where tests use a
+# few tokens and want several pieces.
+CHUNK = {"cuda": 16, "cpu": 2}
+BLOCK_C = {"cuda": 256, "cpu": 16}
+WEIGHTS_BLOCK = tl.constexpr(1024)  # weights moved per step of their exchange
+
+
+@jit
+def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_ptr, calls_ptr, N, K,
+                       COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
+    count per source rank, two slots, raised with COUNT (nothing waits for them at world size 1)."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    sources = tl.arange(0, W_PAD)
+    if tl.program_id(0) == 0:
+        tl.store(done_ptr + ((epoch + 1) % 2) * world + sources, 0, mask=sources < world)
+    done = done_ptr + (epoch % 2) * world
+    first = (me + 1) % world
+    row_tiles, phase_ends = tp_routing.phases(counts_ptr, first, world, W_PAD, E_PAD, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    late = tl.cast(-1, tl.int32)  # the source of the tile stored last, whose count is still to raise
+    for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
+        source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
+                                                           base_ptr, tiles_n, E_PAD, BLOCK_M, GROUP_M)
+        acc = grouped.group_product(h_desc, w_desc, row, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        if COUNT:
+            if late >= 0:
+                dl.notify(done + late, me, signal=1, sig_op="add")
+            late = source
+        persistent.store_tile(products_ptr, acc, row, tn * BLOCK_N, end, N, BLOCK_M, BLOCK_N)
+    if late >= 0:
+        dl.notify(done + late, me, signal=1, sig_op="add")
+    finish_call(calls_ptr)
+
+
+@triton.jit
+def _weighted_sum(products_ptr, row_of_pair_ptr, weights_ptr, pair0, t0, tokens, col, K, topk, CHUNK: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """For tokens t0..t0+CHUNK (of `tokens`) whose pairs start at pair0 (global token * topk):
+    sum over k of weights[t, k] * products[row of pair (t, k), col:col+BLOCK_C], in fp32."""
+    t = t0 + tl.arange(0, CHUNK)
+    cols = col + tl.arange(0, BLOCK_C)
+    mask = (t < tokens)[:, None] & (cols < K)[None, :]
+    acc = tl.zeros((CHUNK, BLOCK_C), dtype=tl.float32)
+    for k in range(topk):
+        rows = tl.load(row_of_pair_ptr + pair0 + t * topk + k, mask=t < tokens, other=0)
+        weight = tl.load(weights_ptr + t * topk + k, mask=t < tokens, other=0.0)
+        values = tl.load(products_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        acc += weight[:, None] * values.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _piece_offsets(col, span, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Offsets of columns col..col+BLOCK_C of a piece: CHUNK rows of `span` columns, contiguous."""
+    return tl.arange(0, CHUNK)[:, None] * span + col + tl.arange(0, BLOCK_C)[None, :]
+
+
+@jit
+def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, exchange_ptr, partials_ptr, send_ptr,
+                       flags_ptr, done_ptr, calls_ptr, out_ptr, tokens, K, topk, weights_row, slot_numel,
+                       local_world_size, spans, span, gemm_tiles_n, GEMM_BLOCK_M: tl.constexpr, OWN: tl.constexpr,
+                       W_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """OWN=False: the combine for the peers; OWN=True: of this rank's own tokens (see the module
+    docstring). The work comes in pieces: CHUNK tokens by `span` columns (`spans` of them across K),
+    piece p = chunk * spans + j. exchange: the weights, rows `weights_row` apart; partials: a slot of
+    `slot_numel`, rank src's sums at row src, piece after piece, each CHUNK x span contiguous; flags
+    per slot: world x pieces for the partials, then world for the weights; send: this rank's sums
+    for peers on other nodes, laid out as partials' rows."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    pieces = tl.cdiv(tokens, CHUNK) * spans
+    slot = epoch % 2
+    flags = flags_ptr + slot * (world * pieces + world)
+    weights_flags = flags + world * pieces
+    exchange = exchange_ptr + slot * world * weights_row
+    partials = partials_ptr + slot * slot_numel
+    row = pieces * CHUNK * span  # elements of a row of partials
+    if not OWN:
+        if tl.program_id(0) == 0:
+            copy_slice(weights_ptr, exchange + me * weights_row, 0, tokens * topk, WEIGHTS_BLOCK)
+            sync_program()  # pushed below by other threads than stored it
+            for step in range(1, world):
+                push_slice(exchange + me * weights_row, exchange + me * weights_row, 0, tokens * topk,
+                           weights_flags + me, epoch, (me + step) % world, local_world_size, WEIGHTS_BLOCK)
+        row_tiles, phase_ends = tp_routing.phases(counts_ptr, me + 1, world, W_PAD, E_PAD, GEMM_BLOCK_M)
+        for j in range(world - 1):
+            source = (me + 1 + j) % world
+            products = after_flags(products_ptr, done_ptr + slot * world + source, 1,
+                                   grouped.pick(row_tiles, j) * gemm_tiles_n)
+            weights = after_flags(exchange + source * weights_row, weights_flags + source, 1, epoch)
+            same_node = source // local_world_size == me // local_world_size
+            for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+                t0 = (piece // spans) * CHUNK
+                first_col = (piece % spans) * span
+                to = partials + me * row + piece * CHUNK * span
+                staged = send_ptr + source * row + piece * CHUNK * span
+                for col in range(0, tl.minimum(span, K - first_col), BLOCK_C):
+                    total = _weighted_sum(products, row_of_pair_ptr, weights, source * tokens * topk, t0, tokens,
+                                          first_col + col, K, topk, CHUNK, BLOCK_C)
+                    at = _piece_offsets(col, span, CHUNK, BLOCK_C)
+                    if same_node:
+                        tl.store(dl.symm_at(to, source) + at, total.to(partials_ptr.dtype.element_ty))
+                    else:
+                        tl.store(staged + at, total.to(partials_ptr.dtype.element_ty))
+                flag = flags + me * pieces + piece
+                if same_node:
+                    dl.notify(flag, source, signal=epoch, sig_op="set")
+                else:
+                    sync_program()  # the whole block puts what its threads stored
+                    nbytes = CHUNK * span * (partials_ptr.dtype.element_ty.primitive_bitwidth // 8)
+                    dl.shmem.putmem_signal_nbi_block(to, staged, nbytes, flag, epoch, dl.shmem.SIGNAL_SET, source)
+    else:
+        for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
+            t0 = (piece // spans) * CHUNK
+            first_col = (piece % spans) * span
+            received = partials + piece * CHUNK * span
+            for step in range(1, world):
+                received = after_flags(received, flags + ((me + step) % world) * pieces + piece, 1, epoch)
+            for col in range(0, tl.minimum(span, K - first_col), BLOCK_C):
+                total = _weighted_sum(products_ptr, row_of_pair_ptr, weights_ptr, me * tokens * topk, t0, tokens,
+                                      first_col + col, K, topk, CHUNK, BLOCK_C)
+                at = _piece_offsets(col, span, CHUNK, BLOCK_C)
+                for step in range(1, world):
+                    total += tl.load(received + ((me + step) % world) * row + at).to(tl.float32)
+                rows = t0 + tl.arange(0, CHUNK)[:, None]
+                cols = first_col + col + tl.arange(0, BLOCK_C)[None, :]
+                mask = (rows < tokens) & (cols < K)
+                tl.store(out_ptr + rows * K + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+class MoEReduceScatter:
+    """`moe_rs` for h of `n` columns (N/world), `experts` x n x k down weights, and `tokens` tokens
+    of `topk` experts per rank, with its buffers allocated once; one instance per stream.
+    `comm_programs`: the programs of the peers' combine, beside the GEMM (default a sixteenth of the
+    SMs); `config`: as for `AllGatherMoE`."""
+
+    def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype,
+                 comm_programs: int | None = None, config: dict | str | None = None):
+        allgather_moe.check_build("moe_rs", tokens, topk, experts, n, k, dtype)
+        if comm_programs is not None:
+            _protocol.check_programs(comm_programs, "comm_programs", "the programs of the peers' combine")
+        self.world = w = tridist.world()
+        self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
+        self.pairs = w.world_size * tokens * topk
+        _protocol.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
+        self.config = allgather_moe.moe_config(
+            config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs),
+            lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c)),
+            lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
+            dtype)
+        programs = _protocol.programs_for(w.device)
+        self.comm_programs = comm_programs or max(1, programs // 16)
+        self.overlap = w.world_size > 1  # the peers' combine runs beside the GEMM
+        self.gemm_programs = max(1, programs - self.comm_programs) if self.overlap else programs
+        self.programs = programs
+        kind = w.device.type
+        self.chunk, self.block_c = CHUNK[kind], BLOCK_C[kind]
+        chunks = triton.cdiv(tokens, self.chunk)
+        # Pieces across K as well where the tokens alone would leave SMs without work: about two
+        # pieces per SM for the combine of the own tokens, which nothing overlaps.
+        spans = max(1, min(triton.cdiv(k, self.block_c), triton.cdiv(2 * programs, chunks)))
+        self.span = triton.cdiv(triton.cdiv(k, spans), self.block_c) * self.block_c
+        self.spans = triton.cdiv(k, self.span)
+        self.pieces = chunks * self.spans
+        self.products = torch.empty((self.pairs, k), dtype=dtype, device=w.device)
+        row = self.pieces * self.chunk * self.span
+        _protocol.check_offsets("moe_rs", 2 * w.world_size * row)
+        self.workspace = _protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1))
+        self.weights_row = _protocol.row_stride(tokens * topk)
+        self.exchange = tridist.symm_empty((2 * w.world_size * self.weights_row,), torch.float32)
+        self.send = tridist.symm_empty((w.world_size * row,), dtype) if w.nnodes > 1 else None
+        self.done = tridist.signals(2 * w.world_size)
+        self.gemm_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+        self.peer_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+        self.side = _protocol.SideStream(w.device)
+
+    def __call__(self, h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's tokens' outputs, as `moe_rs` (which keeps an instance of this class per shape
+        and stream): `out`, if given, is the tokens x K result's storage."""
+        w = self.world
+        allgather_moe.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk, torch.float32)
+        allgather_moe.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
+        check_handle(handle, w.world_size, self.tokens, self.topk, self.experts, w.device)
+        _protocol.check_input(h, "h", (self.dtype,))
+        if tuple(h.shape) != (self.pairs, self.n):
+            raise ValueError(f"this moe_rs takes h {self.dtype} of shape {(self.pairs, self.n)} (a row per pair of "
+                             f"every rank's tokens); got shape {tuple(h.shape)}: build another instance, or call "
+                             "tridist.ops.moe_rs")
+        if h.data_ptr() % 16:
+            raise ValueError("h does not start on a 16-byte boundary, as TMA needs (a view at an odd offset?): pass "
+                             "h.clone()")
+        if out is None:
+            out = torch.empty((self.tokens, self.k), dtype=self.dtype, device=h.device)
+        _protocol.check_output(out, (self.tokens, self.k), self.dtype)
+        config = self.config
+        h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
+        bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
+            triton.cdiv(self.k, config["BLOCK_N"])
+        w_pad, e_pad = triton.next_power_of_2(w.world_size), handle.e_pad
+        moe_rs_gemm_kernel[(min(bound, self.gemm_programs),)](
+            h_desc, grouped.weight_descriptor(w_shard, config), self.products, handle.padded_counts,
+            handle.padded_base, self.done, self.gemm_calls, self.k, self.n, COUNT=self.overlap, W_PAD=w_pad,
+            E_PAD=e_pad, **config)
+        ws = self.workspace
+        args = (self.products, handle.row_of_pair, handle.padded_counts, topk_weights_shard, self.exchange, ws.staging,
+                self.send if self.send is not None else ws.staging, ws.flags, self.done)
+        sizes = (out, self.tokens, self.k, self.topk, self.weights_row, ws.slot_numel, w.local_world_size, self.spans,
+                 self.span, triton.cdiv(self.k, config["BLOCK_N"]))
+        blocks = dict(GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad, CHUNK=self.chunk, BLOCK_C=self.block_c)
+        if self.overlap:
+            with self.side.fork():
+                moe_combine_kernel[(min(self.comm_programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False,
+                                                                            **blocks)
+        moe_combine_kernel[(min(self.programs, self.pieces),)](*args, ws.calls, *sizes, OWN=True, **blocks)
+        if self.overlap:
+            self.side.join()
+        return out
+
+    def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank, in the same order)."""
+        self.workspace.free()
+        tridist.symm_free(self.exchange)
+        if self.send is not None:
+            tridist.symm_free(self.send)
+        tridist.symm_free(self.done)
+
+
+class _Tuning:
+    """A MoEReduceScatter called as `tridist.tune` calls an op: with random inputs and a handle of
+    their own routing (a routing step of its own runs once, untimed)."""
+
+    def __init__(self, op: MoEReduceScatter):
+        self.op = op
+
+    @staticmethod
+    def inputs(tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype, device: torch.device):
+        router = tp_routing.Router(tokens, topk, experts)
+        handle = router(allgather_moe.random_routing(tokens, topk, experts, device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        tridist.barrier_all()
+        router.free()
+        pairs = tridist.world().world_size * tokens * topk
+        return (torch.randn(pairs, n, device=device).to(dtype), torch.randn(experts, n, k, device=device).to(dtype),
+                handle, torch.rand(tokens, topk, device=device))
+
+    def __call__(self, *inputs):
+        return self.op(*inputs)
+
+    def free(self) -> None:
+        self.op.free()
+
+
+def check_handle(handle, world_size: int, tokens: int, topk: int, experts: int, device: torch.device) -> None:
+    """handle is an `ag_moe` handle of these sizes."""
+    if not isinstance(handle, MoEHandle):
+        raise ValueError(f"handle must be the MoEHandle that ag_moe returned; got {type(handle).__name__}")
+    got = (handle.world_size, handle.tokens, handle.topk, handle.experts)
+    if got != (world_size, tokens, topk, experts):
+        raise ValueError(f"the handle is of an ag_moe call with (world size, tokens, topk, experts) = {got}; this "
+                         f"moe_rs call has {(world_size, tokens, topk, experts)} (topk_weights_shard, w_shard)")
+    numel = MoEHandle.numel(world_size, tokens, topk, experts)
+    layout = handle.layout
+    if layout.dtype != torch.int32 or layout.numel() != numel or layout.device != device or not layout.is_contiguous():
+        raise ValueError(f"the handle's layout must be contiguous int32 of {numel} elements on {device}")
+
+
+def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
+           out: torch.Tensor | None = None, config: dict | str | None = None) -> torch.Tensor:
+    """The down projection of a tensor-parallel MoE layer: the grouped GEMM, the top-k weighted sum
+    and the reduce-scatter to the tokens' owners, overlapped. A collective.
+
+    Args:
+        h: what `ag_moe` returned (after any activation): (world_size * T_r * topk) x N/world, bf16 or
+            fp16, a row per pair in the handle's order.
+        w_shard: E x N/world x K of h's dtype: this rank's rows of every expert's down weights.
+        handle: the `MoEHandle` that `ag_moe` returned with h.
+        topk_weights_shard: float32 T_r x topk, the weights of this rank's tokens' experts.
+        out: T_r x K in h's dtype, or None for a new tensor.
+        config: a dict of `tridist.ops.gemm.grouped.configs`, None, or "tune".
+
+    Returns:
+        y_shard, T_r x K: for each of this rank's tokens, sum over k of topk_weights[t, k] *
+        (h[row of (t, k)] @ w[expert]), summed over the ranks; products rounded to h's dtype before the
+        sums (each rank's partial sums too, as gemm_rs sends them), sums in fp32.
+
+    N/world and K must be multiples of 8. Keeps one `MoEReduceScatter` per shape and stream. Raises
+    ValueError before launching anything for shapes, dtypes, layouts or a handle it does not take.
+    """
+    _protocol.check_input(h, "h", allgather_moe.DTYPES)
+    _protocol.check_input(topk_weights_shard, "topk_weights_shard", (torch.float32,))
+    grouped.check_weights(w_shard, "w_shard", allgather_moe.DTYPES)
+    if h.dim() != 2 or topk_weights_shard.dim() != 2:
+        raise ValueError(f"h and topk_weights_shard must be matrices; got shapes {tuple(h.shape)} and "
+                         f"{tuple(topk_weights_shard.shape)}")
+    (tokens, topk), (experts, n, k) = topk_weights_shard.shape, w_shard.shape
+    op = _protocol.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config),
+                            MoEReduceScatter, tokens, n, k, experts, topk, h.dtype, repr(config), device=h.device)
+    return op(h, w_shard, handle, topk_weights_shard, out)
+
+
+@torch.library.custom_op("tridist::moe_rs", mutates_args=())
+def moe_rs_op(h: torch.Tensor, w_shard: torch.Tensor, layout: torch.Tensor,
+              topk_weights_shard: torch.Tensor) -> torch.Tensor:
+    """`moe_rs` as a PyTorch custom op (`torch.ops.tridist.moe_rs`), for torch.compile: takes the
+    handle's `layout`, as `torch.ops.tridist.ag_moe` returns it."""
+    (tokens, topk), experts = topk_weights_shard.shape, w_shard.shape[0]
+    handle = MoEHandle(layout, tridist.world().world_size, tokens, topk, experts)
+    return moe_rs(h, w_shard, handle, topk_weights_shard)
+
+
+@moe_rs_op.register_fake
+def _moe_rs_shape(h: torch.Tensor, w_shard: torch.Tensor, layout: torch.Tensor,
+                  topk_weights_shard: torch.Tensor) -> torch.Tensor:
+    return h.new_empty((topk_weights_shard.shape[0], w_shard.shape[2]))

@@ -1,0 +1,251 @@
+"""Routing of the tensor-parallel MoE ops (`ag_moe`, `moe_rs`): which row of h holds which (token,
+expert) pair, computed on the device by every rank alike, and how their GEMMs walk those rows.
+
+Layout. Rank s holds tokens t < T_r, global token g = s * T_r + t; pair p = g * topk + k is token g
+routed to expert topk_idx[g, k]. h has a row per pair, the pairs sorted stably by expert: expert
+after expert, and within an expert by source rank, then token, then k. Segment (s, e), the rows of
+expert e that rank s's tokens send, starts at row base[s, e] and holds counts[s, e] rows. offs[e]
+(the cumulative row ends per expert) is what `grouped_gemm` takes, so h can also go through it.
+
+Protocol (`route_kernel`, one program per rank and call; epochs and slots as in `_protocol.py`):
+1. The rank sorts its own pairs by expert (a stable counting sort) into row `rank` of this call's
+   slot of the symmetric `exchange` buffer: each pair's expert, its position among this rank's
+   pairs of that expert, and the count per expert.
+2. It sends that row to every peer (stores through symm_at on this node, an NVSHMEM put with the
+   signal attached to another) with flag (slot, rank) raised to the call epoch there, then waits
+   for every peer's flag. Every call waits for every peer, so two slots need no handshake.
+3. From all the rows every rank computes the same layout into the call's `MoEHandle`.
+
+The GEMMs' tiles. Phase j of a rank's GEMM covers the segments of one source rank, (first + j) %
+world; within it the row tiles (BLOCK_M rows, never spanning two segments) come expert after
+expert, and the tiles GROUP_M row tiles at a time (`persistent.tile_coords`). `phases` counts the
+row tiles of every phase from `counts` before the tile loop, and `moe_tile` places a tile.
+"""
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+import tridist
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from ...runtime import config
+from .. import _protocol
+from .._protocol import after_flags, call_epoch, finish_call, push_slice, sync_program
+from ..gemm import grouped, persistent
+
+# The stable counting sort compares BLOCK_P pairs with every expert at once: BLOCK_P * E_PAD ids.
+SORT_IDS = 8192
+PUSH_BLOCK = tl.constexpr(1024)  # int32 words a step of the exchange moves
+
+
+@triton.jit
+def _sort_own_pairs(idx_ptr, row_ptr, pairs, E, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Step 1: this rank's pairs (expert ids at idx_ptr, int64) -> row_ptr[:pairs] their experts,
+    row_ptr[pairs:2 pairs] their positions among this rank's pairs of the same expert (in pair
+    order), row_ptr[2 pairs:] the count per expert. Ids outside [0, E) are clamped into it: the
+    host refuses them where it can see them (`check_experts`)."""
+    experts = tl.arange(0, E_PAD)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, pairs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        mask = p < pairs
+        expert = tl.minimum(tl.maximum(tl.load(idx_ptr + p, mask=mask, other=0), 0), E - 1).to(tl.int32)
+        hits = ((expert[:, None] == experts[None, :]) & mask[:, None]).to(tl.int32)
+        earlier = tl.cumsum(hits, 0) - hits + before[None, :]
+        tl.store(row_ptr + p, expert, mask=mask)
+        tl.store(row_ptr + pairs + p, tl.sum(hits * earlier, 1), mask=mask)
+        before += tl.sum(hits, 0)
+    tl.store(row_ptr + 2 * pairs + experts, before)
+
+
+@jit
+def route_kernel(idx_ptr, exchange_ptr, flags_ptr, calls_ptr, layout_ptr, pairs, E, row, slot_numel,
+                 local_world_size, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One program. `pairs` = T_r * topk per rank; exchange rows `row` int32 apart (2 pairs + E_PAD
+    used); `layout_ptr`: the call's `MoEHandle.layout` (see there)."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    stage = exchange_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * world
+    _sort_own_pairs(idx_ptr, stage + me * row, pairs, E, E_PAD, BLOCK_P)
+    sync_program()  # the row is read back below, by other threads than stored it
+    for step in range(1, world):
+        push_slice(stage + me * row, stage + me * row, 0, 2 * pairs + E_PAD, flags + me, epoch, (me + step) % world,
+                   local_world_size, PUSH_BLOCK)
+    for step in range(1, world):
+        stage = after_flags(stage, flags + (me + step) % world, 1, epoch)
+    # Step 3: counts, segment bases and offs, from every rank's counts.
+    pair_of_row = layout_ptr
+    row_of_pair = pair_of_row + world * pairs
+    routing = row_of_pair + world * pairs
+    counts_out = routing + world * pairs
+    base_out = counts_out + world * E_PAD
+    offs_out = base_out + world * E_PAD
+    experts = tl.arange(0, E_PAD)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    for s in range(world):
+        total += tl.load(stage + s * row + 2 * pairs + experts)
+    ends = tl.cumsum(total, 0)
+    tl.store(offs_out + experts, ends)
+    base = ends - total
+    for s in range(world):
+        counts = tl.load(stage + s * row + 2 * pairs + experts)
+        tl.store(counts_out + s * E_PAD + experts, counts)
+        tl.store(base_out + s * E_PAD + experts, base)
+        base += counts
+    sync_program()  # base_out is gathered from below
+    for s in range(world):
+        for start in range(0, pairs, PUSH_BLOCK):
+            p = start + tl.arange(0, PUSH_BLOCK)
+            mask = p < pairs
+            expert = tl.load(stage + s * row + p, mask=mask, other=0)
+            at = tl.load(base_out + s * E_PAD + expert, mask=mask, other=0) + \
+                tl.load(stage + s * row + pairs + p, mask=mask, other=0)
+            pair = s * pairs + p
+            tl.store(pair_of_row + at, pair, mask=mask)
+            tl.store(row_of_pair + pair, at, mask=mask)
+            tl.store(routing + pair, expert, mask=mask)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@dataclasses.dataclass
+class MoEHandle:
+    """What `ag_moe` returns beside h, and `moe_rs` takes: the routing of one call, on the device.
+
+    Attributes (views of one int32 tensor, `layout`; P = world_size * tokens * topk pairs):
+        pair_of_row: [P], the pair (global token * topk + k) that each row of h holds.
+        row_of_pair: [P], the inverse: the row of h of each pair.
+        topk_idx: [world_size * tokens, topk], every rank's routing, gathered (int32).
+        counts: [world_size, experts], the rows of h that rank s's tokens send to expert e.
+        base: [world_size, experts], the first of those rows.
+        offs: [experts], the cumulative row ends per expert, as `grouped_gemm` takes them.
+    """
+    layout: torch.Tensor
+    world_size: int
+    tokens: int
+    topk: int
+    experts: int
+
+    @property
+    def pairs(self) -> int:
+        return self.world_size * self.tokens * self.topk
+
+    @property
+    def e_pad(self) -> int:
+        return triton.next_power_of_2(self.experts)
+
+    def _part(self, index: int, size: int) -> torch.Tensor:
+        starts = [0, self.pairs, 2 * self.pairs, 3 * self.pairs, 3 * self.pairs + self.world_size * self.e_pad,
+                  3 * self.pairs + 2 * self.world_size * self.e_pad]
+        return self.layout[starts[index]:starts[index] + size]
+
+    @property
+    def pair_of_row(self) -> torch.Tensor:
+        return self._part(0, self.pairs)
+
+    @property
+    def row_of_pair(self) -> torch.Tensor:
+        return self._part(1, self.pairs)
+
+    @property
+    def topk_idx(self) -> torch.Tensor:
+        return self._part(2, self.pairs).view(self.world_size * self.tokens, self.topk)
+
+    @property
+    def padded_counts(self) -> torch.Tensor:
+        return self._part(3, self.world_size * self.e_pad)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.padded_counts.view(self.world_size, self.e_pad)[:, :self.experts]
+
+    @property
+    def padded_base(self) -> torch.Tensor:
+        return self._part(4, self.world_size * self.e_pad)
+
+    @property
+    def base(self) -> torch.Tensor:
+        return self.padded_base.view(self.world_size, self.e_pad)[:, :self.experts]
+
+    @property
+    def offs(self) -> torch.Tensor:
+        return self._part(5, self.experts)
+
+    @staticmethod
+    def numel(world_size: int, tokens: int, topk: int, experts: int) -> int:
+        """The int32 words a handle of these sizes holds (its layout's storage)."""
+        pairs = world_size * tokens * topk
+        return 3 * pairs + (2 * world_size + 1) * triton.next_power_of_2(experts)
+
+
+class Router:
+    """The routing step of an ag_moe instance for `tokens` tokens per rank, `topk` experts each, of
+    `experts`: its symmetric exchange buffer, flags and calls counter."""
+
+    def __init__(self, tokens: int, topk: int, experts: int):
+        self.world = w = tridist.world()
+        self.tokens, self.topk, self.experts = tokens, topk, experts
+        self.pairs = tokens * topk
+        self.e_pad = triton.next_power_of_2(experts)
+        self.row = _protocol.row_stride(2 * self.pairs + self.e_pad)
+        _protocol.check_offsets("ag_moe", max(2 * w.world_size * self.row, 3 * w.world_size * self.pairs))
+        self.workspace = _protocol.Workspace(w.world_size * self.row, torch.int32, w.world_size)
+
+    def __call__(self, topk_idx: torch.Tensor) -> MoEHandle:
+        """Queue the routing of this call's `topk_idx` (this rank's, tokens x topk int64); returns
+        its handle, filled once the queued kernel has run."""
+        w = self.world
+        layout = torch.empty(MoEHandle.numel(w.world_size, self.tokens, self.topk, self.experts), dtype=torch.int32,
+                             device=w.device)
+        ws = self.workspace
+        route_kernel[(1,)](topk_idx, ws.staging, ws.flags, ws.calls, layout, self.pairs, self.experts, self.row,
+                           ws.slot_numel, w.local_world_size, E_PAD=self.e_pad,
+                           BLOCK_P=max(1, SORT_IDS // self.e_pad), num_warps=8)
+        return MoEHandle(layout, w.world_size, self.tokens, self.topk, self.experts)
+
+    def free(self) -> None:
+        self.workspace.free()
+
+
+def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
+    """Expert ids in [0, experts), checked where reading them costs no synchronisation (on the CPU:
+    the emulator) or where it is asked for (TRIDIST_DEBUG=1)."""
+    if topk_idx.device.type == "cuda" and not config.debug():
+        return
+    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= experts):
+        raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; there are "
+                         f"{experts} experts (ids 0 to {experts - 1})")
+
+
+@triton.jit
+def phases(counts_ptr, first, world, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(row tiles of phase j, their cumulative ends): vectors over the phases j < world, phase j
+    taking the segments of source rank (first + j) % world."""
+    j = tl.arange(0, W_PAD)
+    source = (first + j) % world
+    counts = tl.load(counts_ptr + source[:, None] * E_PAD + tl.arange(0, E_PAD)[None, :], mask=(j < world)[:, None],
+                     other=0)
+    row_tiles = tl.sum(tl.cdiv(counts, BLOCK_M), 1)
+    return row_tiles, tl.cumsum(row_tiles, 0)
+
+
+@triton.jit
+def moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr, base_ptr, tiles_n, E_PAD: tl.constexpr,
+             BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile `tile` of the walk `phases` counted -> (source rank, expert, first row of h, the
+    segment's end row, column tile)."""
+    phase = tl.sum((phase_ends * tiles_n <= tile).to(tl.int32), 0)
+    source = (first + phase) % world
+    phase_tiles = grouped.pick(row_tiles, phase)
+    start = (grouped.pick(phase_ends, phase) - phase_tiles) * tiles_n
+    tm, tn = persistent.tile_coords(tile - start, phase_tiles, tiles_n, GROUP_M)
+    counts = tl.load(counts_ptr + source * E_PAD + tl.arange(0, E_PAD))
+    expert, first_tile = grouped.locate(tm, tl.cdiv(counts, BLOCK_M))
+    base = tl.load(base_ptr + source * E_PAD + expert)
+    end = base + grouped.pick(counts, expert)
+    return source, expert, base + (tm - first_tile) * BLOCK_M, end, tn
