@@ -234,12 +234,17 @@ def _sequential(op_name: str, layer: _Layer, a, b):
     if op_name == "ag_moe":
         x = torch.empty(world_size * layer.tokens, layer.k, dtype=torch.bfloat16, device=a.device)
         idx = torch.empty(world_size * layer.tokens, layer.topk, dtype=torch.int64, device=a.device)
+        # Counted with index_add_ into a buffer of their own: torch.bincount on a GPU reads the
+        # largest id back to the host, which a CUDA graph cannot capture.
+        counts = torch.zeros(layer.experts, dtype=torch.int64, device=a.device)
+        ones = torch.ones(idx.numel(), dtype=torch.int64, device=a.device)
 
         def run():
             dist.all_gather_into_tensor(x, layer.x_shard)
             dist.all_gather_into_tensor(idx, layer.idx_shard)
             order = torch.sort(idx.reshape(-1), stable=True).indices
-            offs = torch.bincount(idx.reshape(-1), minlength=layer.experts).cumsum(0).to(torch.int32)
+            counts.zero_()
+            offs = counts.index_add_(0, idx.reshape(-1), ones).cumsum(0).to(torch.int32)
             return torch._grouped_mm(x[order // layer.topk], b, offs=offs)
         return run
     y = torch.empty(layer.tokens, layer.k, dtype=torch.bfloat16, device=a.device)
