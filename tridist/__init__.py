@@ -6,7 +6,7 @@ barriers, autotuning and the errors tridist raises. The device API is
 [`tridist.language`][tridist.language], the kernel library [`tridist.ops`][tridist.ops].
 """
 from .runtime.backend import BACKEND
-from .runtime.errors import (NotInitializedError, PeerFailedError, SymmetricAllocationError, TridistError,
+from .runtime.errors import (DeviceCheckError, NotInitializedError, PeerFailedError, SymmetricAllocationError, TridistError,
                              WaitTimeoutError)
 from .runtime.jit import coresident_programs, jit
 from .runtime.tensors import (SIGNAL_DTYPE, barrier_all, is_symmetric, peer_tensor, signals, symm_empty, symm_free,
@@ -20,4 +20,4 @@ __version__ = "0.1.0"
 __all__ = ["BACKEND", "World", "init", "finalize", "world", "jit", "symm_empty", "symm_zeros", "symm_free",
            "signals", "peer_tensor", "is_symmetric", "SIGNAL_DTYPE", "barrier_all", "barrier_all_on_stream",
            "sleep_async", "tune", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
-           "SymmetricAllocationError", "coresident_programs"]
+           "SymmetricAllocationError", "DeviceCheckError", "coresident_programs"]

@@ -15,6 +15,7 @@ documented here (the `TYPE_CHECKING` block at the end of this file) are those of
 | signals | `notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu")`, `wait(ptr, num, scope, semantic, waitValue)` -> token, `consume_token(x, token)` |
 | memory order | `ld`, `st`, `atomic_add`, `atomic_cas`, `atomic_xchg`, `fence()`, `fence_async_proxy()` |
 | time | `global_time_ns()` |
+| checks | `check(condition, message, observed, limit)`: an error naming the rank and kernel (emulator, `TRIDIST_DEBUG=1`) |
 | compute | `dot(a, b, acc)` |
 | programs of one launch | `grid_barrier(counter_ptr)`, in a co-resident launch (`kernel[grid](..., coresident=True)`) |
 | [`dl.shmem`][tridist.language.shmem] | puts, gets, puts with signal (plain, `_nbi`, `_warp`, `_block` forms), `signal_op`, `signal_wait_until`, `quiet`, `fence`, barriers, typed `p`/`g`, remote atomics, `CMP_*`, `SIGNAL_*` |
@@ -37,17 +38,17 @@ from typing import TYPE_CHECKING
 from ..runtime.backend import is_emulator
 
 if is_emulator():
-    from ._emulated import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy,
+    from ._emulated import (atomic_add, atomic_cas, atomic_xchg, check, consume_token, dot, fence, fence_async_proxy,
                             global_time_ns, grid_barrier, ld, notify, num_ranks, rank, st, symm_at, wait)
 else:
-    from ._gpu import (atomic_add, atomic_cas, atomic_xchg, consume_token, dot, fence, fence_async_proxy,
+    from ._gpu import (atomic_add, atomic_cas, atomic_xchg, check, consume_token, dot, fence, fence_async_proxy,
                        global_time_ns, grid_barrier, ld, notify, num_ranks, rank, st, symm_at, wait)
 
 from . import ll, shmem
 
 __all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "ld", "st", "atomic_add",
-           "atomic_cas", "atomic_xchg", "fence", "fence_async_proxy", "dot", "global_time_ns", "grid_barrier", "shmem",
-           "ll"]
+           "atomic_cas", "atomic_xchg", "check", "fence", "fence_async_proxy", "dot", "global_time_ns", "grid_barrier",
+           "shmem", "ll"]
 
 if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, for readers, IDEs and the API reference
     import triton.language as tl
@@ -198,6 +199,15 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
         (Triton 3.6's interpreter multiplies bf16 blocks as raw 16-bit integers), which is
         exact for bf16 and fp16 operands; use it instead of `tl.dot` in kernels that must run
         in both."""
+
+    def check(condition, message: tl.constexpr, observed, limit) -> None:
+        """Fail the kernel where `condition` (a scalar) is false: what a kernel cannot do right
+        with the input it got (more rows than a buffer holds), found on the device, where the host
+        could only find it by synchronising. In the emulator it raises `tridist.DeviceCheckError`
+        naming the rank, the kernel, `message` (a constexpr string), `observed` and `limit`; on GPUs
+        with `TRIDIST_DEBUG=1` it prints the same and traps (the host names the kernel at its next
+        synchronisation); on GPUs without debug it compiles to nothing, and the kernel must make
+        its own safe choice (drop what does not fit)."""
 
     def grid_barrier(counter_ptr: tl.tensor) -> tl.tensor:
         """Wait until every program of this launch has reached the barrier; their writes before it

@@ -16,6 +16,7 @@ from triton.runtime.interpreter import TensorHandle, _get_np_dtype
 from triton.runtime.interpreter import _interpreter as _memory
 
 from ..runtime import emulator
+from ..runtime.errors import DeviceCheckError
 from ..runtime.world import heap, transport, world
 from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SCOPES, SEMANTICS, SIGNAL_ADD, SIGNAL_SET
 
@@ -218,6 +219,13 @@ def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu"):
     _check_choice("dl.notify", "comm_scope", comm_scope, _COMM_SCOPES)
     _check_choice("dl.notify", "sig_op", sig_op, _NOTIFY_OPS)
     _signal(ptr, peer, signal, sig_op == "add", "dl.notify", allow_remote_node=comm_scope == "inter_node")
+
+
+# ---- checks -------------------------------------------------------------------------------------
+def check(condition, message, observed, limit):
+    if not bool(_value(condition)):
+        raise DeviceCheckError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {_value(message)}: "
+                               f"{_value(observed)} (limit {_value(limit)})")
 
 
 # ---- programs of one launch ----------------------------------------------------------------------

@@ -325,6 +325,15 @@ def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm
             tl.atomic_xchg(remote, signal, sem="release", scope="sys")
 
 
+# ---- checks -------------------------------------------------------------------------------------
+@triton.jit
+def check(condition, message: tl.constexpr, observed, limit):
+    if DEBUG:
+        if not condition:
+            tl.device_print(message, _my_pe(), observed, limit)
+            _trap()
+
+
 # ---- programs of one launch ----------------------------------------------------------------------
 @triton.jit
 def grid_barrier(counter_ptr):

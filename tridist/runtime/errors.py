@@ -21,3 +21,8 @@ class PeerFailedError(TridistError):
 class SymmetricAllocationError(TridistError):
     """Symmetric allocations disagree between ranks (the message lists what each asked for), or
     the heap is exhausted."""
+
+
+class DeviceCheckError(TridistError):
+    """A check inside a kernel (`dl.check`) failed, in the emulator: the message names the rank, the
+    kernel, what was checked, and the observed value and its limit."""

@@ -1,0 +1,146 @@
+"""What the all-to-all ops share (`alltoall`, `expert_parallel`): rows sent into a peer's symmetric
+staging, the signal that says they are there, and the routing of tokens to ranks and experts.
+
+Every op of this family follows one protocol, the same for every world and node layout:
+1. **Send.** For each destination rank p, programs (p, s) copy the rows this rank sends to p into
+   this rank's region of p's staging (stores through `dl.symm_at` on this node, one NVSHMEM put a
+   row to another node), write the counts p needs to place them, and raise flag (rank, s) on p to
+   the call's epoch.
+2. **Receive.** The same programs then wait for the flags of the sources whose counts they need,
+   work out where each source's rows go in the output (packed in rank order, or by expert), and
+   copy them out of staging.
+Only one network round is needed, whatever the routing: a sender never waits to learn where its
+rows will land, because each source has a region of its own in the receiver's staging, as big as
+the most rows it may send. Epochs and two slots (see `_protocol.py`) make back-to-back calls safe:
+every call waits for a flag from every peer.
+"""
+import triton
+import triton.language as tl
+
+import tridist.language as dl
+from tridist.runtime.jit import jit
+
+from ..gemm.grouped import pick
+
+# Routing compares BLOCK items with GROUPS groups at once: ROUTE_IDS ids per step.
+ROUTE_IDS = 8192
+
+
+@triton.jit
+def copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, mask, width, BLOCK_W: tl.constexpr):
+    """dst[dst_rows[i]] = src[src_rows[i]] where mask[i]: rows of `width` elements, moved in tiles of
+    (rows, BLOCK_W). Row offsets are 64-bit: a staging slot may pass 2^31 elements."""
+    columns = tl.arange(0, BLOCK_W)[None, :]
+    src = src_ptr + src_rows.to(tl.int64)[:, None] * width
+    dst = dst_ptr + dst_rows.to(tl.int64)[:, None] * width
+    rows = mask[:, None]
+    for start in range(0, width, BLOCK_W):
+        inside = rows & (start + columns < width)
+        tl.store(dst + start + columns, tl.load(src + start + columns, mask=inside), mask=inside)
+
+
+@triton.jit
+def send_rows(src_ptr, src_rows, dst_ptr, dst_rows, mask, width, peer, local_world_size, BLOCK_R: tl.constexpr,
+              BLOCK_W: tl.constexpr):
+    """Copy rows src[src_rows[i]] to rows dst[dst_rows[i]] of `peer`'s copy of the symmetric `dst`
+    (`dst_ptr` is this rank's address of it), for the BLOCK_R rows where mask[i]. On this node the
+    program stores through the peer's pointer; on another node each row is an NVSHMEM put (the
+    caller's `raise_flag` completes them before the flag)."""
+    if dl.rank() // local_world_size == peer // local_world_size:
+        copy_rows(src_ptr, src_rows, dl.symm_at(dst_ptr, peer), dst_rows, mask, width, BLOCK_W)
+    else:
+        nbytes = width * (src_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        for i in range(BLOCK_R):
+            if pick(mask.to(tl.int32), i) != 0:
+                dl.shmem.putmem_nbi_block(dst_ptr + pick(dst_rows, i).to(tl.int64) * width,
+                                          src_ptr + pick(src_rows, i).to(tl.int64) * width, nbytes, peer)
+
+
+@triton.jit
+def send_values(ptr, offsets, values, mask, peer, local_world_size, BLOCK: tl.constexpr):
+    """Store values[i] at ptr[offsets[i]] on `peer` where mask[i] (BLOCK of them; `ptr` is this
+    rank's address of a symmetric buffer): through the peer's pointer on this node, one NVSHMEM `p`
+    each on another."""
+    if dl.rank() // local_world_size == peer // local_world_size:
+        tl.store(dl.symm_at(ptr + offsets, peer), values, mask=mask)
+    else:
+        for i in range(BLOCK):
+            if pick(mask.to(tl.int32), i) != 0:
+                dl.shmem.p(ptr + pick(offsets, i), pick(values, i), peer)
+
+
+@triton.jit
+def raise_flag(flag_ptr, epoch, peer, local_world_size):
+    """Set `peer`'s flag at `flag_ptr` to `epoch` once every row and value this program sent it
+    has landed: a release through the peer's pointer on this node; on another node every thread
+    first completes its puts (`quiet`), then one thread signals."""
+    if dl.rank() // local_world_size == peer // local_world_size:
+        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
+    else:
+        dl.shmem.quiet()
+        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set", comm_scope="inter_node")
+
+
+@triton.jit
+def split_rows(total, split, splits):
+    """Part `split` [start, stop) of `total` rows cut in `splits` nearly equal parts."""
+    per_split = tl.cdiv(total, splits)
+    start = tl.minimum(split * per_split, total)
+    return start, tl.minimum(start + per_split, total)
+
+
+@triton.jit
+def gather(values, index):
+    """values[index[i]] for every i: `values` a small vector held by the program, `index` a vector
+    of indices into it."""
+    lanes = tl.arange(0, values.shape[0])[None, :]
+    return tl.sum(tl.where(index[:, None] == lanes, values[None, :], 0), 1)
+
+
+@triton.jit
+def chunk_of(rows, ends):
+    """For each row index in `rows`, the chunk it falls in, chunks ending at the cumulative `ends`."""
+    return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), 1)
+
+
+@jit
+def route_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, per_group, ONE_GROUP: tl.constexpr,
+                 GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Where each item goes, in item order: program g takes groups g * GROUPS ... (g + 1) * GROUPS - 1.
+
+    Item i has `topk` ids at idx_ptr[i * topk:] (int64; -1 for none); it belongs to group
+    id // per_group of each of them. counts_ptr[group] gets the items of each group and
+    positions_ptr the rank of each item among its group's items (stable: in item order):
+    - ONE_GROUP (topk 1: an item is a (token, expert) pair): positions_ptr[i], for items with an id
+      (others are left alone);
+    - else (an item is a token, a group a rank): positions_ptr[i * groups + group], -1 where token i
+      does not go to that group."""
+    group = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+    real = group < groups
+    before = tl.zeros([GROUPS], dtype=tl.int32)
+    for start in range(0, items, BLOCK):
+        item = start + tl.arange(0, BLOCK)
+        inside = item < items
+        hits = tl.zeros([BLOCK, GROUPS], dtype=tl.int32)
+        for k in range(topk):
+            ids = tl.load(idx_ptr + item.to(tl.int64) * topk + k, mask=inside, other=-1)
+            target = tl.where(ids >= 0, ids // per_group, -1).to(tl.int32)
+            hits = tl.maximum(hits, (target[:, None] == group[None, :]).to(tl.int32))
+        position = tl.cumsum(hits, 0) - hits + before[None, :]
+        if ONE_GROUP:
+            mine = tl.sum(hits, 1) > 0
+            tl.store(positions_ptr + item, tl.sum(hits * position, 1), mask=inside & mine)
+        else:
+            tl.store(positions_ptr + item.to(tl.int64)[:, None] * groups + group[None, :],
+                     tl.where(hits > 0, position, -1), mask=inside[:, None] & real[None, :])
+        before += tl.sum(hits, 0)
+    tl.store(counts_ptr + group, before, mask=real)
+
+
+def route(idx, positions, counts, groups: int, per_group: int, one_group: bool) -> None:
+    """Queue `route_kernel` over `idx` (int64, [items, topk]; `one_group`: [pairs] with topk 1)."""
+    items, topk = (idx.numel(), 1) if one_group else idx.shape
+    per_program = min(triton.next_power_of_2(groups), 16 if one_group else 64)
+    route_kernel[(triton.cdiv(groups, per_program),)](idx, positions, counts, items, topk, groups, per_group,
+                                                      ONE_GROUP=one_group, GROUPS=per_program,
+                                                      BLOCK=max(1, ROUTE_IDS // per_program), num_warps=4)

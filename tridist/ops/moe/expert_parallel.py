@@ -1,0 +1,731 @@
+"""Expert parallelism: dispatch tokens to the ranks that hold their experts, and combine the experts'
+outputs back, with top-k routing computed on the device (`EPBuffer`, DeepEP's shape of API).
+
+Experts are spread evenly: rank r holds experts r * E_local ... (r + 1) * E_local - 1. A token t
+with `topk_idx[t]` = its experts (-1: none) takes two ways, one per mode:
+
+**Normal mode** (prefill, training): a token goes once to every rank that holds one of its
+experts. Routing (`exchange.route_kernel`) gives each token its place among the tokens for each
+rank; `dispatch_kernel` then runs the family's protocol (`exchange.py`): program (p, s) puts its
+share s of the tokens for rank p into region `rank` of p's staging (rows of x, and a meta row:
+the token's expert ids, weights and index), writes the count and the pairs per expert of p there,
+and raises flag (rank, s) on p; then, as a receiver, it waits for every source's counts and all of
+rank p's flags, and copies p's tokens into recv_x after those of ranks before p. `combine_kernel`
+runs the way back: each received token's output goes to row (rank, token) of its source's
+combine staging, and each token sums what every rank that got it sent, in rank order.
+
+**Low-latency mode** (decode): one copy per (token, expert) pair, grouped by expert:
+recv_x[e] holds local expert e's pairs, from rank 0 first. Routing gives each pair its place
+among this rank's pairs of its expert; `ll_dispatch_kernel` puts pair (t, k) into the region of
+(expert, rank) of the expert's rank with the pair's index as meta; the receiver packs each
+expert's regions in rank order. `ll_combine_kernel` sends each pair's output to row t * topk + k
+of its source's staging, and each token sums topk_weights[t, k] x its pairs, in k order. The send
+and the receive can be two launches (`return_recv_hook=True`), so compute overlaps the transfer.
+
+In both modes sums run in fp32 in a fixed order, so equal inputs give equal bits. Every call
+waits for a flag from every peer, so two slots of staging (by epoch) make back-to-back calls and
+CUDA-graph replays safe without a handshake.
+"""
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+import tridist
+import tridist.language as dl
+from tridist.runtime import config
+from tridist.runtime.jit import jit
+from tridist.runtime.tensors import check_tensor
+
+from .. import _protocol
+from .._protocol import after_flags, call_epoch, finish_call
+from . import exchange
+from .exchange import chunk_of, copy_rows, gather, raise_flag, send_rows, send_values, split_rows
+
+DTYPES = (torch.bfloat16, torch.float16)
+FP8 = torch.float8_e4m3fn
+FP8_GROUP = 128   # columns that share one fp8 scale
+FP8_MAX = 448.0   # the largest e4m3 value
+BLOCK_R = 8       # rows a step moves
+TILE = 4096       # elements a step moves at most
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Tokens as 4-byte words, as the kernels move them."""
+    return t.view(torch.int32)
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+@jit
+def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr, flags_ptr,
+                    calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
+                    recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot,
+                    local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Normal mode. Grid (world, splits). x: T rows of `width` words; meta: T rows of 2 * topk + 1
+    int32 (expert ids, weight bits, token index); positions: [T, world] from routing (-1: not for
+    that rank); routed: tokens per rank [world], then pairs per expert [world * E_local]. Per slot,
+    staging is [world, max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the
+    tokens it sent here, word E_PAD + e its pairs for local expert e."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    peer = tl.program_id(0)
+    split = tl.program_id(1)
+    meta_width = 2 * topk + 1
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
+    counts = counts_ptr + (epoch % 2) * W_PAD * 2 * E_PAD
+    flags = flags_ptr + (epoch % 2) * world * splits
+    experts = tl.arange(0, E_PAD)
+    local = experts < experts_local
+
+    # Send this program's share of the tokens for `peer`, each at its place among them.
+    first, stop = split_rows(tokens, split, splits)
+    for token in range(first, stop, BLOCK_R):
+        rows = token + tl.arange(0, BLOCK_R)
+        place = tl.load(positions_ptr + rows.to(tl.int64) * world + peer, mask=rows < stop, other=-1)
+        going = place >= 0
+        send_rows(x_ptr, rows, stage + me * max_tokens * width, place, going, width, peer, local_world_size, BLOCK_R,
+                  BLOCK_W)
+        send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, place, going, meta_width, peer,
+                  local_world_size, BLOCK_R, K_PAD)
+    words = tl.arange(0, 2 * E_PAD)
+    pair_words = (words >= E_PAD) & (words - E_PAD < experts_local)
+    routed = tl.load(routed_ptr + tl.where(words == 0, peer, world + peer * experts_local + words - E_PAD),
+                     mask=(words == 0) | pair_words, other=0)
+    send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
+    raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+
+    # Receive: every source's counts (any of its flags), then all of `peer`'s parts.
+    for step in range(world):
+        counts = after_flags(counts, flags + ((me + step) % world) * splits + split, 1, epoch)
+    token = dl.wait(flags + peer * splits, splits, scope="sys", semantic="acquire", waitValue=epoch)
+    stage = dl.consume_token(stage, token)
+    meta_stage = dl.consume_token(meta_stage, token)
+    sources = tl.arange(0, W_PAD)
+    received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
+    before = tl.cumsum(received, 0) - received
+    start = tl.sum(tl.where(sources == peer, before, 0), 0)
+    first, stop = split_rows(tl.sum(tl.where(sources == peer, received, 0), 0), split, splits)
+    for at in range(first, stop, BLOCK_R):
+        rows = at + tl.arange(0, BLOCK_R)
+        inside = rows < stop
+        copy_rows(stage + peer * max_tokens * width, rows, recv_x_ptr, start + rows, inside, width, BLOCK_W)
+        # The meta row: expert ids made local (-1 for other ranks' experts), weights, the source.
+        k = tl.arange(0, K_PAD)[None, :]
+        where = meta_stage + (peer * max_tokens + rows)[:, None] * meta_width
+        valid = inside[:, None] & (k < topk)
+        ids = tl.load(where + k, mask=valid, other=-1)
+        mine = (ids >= me * experts_local) & (ids < (me + 1) * experts_local)
+        out_rows = (start + rows).to(tl.int64)[:, None]
+        tl.store(recv_idx_ptr + out_rows * topk + k, tl.where(mine, ids - me * experts_local, -1).to(tl.int64),
+                 mask=valid)
+        weights = tl.load(where + topk + k, mask=valid, other=0)
+        tl.store(recv_weights_ptr + out_rows * topk + k, weights.to(tl.float32, bitcast=True), mask=valid)
+        source = tl.load(meta_stage + (peer * max_tokens + rows) * meta_width + 2 * topk, mask=inside, other=0)
+        tl.store(recv_src_ptr + start + rows, peer * max_tokens + source, mask=inside)
+    if (peer == 0) & (split == 0):
+        pairs = tl.load(counts + sources[:, None] * 2 * E_PAD + E_PAD + experts[None, :],
+                        mask=(sources < world)[:, None] & local[None, :], other=0)
+        tl.store(recv_per_expert_ptr + experts, tl.sum(pairs, 0).to(tl.int64), mask=local)
+        tl.store(recv_layout_ptr + sources, received, mask=sources < world)
+        tl.store(recv_layout_ptr + world + sources, before, mask=sources < world)
+    dl.shmem.quiet()
+    finish_call(calls_ptr)
+
+
+@jit
+def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, flags_ptr, calls_ptr, out_ptr,
+                   tokens, hidden, max_tokens, slot_numel, local_world_size, splits, BLOCK_R: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    """Normal mode, the way back. Grid (world, splits). y: the received tokens' outputs (rows of
+    `hidden`); per slot, staging is [world, max_tokens] rows: row (q, t) holds rank q's output for
+    this rank's token t. Program (p, s) sends part s of the tokens received from p, then sums
+    part p * splits + s of this rank's tokens."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    peer = tl.program_id(0)
+    split = tl.program_id(1)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * world * splits
+    count = tl.load(recv_layout_ptr + peer)
+    start = tl.load(recv_layout_ptr + world + peer)
+    first, stop = split_rows(count, split, splits)
+    for at in range(first, stop, BLOCK_R):
+        rows = start + at + tl.arange(0, BLOCK_R)
+        inside = at + tl.arange(0, BLOCK_R) < stop
+        token = tl.load(recv_src_ptr + rows, mask=inside, other=0) - peer * max_tokens
+        send_rows(y_ptr, rows, stage + me * max_tokens * hidden, token, inside, hidden, peer, local_world_size,
+                  BLOCK_R, BLOCK_W)
+    raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+
+    stage = after_flags(stage, flags, world * splits, epoch)
+    first, stop = split_rows(tokens, peer * splits + split, world * splits)
+    columns = tl.arange(0, BLOCK_W)[None, :]
+    for token in range(first, stop, BLOCK_R):
+        rows = token + tl.arange(0, BLOCK_R)
+        inside = rows < stop
+        for column in range(0, hidden, BLOCK_W):
+            where = column + columns
+            total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
+            for source in range(world):
+                went = tl.load(positions_ptr + rows.to(tl.int64) * world + source, mask=inside, other=-1) >= 0
+                part = stage + (source * max_tokens + rows).to(tl.int64)[:, None] * hidden + where
+                total += tl.load(part, mask=(inside & went)[:, None] & (where < hidden), other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
+                     mask=inside[:, None] & (where < hidden))
+    finish_call(calls_ptr)
+
+
+@jit
+def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, staging_ptr, meta_staging_ptr,
+                       counts_ptr, flags_ptr, calls_ptr, recv_x_ptr, recv_src_ptr, recv_count_ptr, recv_layout_ptr,
+                       tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot, local_world_size,
+                       splits, SEND: tl.constexpr, RECEIVE: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Low-latency mode. Grid (world, splits). x: T rows of `width` words; positions: each pair's
+    place among this rank's pairs of its expert; routed: pairs per expert [E]. Per slot, staging is
+    [E_local, world, max_tokens] rows (expert, source, place) with an int32 meta word each (the
+    pair's index), counts a row of E_PAD per source. recv_x: [E_local, world * max_tokens] rows.
+    SEND and RECEIVE: the two halves (both: one launch; apart: `return_recv_hook`, the receive
+    launch counting no call of its own)."""
+    epoch = call_epoch(calls_ptr)
+    if not SEND:
+        epoch -= 1  # the send launch of this call has counted it already
+    me = dl.rank()
+    world = dl.num_ranks()
+    peer = tl.program_id(0)
+    split = tl.program_id(1)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
+    counts = counts_ptr + (epoch % 2) * W_PAD * E_PAD
+    flags = flags_ptr + (epoch % 2) * world * splits
+    experts = tl.arange(0, E_PAD)
+    local = experts < experts_local
+    if SEND:
+        first, stop = split_rows(tokens * topk, split, splits)
+        for pair in range(first, stop, BLOCK_R):
+            pairs = pair + tl.arange(0, BLOCK_R)
+            inside = pairs < stop
+            ids = tl.load(idx_ptr + pairs, mask=inside, other=-1)
+            going = inside & (ids >= 0) & (ids // experts_local == peer)
+            place = tl.load(positions_ptr + pairs, mask=going, other=0)
+            dl.check(tl.max(tl.where(going, place, 0), 0) < max_tokens,
+                     "low_latency_dispatch: pairs of one expert from one rank > max_tokens_per_rank (a token "
+                     "routed twice to an expert?)", tl.max(tl.where(going, place, 0), 0), max_tokens)
+            going = going & (place < max_tokens)
+            target = ((ids % experts_local) * world + me) * max_tokens + place
+            send_rows(x_ptr, pairs // topk, stage, target, going, width, peer, local_world_size, BLOCK_R, BLOCK_W)
+            send_rows(pair_ids_ptr, pairs, meta_stage, target, going, 1, peer, local_world_size, BLOCK_R, 2)
+        per_expert = tl.load(routed_ptr + peer * experts_local + experts, mask=local, other=0)
+        send_values(counts, me * E_PAD + experts, tl.minimum(per_expert, max_tokens), local, peer,
+                    local_world_size, E_PAD)
+        raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+    if RECEIVE:
+        for step in range(world):
+            counts = after_flags(counts, flags + ((me + step) % world) * splits + split, 1, epoch)
+        token = dl.wait(flags + peer * splits, splits, scope="sys", semantic="acquire", waitValue=epoch)
+        stage = dl.consume_token(stage, token)
+        meta_stage = dl.consume_token(meta_stage, token)
+        sources = tl.arange(0, W_PAD)
+        matrix = tl.load(counts + sources[:, None] * E_PAD + experts[None, :],
+                         mask=(sources < world)[:, None] & local[None, :], other=0)
+        placed = tl.cumsum(matrix, 0) - matrix
+        mine = tl.sum(tl.where(sources[:, None] == peer, matrix, 0), 0)
+        mine_at = tl.sum(tl.where(sources[:, None] == peer, placed, 0), 0)
+        ends = tl.cumsum(mine, 0)
+        first, stop = split_rows(tl.sum(mine, 0), split, splits)
+        for at in range(first, stop, BLOCK_R):
+            rows = at + tl.arange(0, BLOCK_R)
+            inside = rows < stop
+            expert = chunk_of(rows, ends)
+            index = rows - gather(ends - mine, expert)
+            source_rows = (expert * world + peer) * max_tokens + index
+            target = expert * world * max_tokens + gather(mine_at, expert) + index
+            copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
+            pair = tl.load(meta_stage + source_rows, mask=inside, other=0)
+            tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair, mask=inside)
+        if (peer == 0) & (split == 0):
+            inside = (sources < world)[:, None] & local[None, :]
+            tl.store(recv_count_ptr + experts, tl.sum(matrix, 0), mask=local)
+            tl.store(recv_layout_ptr + sources[:, None] * E_PAD + experts[None, :], matrix, mask=inside)
+            tl.store(recv_layout_ptr + W_PAD * E_PAD + sources[:, None] * E_PAD + experts[None, :], placed,
+                     mask=inside)
+        dl.shmem.quiet()
+    if SEND:
+        finish_call(calls_ptr)
+
+
+@jit
+def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr, staging_ptr, flags_ptr, calls_ptr,
+                      out_ptr, tokens, hidden, max_tokens, topk, slot_numel, local_world_size, splits,
+                      W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Low-latency mode, the way back. Grid (world, splits). y: recv_x's layout, [E_local, world *
+    max_tokens] rows of `hidden`; per slot, staging is [max_tokens * topk] rows: row t * topk + k
+    holds the output of this rank's pair (t, k). Program (p, s) sends part s of the pairs received
+    from p, then sums part p * splits + s of this rank's tokens."""
+    epoch = call_epoch(calls_ptr)
+    me = dl.rank()
+    world = dl.num_ranks()
+    peer = tl.program_id(0)
+    split = tl.program_id(1)
+    stage = staging_ptr + (epoch % 2) * slot_numel
+    flags = flags_ptr + (epoch % 2) * world * splits
+    experts = tl.arange(0, E_PAD)
+    mine = tl.load(recv_layout_ptr + peer * E_PAD + experts)
+    mine_at = tl.load(recv_layout_ptr + W_PAD * E_PAD + peer * E_PAD + experts)
+    ends = tl.cumsum(mine, 0)
+    first, stop = split_rows(tl.sum(mine, 0), split, splits)
+    for at in range(first, stop, BLOCK_R):
+        rows = at + tl.arange(0, BLOCK_R)
+        inside = rows < stop
+        expert = chunk_of(rows, ends)
+        source_rows = expert * world * max_tokens + gather(mine_at, expert) + rows - gather(ends - mine, expert)
+        pair = tl.load(recv_src_ptr + source_rows, mask=inside, other=0) - peer * max_tokens * topk
+        send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
+    raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+
+    stage = after_flags(stage, flags, world * splits, epoch)
+    first, stop = split_rows(tokens, peer * splits + split, world * splits)
+    columns = tl.arange(0, BLOCK_W)[None, :]
+    for token in range(first, stop, BLOCK_R):
+        rows = token + tl.arange(0, BLOCK_R)
+        inside = rows < stop
+        for column in range(0, hidden, BLOCK_W):
+            where = column + columns
+            total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
+            for k in range(topk):
+                pair = rows.to(tl.int64) * topk + k
+                routed = tl.load(idx_ptr + pair, mask=inside, other=-1) >= 0
+                weight = tl.load(weights_ptr + pair, mask=inside & routed, other=0.0)
+                part = tl.load(stage + pair[:, None] * hidden + where, mask=(inside & routed)[:, None] & (where < hidden),
+                               other=0.0)
+                total += weight[:, None] * part.to(tl.float32)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
+                     mask=inside[:, None] & (where < hidden))
+    finish_call(calls_ptr)
+
+
+# ---- host side -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class EPHandle:
+    """What a dispatch returns for its combine: where every received row came from.
+
+    Attributes:
+        mode: "normal" or "low_latency".
+        tokens: the tokens this rank dispatched (T).
+        topk: experts per token.
+        recv_src: for every row of recv_x, its source: normal mode source_rank * max_tokens + token;
+            low-latency mode source_rank * max_tokens * topk + token * topk + k (int32).
+        recv_layout: normal mode [2, world]: tokens received from each rank and their first row;
+            low-latency mode [2, world, E_PAD]: pairs received from each (rank, local expert) and
+            their first row within the expert's block.
+        positions: normal mode, [T, world]: each token's row among those sent to each rank (-1: not
+            sent there); None in low-latency mode.
+    """
+    mode: str
+    tokens: int
+    topk: int
+    recv_src: torch.Tensor
+    recv_layout: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
+class _Exchange:
+    """The symmetric buffers of one kind of launch of an `EPBuffer`: staging of `rows` rows of
+    `width` elements of `dtype` per slot (and `meta_width` int32 per row, if any), counts of
+    `count_words` int32 per slot, flags per (source, split), the calls counter."""
+
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int):
+        w = tridist.world()
+        _protocol.check_offsets("EPBuffer", rows * max(width, meta_width))
+        self.splits = splits
+        self.fitted = False
+        self.workspace = _protocol.Workspace(rows * width, dtype, w.world_size * splits)
+        self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
+        self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None  # per slot
+
+    def fit(self, kernel, grid_world: int, args: tuple, meta: dict) -> None:
+        """At the first call, shrink the splits to what a co-resident launch of `kernel` (the launch
+        whose receiving programs wait for flags its own sending programs raise) can hold. Every
+        launch of these buffers then has the same grid, which their call epochs count on."""
+        if not self.fitted:
+            self.splits = _protocol.fit_coresident(kernel, self.splits, grid_world, *args, splits=self.splits,
+                                                   **meta)
+            self.fitted = True
+
+    def launch(self, kernel, grid_world: int, args: tuple, meta: dict, coresident: bool = True) -> None:
+        """Launch `kernel` over (world, splits); co-resident unless it only sends or only receives."""
+        self.fit(kernel, grid_world, args, meta)
+        kernel[(grid_world, self.splits)](*args, splits=self.splits, coresident=coresident, **meta)
+
+    def free(self) -> None:
+        self.workspace.free()
+        for extra in (self.meta, self.counts):
+            if extra is not None:
+                tridist.symm_free(extra)
+
+
+def _block_w(width: int) -> int:
+    return triton.next_power_of_2(min(width, TILE // BLOCK_R))
+
+
+class EPBuffer:
+    """Dispatch and combine of tokens for expert parallelism, in a normal mode (throughput) and a
+    low-latency mode (decode); the symmetric buffers of one layer shape. DeepEP's `Buffer`, as far
+    as its single-node and multi-node calls go.
+
+    Build it on every rank at once; its calls are collectives (every rank calls the same method
+    in the same order). Each mode allocates its symmetric staging at its first call (a collective,
+    which cannot happen inside a CUDA-graph capture: call once before capturing). Calls need no
+    host synchronisation (except `dispatch(..., sync=True)`), run back to back, and can be
+    captured in CUDA graphs.
+
+    Memory per rank, per slot (two slots): normal mode world_size x max_tokens_per_rank rows of
+    `hidden` for each way; low-latency mode num_experts x max_tokens_per_rank rows for the
+    dispatch and max_tokens_per_rank x topk rows for the combine.
+
+    Args:
+        num_experts: experts in all; a multiple of the world size (num_experts // world_size per
+            rank: rank r holds experts r * E_local ... (r + 1) * E_local - 1).
+        hidden: elements of a token (even; a multiple of 128 for fp8 dispatch).
+        max_tokens_per_rank: the most tokens any rank passes to one call.
+        dtype: of tokens and expert outputs: bf16 or fp16.
+
+    Raises:
+        ValueError: sizes that are not positive ints, experts that do not split evenly across
+            ranks, an odd `hidden`, another dtype.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16):
+        self.world = w = tridist.world()
+        for name, value in (("num_experts", num_experts), ("hidden", hidden),
+                            ("max_tokens_per_rank", max_tokens_per_rank)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EPBuffer: {name} must be a positive int, got {value!r}")
+        if num_experts % w.world_size:
+            raise ValueError(f"EPBuffer: {num_experts} experts do not split evenly across {w.world_size} ranks")
+        if hidden % 2:
+            raise ValueError(f"EPBuffer: hidden must be even (rows move as 4-byte words), got {hidden}")
+        if dtype not in DTYPES:
+            raise ValueError(f"EPBuffer takes {', '.join(str(d) for d in DTYPES)}; got {dtype}")
+        self.num_experts, self.hidden, self.max_tokens, self.dtype = num_experts, hidden, max_tokens_per_rank, dtype
+        self.experts_local = num_experts // w.world_size
+        self.w_pad = triton.next_power_of_2(w.world_size)
+        self.e_pad = triton.next_power_of_2(self.experts_local)
+        self.splits = max(1, _protocol.programs_for(w.device) // w.world_size)
+        self._exchanges: dict = {}
+        self._hook_pending = False
+        self._pair_ids = None
+
+    # ---- checks ----
+    def _check_routing(self, topk_idx: torch.Tensor) -> tuple[int, int]:
+        check_tensor(topk_idx, "topk_idx")
+        if topk_idx.dtype != torch.int64 or topk_idx.dim() != 2:
+            raise ValueError(f"topk_idx must be int64 of shape [tokens, topk]; got {topk_idx.dtype} of shape "
+                             f"{tuple(topk_idx.shape)}")
+        tokens, topk = topk_idx.shape
+        if tokens > self.max_tokens:
+            raise ValueError(f"{tokens} tokens, more than max_tokens_per_rank={self.max_tokens} this EPBuffer was "
+                             "built for")
+        if topk < 1 or topk > self.num_experts:
+            raise ValueError(f"topk_idx has {topk} experts per token; this layer has {self.num_experts}")
+        if topk_idx.device.type == "cpu" or config.debug():  # reading ids costs a synchronisation on GPUs
+            if tokens and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= self.num_experts):
+                raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; "
+                                 f"ids are -1 (none) or 0 to {self.num_experts - 1}")
+        return tokens, topk
+
+    def _check_tokens(self, x: torch.Tensor, tokens: int, name: str = "x") -> None:
+        check_tensor(x, name)
+        if x.dtype != self.dtype or tuple(x.shape) != (tokens, self.hidden):
+            raise ValueError(f"{name} must be {self.dtype} of shape ({tokens}, {self.hidden}); got {x.dtype} of "
+                             f"shape {tuple(x.shape)}")
+
+    def _check_weights(self, topk_weights: torch.Tensor, shape: tuple) -> None:
+        check_tensor(topk_weights, "topk_weights")
+        if topk_weights.dtype != torch.float32 or tuple(topk_weights.shape) != shape:
+            raise ValueError(f"topk_weights must be float32 of shape {shape}; got {topk_weights.dtype} of shape "
+                             f"{tuple(topk_weights.shape)}")
+
+    def _exchange(self, kind: str, topk: int) -> _Exchange:
+        """The buffers of `kind` for `topk` experts a token, allocated at their first use."""
+        key = (kind, topk)
+        if key not in self._exchanges:
+            w, rows = self.world, self.max_tokens
+            if kind == "dispatch":
+                made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
+                                 self.w_pad * 2 * self.e_pad, self.splits)
+            elif kind == "combine":
+                made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits)
+            elif kind == "ll_dispatch":
+                made = _Exchange(self.num_experts * rows, self._ll_words(False), torch.int32, 1,
+                                 self.w_pad * self.e_pad, self.splits)
+            elif kind == "ll_dispatch_fp8":
+                made = _Exchange(self.num_experts * rows, self._ll_words(True), torch.int32, 1,
+                                 self.w_pad * self.e_pad, self.splits)
+            else:  # "ll_combine"
+                made = _Exchange(rows * topk, self.hidden, self.dtype, 0, 0, self.splits)
+            self._exchanges[key] = made
+        return self._exchanges[key]
+
+    def _ll_words(self, fp8: bool) -> int:
+        """4-byte words of a low-latency row: the token (bf16/fp16), or fp8 values and a scale per
+        FP8_GROUP columns."""
+        if fp8:
+            return (self.hidden + 4 * (self.hidden // FP8_GROUP)) // 4
+        return self.hidden // 2
+
+    # ---- layout ----
+    def _route_tokens(self, topk_idx: torch.Tensor):
+        """(positions [T, world], routed: tokens per rank then pairs per expert), on the device."""
+        w = self.world
+        tokens = topk_idx.shape[0]
+        positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
+        routed = torch.empty(w.world_size + self.num_experts, dtype=torch.int32, device=w.device)
+        pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
+        if tokens:
+            exchange.route(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
+            exchange.route(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1,
+                           one_group=True)
+        else:
+            routed.zero_()
+        return positions, routed, pair_positions
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor):
+        """How this rank's tokens spread, computed on the device (no host synchronisation).
+
+        Args:
+            topk_idx: int64 [T, topk], expert ids (-1: none).
+
+        Returns:
+            (tokens_per_rank int64 [world_size]: tokens with at least one expert on each rank;
+            tokens_per_expert int64 [num_experts]; is_token_in_rank bool [T, world_size]).
+        """
+        self._check_routing(topk_idx)
+        positions, routed, _ = self._route_tokens(topk_idx)
+        w = self.world
+        return routed[:w.world_size].long(), routed[w.world_size:].long(), positions >= 0
+
+    # ---- normal mode ----
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, sync: bool = False):
+        """Send each token once to every rank holding one of its experts.
+
+        Args:
+            x: [T, hidden] tokens (T <= max_tokens_per_rank), the buffer's dtype.
+            topk_idx: int64 [T, topk] expert ids (-1: none).
+            topk_weights: float32 [T, topk].
+            sync: read the received count on the host and return tensors trimmed to it (a host
+                synchronisation, as DeepEP's default does); else room for world_size *
+                max_tokens_per_rank tokens, the rows past those received unspecified
+                (recv_topk_idx -1 there).
+
+        Returns:
+            (recv_x [R, hidden]: the received tokens, from rank 0 first, each rank's in token
+            order; recv_topk_idx int64 [R, topk]: their experts as indices among this rank's
+            (-1: an expert of another rank); recv_topk_weights float32 [R, topk];
+            recv_tokens_per_expert int64 [E_local]: received (token, local expert) pairs per
+            expert; handle: for `combine`).
+        """
+        tokens, topk = self._check_routing(topk_idx)
+        self._check_tokens(x, tokens)
+        self._check_weights(topk_weights, (tokens, topk))
+        self._no_hook_pending()
+        w = self.world
+        exchange_ = self._exchange("dispatch", topk)
+        positions, routed, _ = self._route_tokens(topk_idx)
+        capacity = w.world_size * self.max_tokens
+        token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
+        meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
+        recv_x = torch.empty((capacity, self.hidden), dtype=self.dtype, device=w.device)
+        recv_idx = torch.full((capacity, topk), -1, dtype=torch.int64, device=w.device)
+        recv_weights = torch.zeros((capacity, topk), dtype=torch.float32, device=w.device)
+        recv_src = torch.empty(capacity, dtype=torch.int32, device=w.device)
+        recv_layout = torch.empty((2, w.world_size), dtype=torch.int32, device=w.device)
+        recv_per_expert = torch.empty(self.experts_local, dtype=torch.int64, device=w.device)
+        ws = exchange_.workspace
+        args = (_words(x), meta, positions, routed, ws.staging, exchange_.meta, exchange_.counts, ws.flags, ws.calls,
+                _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert, tokens,
+                self.hidden // 2, self.max_tokens, self.experts_local, topk, ws.slot_numel,
+                exchange_.meta.shape[1], w.local_world_size)
+        exchange_.launch(dispatch_kernel, w.world_size, args,
+                         {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
+                          "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2)})
+        handle = EPHandle("normal", tokens, topk, recv_src, recv_layout, positions)
+        if sync:
+            received = int(recv_layout[0].sum())
+            return recv_x[:received], recv_idx[:received], recv_weights[:received], recv_per_expert, handle
+        return recv_x, recv_idx, recv_weights, recv_per_expert, handle
+
+    def combine(self, y: torch.Tensor, handle: EPHandle) -> torch.Tensor:
+        """Send each received token's output back to its rank; every rank sums, per token, what each
+        rank that got the token sent (in rank order, fp32).
+
+        Args:
+            y: [R, hidden] (R as recv_x, or the trimmed count with `sync=True`): for every received
+                token, the sum of its local experts' outputs, already weighted.
+            handle: the dispatch's.
+
+        Returns:
+            out [T, hidden], in this rank's token order (zeros for a token with no expert).
+        """
+        self._check_handle(handle, "normal")
+        check_tensor(y, "y")
+        w = self.world
+        if y.dtype != self.dtype or y.dim() != 2 or y.shape[1] != self.hidden or y.shape[0] > w.world_size * self.max_tokens:
+            raise ValueError(f"y must be {self.dtype} of shape (received tokens, {self.hidden}); got {y.dtype} of "
+                             f"shape {tuple(y.shape)}")
+        self._no_hook_pending()
+        exchange_ = self._exchange("combine", 1)
+        out = torch.empty((handle.tokens, self.hidden), dtype=self.dtype, device=w.device)
+        ws = exchange_.workspace
+        args = (y, handle.recv_src, handle.recv_layout, handle.positions, ws.staging, ws.flags, ws.calls, out,
+                handle.tokens, self.hidden, self.max_tokens, ws.slot_numel, w.local_world_size)
+        exchange_.launch(combine_kernel, w.world_size, args,
+                         {"BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden)})
+        return out
+
+    # ---- low-latency mode ----
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, return_recv_hook: bool = False,
+                             use_fp8: bool = False):
+        """Send one copy of each token to each of its experts, grouped by expert.
+
+        Args:
+            x: [T, hidden] tokens (T <= max_tokens_per_rank), the buffer's dtype.
+            topk_idx: int64 [T, topk] expert ids (-1: none), each token's experts distinct.
+            return_recv_hook: only send, and return at once; `hook()` receives (run compute in
+                between). Call the hook before this buffer's next call.
+            use_fp8: cast to fp8 e4m3 on the way, with a float32 scale per 128 columns of each token.
+
+        Returns:
+            (recv_x [E_local, world_size * max_tokens_per_rank, hidden]: for local expert e, its
+            pairs from rank 0 first, each rank's in token order, packed; with use_fp8 the pair
+            (recv_x in float8_e4m3fn, scales float32 [E_local, world_size * max_tokens_per_rank,
+            hidden // 128]), views of one buffer; recv_count int32 [E_local]: pairs received per
+            expert; handle: for `low_latency_combine`; hook: receives, or does nothing).
+
+        Raises:
+            ValueError: bad shapes or dtypes, an `hidden` not a multiple of 128 with use_fp8, or a
+                hook still pending.
+        """
+        tokens, topk = self._check_routing(topk_idx)
+        self._check_tokens(x, tokens)
+        if use_fp8 and self.hidden % FP8_GROUP:
+            raise ValueError(f"use_fp8 scales groups of {FP8_GROUP} columns: hidden must be a multiple, got "
+                             f"{self.hidden}")
+        self._no_hook_pending()
+        w = self.world
+        exchange_ = self._exchange("ll_dispatch_fp8" if use_fp8 else "ll_dispatch", topk)
+        _, routed, positions = self._route_tokens(topk_idx)
+        rows = self._payload(x, use_fp8)
+        width = self._ll_words(use_fp8)
+        recv = torch.empty((self.experts_local, w.world_size * self.max_tokens, 4 * width), dtype=torch.uint8,
+                           device=w.device)
+        recv_src = torch.empty((self.experts_local, w.world_size * self.max_tokens), dtype=torch.int32,
+                               device=w.device)
+        recv_count = torch.empty(self.experts_local, dtype=torch.int32, device=w.device)
+        recv_layout = torch.empty((2, self.w_pad, self.e_pad), dtype=torch.int32, device=w.device)
+        ws = exchange_.workspace
+        args = (rows, topk_idx, positions, routed[w.world_size:], self._pair_index(topk), ws.staging, exchange_.meta,
+                exchange_.counts, ws.flags, ws.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
+                tokens, width, self.max_tokens, self.experts_local, topk, ws.slot_numel, exchange_.meta.shape[1],
+                w.local_world_size)
+        meta = {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(width)}
+        exchange_.fit(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": True})
+        if return_recv_hook:
+            exchange_.launch(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": False},
+                             coresident=False)
+            self._hook_pending = True
+
+            def hook() -> None:
+                if not self._hook_pending:
+                    raise ValueError("this hook has run already")
+                self._hook_pending = False
+                exchange_.launch(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": False, "RECEIVE": True},
+                                 coresident=False)
+        else:
+            exchange_.launch(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": True})
+
+            def hook() -> None:
+                pass
+        handle = EPHandle("low_latency", tokens, topk, recv_src, recv_layout)
+        recv_x = recv[..., :self.hidden].view(FP8) if use_fp8 else recv.view(self.dtype)
+        if use_fp8:
+            recv_x = (recv_x, recv[..., self.hidden:].view(torch.float32))
+        return recv_x, recv_count, handle, hook
+
+    def low_latency_combine(self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: EPHandle) -> torch.Tensor:
+        """Send each pair's output back to its token's rank, which sums topk_weights[t, k] x the
+        output of expert k of token t, in k order (fp32).
+
+        Args:
+            y: [E_local, world_size * max_tokens_per_rank, hidden], recv_x's layout, the buffer's
+                dtype: each received pair's expert output.
+            topk_idx, topk_weights: the dispatch's routing (int64) and float32 weights [T, topk].
+            handle: the dispatch's.
+
+        Returns:
+            out [T, hidden].
+        """
+        self._check_handle(handle, "low_latency")
+        tokens, topk = self._check_routing(topk_idx)
+        if (tokens, topk) != (handle.tokens, handle.topk):
+            raise ValueError(f"topk_idx has shape {(tokens, topk)}; the handle's dispatch had "
+                             f"{(handle.tokens, handle.topk)}")
+        self._check_weights(topk_weights, (tokens, topk))
+        w = self.world
+        check_tensor(y, "y")
+        shape = (self.experts_local, w.world_size * self.max_tokens, self.hidden)
+        if y.dtype != self.dtype or tuple(y.shape) != shape:
+            raise ValueError(f"y must be {self.dtype} of shape {shape} (recv_x's); got {y.dtype} of shape "
+                             f"{tuple(y.shape)}")
+        self._no_hook_pending()
+        exchange_ = self._exchange("ll_combine", topk)
+        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=w.device)
+        ws = exchange_.workspace
+        args = (y, handle.recv_src, handle.recv_layout, topk_idx, topk_weights, ws.staging, ws.flags, ws.calls, out,
+                tokens, self.hidden, self.max_tokens, topk, ws.slot_numel, w.local_world_size)
+        exchange_.launch(ll_combine_kernel, w.world_size, args,
+                         {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R,
+                          "BLOCK_W": _block_w(self.hidden)})
+        return out
+
+    # ---- helpers ----
+    def _payload(self, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
+        """The rows the low-latency dispatch moves, as int32 words: x itself, or with use_fp8 each
+        token's e4m3 values followed by its float32 scales (one per FP8_GROUP columns)."""
+        if not use_fp8:
+            return _words(x)
+        groups = x.float().view(x.shape[0], -1, FP8_GROUP)
+        scales = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+        values = (groups / scales[..., None]).to(FP8).view(torch.uint8).view(x.shape[0], -1)
+        return torch.cat([values, scales.view(torch.uint8)], 1).view(torch.int32)
+
+    def _pair_index(self, topk: int) -> torch.Tensor:
+        """0, 1, 2, ...: the meta word each pair sends (its index), as rows of one int32."""
+        needed = self.max_tokens * topk
+        if self._pair_ids is None or self._pair_ids.numel() < needed:
+            self._pair_ids = torch.arange(needed, dtype=torch.int32, device=self.world.device)
+        return self._pair_ids
+
+    def _check_handle(self, handle, mode: str) -> None:
+        if not isinstance(handle, EPHandle) or handle.mode != mode:
+            raise ValueError(f"handle must be the EPHandle of a {'dispatch' if mode == 'normal' else mode + '_dispatch'}"
+                             f" of this buffer, got {type(handle).__name__}"
+                             + (f" of mode {handle.mode!r}" if isinstance(handle, EPHandle) else ""))
+
+    def _no_hook_pending(self) -> None:
+        if self._hook_pending:
+            raise ValueError("a low_latency_dispatch's receive hook has not run: call it before this buffer's next "
+                             "call")
+
+    def free(self) -> None:
+        """Give the symmetric buffers back (collective: every rank frees its buffer)."""
+        for made in self._exchanges.values():  # allocated in call order, the same on every rank
+            made.free()
+        self._exchanges.clear()
+
