@@ -1,7 +1,7 @@
 """The kernel library, grouped by family: [`collectives`][tridist.ops.collectives] (all-gather,
 reduce-scatter, all-reduce), [`gemm`][tridist.ops.gemm] (the persistent GEMM and the GEMMs
 overlapped with communication, and the grouped GEMM of MoE layers), [`moe`][tridist.ops.moe]
-(tensor-parallel MoE layers), [`attention`][tridist.ops.attention] (flash decoding over a KV
+(expert-parallel all-to-alls and dispatch/combine, tensor-parallel MoE layers), [`attention`][tridist.ops.attention] (flash decoding over a KV
 cache split across ranks) and [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo
 exchange runs inside its kernels). Each op's module holds its host wrapper next to its kernels;
 `_protocol` and `sync` are what the families share.
@@ -52,10 +52,12 @@ What holds for every op:
 from .attention import FlashDecode, flash_decode
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
 from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, grouped_gemm, matmul
-from .moe import AllGatherMoE, MoEHandle, MoEReduceScatter, ag_moe, moe_rs
+from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
+                  all_to_all_v_2d, all_to_all_v_2d_offset, moe_rs)
 from .stencil import Jacobi2D, jacobi_reference
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter",
            "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
-           "grouped_gemm", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
+           "grouped_gemm", "AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer",
+           "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
            "flash_decode", "Jacobi2D", "jacobi_reference"]

@@ -1,0 +1,309 @@
+"""all_to_all_v, all_to_all_v_2d and all_to_all_v_2d_offset against host references, exact: every
+row's payload encodes its source rank and row, outputs are poisoned, splits are random or edge
+cases (empty, all to one rank, a rank that sends nothing, every row of x), calls run back to back
+with no host synchronisation; the 2-D round trip returns every row; overflow is refused on the
+device; bad input before any launch."""
+import hashlib
+
+import pytest
+import torch
+
+import tridist
+from tridist import ops
+
+ROWS, ROW = 12, (3, 2)  # rows of x, and the shape of a row
+POISON = -7
+
+
+def _payload(rank, rows, dtype=torch.float32):
+    """Row i of rank r holds r * 1000 + i * 10 + (its element index): any misrouted row shows."""
+    values = rank * 1000 + torch.arange(rows)[:, None] * 10 + torch.arange(6)[None, :]
+    return values.view(rows, *ROW).to(dtype)
+
+
+def _splits(kind, rank, world_size, experts, seed):
+    """Every rank's splits for one call, alike on every rank: [world_size * experts] row counts summing
+    to at most ROWS."""
+    n = world_size * experts
+    if kind == "random" or (kind == "rank 1 sends nothing" and rank != 1):
+        counts = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(seed * 31 + rank))
+        while counts.sum() > ROWS:
+            counts[int(counts.argmax())] -= 1
+        return counts
+    counts = torch.zeros(n, dtype=torch.int64)
+    if kind == "all to rank 0":
+        counts[0] = ROWS
+    elif kind == "full":  # every row of x, spread over every chunk
+        counts += ROWS // n
+        counts[-1] += ROWS - int(counts.sum())
+    return counts
+
+
+def _reference_1d(every, me):
+    """What rank `me` receives from `every` rank's splits, in rank order, and its splits/offsets."""
+    rows, splits = [], []
+    for source, counts in enumerate(every):
+        start = int(counts[:me].sum())
+        rows.append(_payload(source, ROWS)[start:start + int(counts[me])])
+        splits.append(int(counts[me]))
+    offsets = [sum(splits[:q]) for q in range(len(splits))]
+    return torch.cat(rows), splits, offsets
+
+
+def _reference_2d(every, me, experts, align):
+    """Chunks for `me`'s experts, expert-major, each expert aligned: (rows by offset, splits, offsets)."""
+    world_size = len(every)
+    chunks = {}
+    for source, counts in enumerate(every):
+        start = 0
+        for p in range(world_size):
+            for e in range(experts):
+                n = int(counts[p * experts + e])
+                if p == me:
+                    chunks[e, source] = _payload(source, ROWS)[start:start + n]
+                start += n
+    placed, splits, offsets, at = {}, [], [], 0
+    for e in range(experts):
+        at = -(-at // align) * align
+        for source in range(world_size):
+            placed[at] = chunks[e, source]
+            splits.append(chunks[e, source].shape[0])
+            offsets.append(at)
+            at += chunks[e, source].shape[0]
+    return placed, splits, offsets
+
+
+def _all_to_all(w, kinds, experts, align):
+    """Each kind of splits once, back to back, in the 1-D layout (experts 1) or the 2-D one and back."""
+    capacity = w.world_size * ROWS + experts * align
+    every = {kind: [_splits(kind, r, w.world_size, experts, call) for r in range(w.world_size)]
+             for call, kind in enumerate(kinds)}
+    x = _payload(w.rank, ROWS).to(w.device)
+    calls = []
+    for kind in kinds:  # no host synchronisation between the calls
+        splits = every[kind][w.rank].to(w.device)
+        out = torch.full((capacity, *ROW), POISON, dtype=torch.float32, device=w.device)
+        if experts == 1:
+            calls.append((kind, out, ops.all_to_all_v(x, splits, out)))
+        else:
+            result = ops.all_to_all_v_2d(x, splits, out, major_align=align)
+            back = torch.full((ROWS, *ROW), POISON, dtype=torch.float32, device=w.device)
+            calls.append((kind, out, result, back, ops.all_to_all_v_2d_offset(out, result, back)))
+    for kind, out, result, *way_back in calls:
+        what = f"{kind}, experts {experts}, align {align}"
+        if experts == 1:
+            rows, splits, offsets = _reference_1d(every[kind], w.rank)
+            assert torch.equal(out[:rows.shape[0]].cpu(), rows), what
+            assert (out[rows.shape[0]:] == POISON).all(), f"{what}: rows written past those received"
+        else:
+            placed, splits, offsets = _reference_2d(every[kind], w.rank, experts, align)
+            for at, rows in placed.items():
+                assert torch.equal(out[at:at + rows.shape[0]].cpu(), rows), f"{what}: chunk at row {at}"
+            back, back_result = way_back
+            sent = int(every[kind][w.rank].sum())
+            assert torch.equal(back[:sent].cpu(), _payload(w.rank, ROWS)[:sent]), f"{what}: the way back"
+            assert back_result[0].tolist() == every[kind][w.rank].tolist(), f"{what}: splits of the way back"
+            assert back_result[1].tolist() == (torch.cumsum(every[kind][w.rank], 0)
+                                               - every[kind][w.rank]).tolist(), f"{what}: offsets of the way back"
+        assert result[0].tolist() == splits and result[1].tolist() == offsets, f"{what}: {result.tolist()}"
+    tridist.barrier_all()
+
+
+KINDS = ["random", "all to rank 0", "rank 1 sends nothing", "full"]
+
+
+@pytest.mark.worlds("1", "2", "3", "4", "2x2")
+def test_all_to_all_v(world):
+    world.run(_all_to_all, kinds=KINDS, experts=1, align=1)
+
+
+@pytest.mark.worlds("1", "2", "3", "2x2")
+def test_all_to_all_v_2d_and_back(world):
+    world.run(_all_to_all, kinds=KINDS, experts=3, align=4)
+
+
+@pytest.mark.worlds("2")
+def test_all_to_all_v_2d_unaligned(world):
+    world.run(_all_to_all, kinds=["random", "full"], experts=2, align=1)
+
+
+def _dtypes(w):
+    """Every dtype the rows may hold moves bit for bit, whatever the bits mean."""
+    splits = torch.full((w.world_size,), ROWS // w.world_size, dtype=torch.int64, device=w.device)
+    for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int32, torch.uint8, torch.int64):
+        bits = torch.randint(0, 255, (ROWS, 4 * dtype.itemsize), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(w.rank))
+        x = bits.view(dtype).to(w.device)
+        out = torch.zeros((w.world_size * ROWS, 4), dtype=dtype, device=w.device)
+        ops.all_to_all_v(x, splits, out)
+        every = [torch.randint(0, 255, (ROWS, 4 * dtype.itemsize), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(r)).view(dtype) for r in range(w.world_size)]
+        step = ROWS // w.world_size
+        expected = torch.cat([every[q][w.rank * step:(w.rank + 1) * step] for q in range(w.world_size)])
+        assert torch.equal(out[:expected.shape[0]].cpu().view(torch.uint8), expected.view(torch.uint8)), dtype
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("2")
+def test_all_to_all_v_dtypes(world):
+    world.run(_dtypes)
+
+
+def _deterministic(w):
+    """The same inputs give the same bits (a hash over three calls)."""
+    x = _payload(w.rank, ROWS).to(w.device)
+    splits = _splits("random", w.rank, w.world_size, 2, 5).to(w.device)
+    digests = set()
+    for _ in range(3):
+        out = torch.zeros((w.world_size * ROWS + 8, *ROW), device=w.device)
+        result = ops.all_to_all_v_2d(x, splits, out, major_align=4)
+        digests.add(hashlib.sha256(out.cpu().numpy().tobytes() + result.cpu().numpy().tobytes()).hexdigest())
+    assert len(digests) == 1
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("3")
+def test_all_to_all_v_deterministic(world):
+    world.run(_deterministic)
+
+
+def _overflow(w):
+    """More rows arriving than out holds: refused on the device, naming the rank and the counts."""
+    x = _payload(w.rank, ROWS).to(w.device)
+    splits = torch.full((w.world_size,), ROWS // w.world_size, dtype=torch.int64, device=w.device)
+    out = torch.zeros((ROWS - 1, *ROW), device=w.device)
+    with pytest.raises(tridist.DeviceCheckError, match=rf"rank {w.rank}.*rows arriving > rows of out: {ROWS} "
+                                                       rf"\(limit {ROWS - 1}\)"):
+        ops.all_to_all_v(x, splits, out)
+
+
+@pytest.mark.worlds("1")
+def test_all_to_all_v_overflow(world):
+    world.run(_overflow)
+
+
+def _bad_input(w):
+    x = _payload(w.rank, ROWS).to(w.device)
+    out = torch.zeros((ROWS * w.world_size, *ROW), device=w.device)
+    splits = torch.zeros(w.world_size, dtype=torch.int64, device=w.device)
+    cases = [
+        (lambda: ops.all_to_all_v(x, splits.int(), out), "int64"),
+        (lambda: ops.all_to_all_v(x, splits[:0] if w.world_size == 1 else splits[:1], out), "shape"),
+        (lambda: ops.all_to_all_v(x, splits, torch.zeros((ROWS, 2, 2), device=w.device)), "out must be"),
+        (lambda: ops.all_to_all_v(x.double(), splits, out.double()), "dtype"),
+        (lambda: ops.all_to_all_v(x[:, :, :1], splits, out), "contiguous"),
+        (lambda: ops.all_to_all_v_2d(x, splits, out, major_align=0), "major_align"),
+        (lambda: ops.all_to_all_v_2d_offset(x, splits, out), "shape"),
+        (lambda: ops.AllToAllV(ROWS, 0, ROW, torch.float32), "out_rows"),
+        (lambda: ops.AllToAllV(ROWS, ROWS, ROW, torch.float32, layout="columns"), "unknown layout"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("1")
+def test_all_to_all_v_bad_input(world):
+    world.run(_bad_input)
+
+
+def _custom_ops(w):
+    """The custom ops under torch.compile and with fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = _payload(w.rank, ROWS).to(w.device)
+    splits = torch.full((w.world_size,), 2, dtype=torch.int64, device=w.device)
+    out, result = torch.compile(lambda x, s: torch.ops.tridist.all_to_all_v(x, s, w.world_size * ROWS),
+                                backend="eager", fullgraph=True)(x, splits)
+    expected = torch.zeros_like(out)
+    assert torch.equal(ops.all_to_all_v(x, splits, expected), result)
+    assert torch.equal(out[:2 * w.world_size], expected[:2 * w.world_size])
+    with FakeTensorMode() as mode:
+        fx, fs = mode.from_tensor(x), mode.from_tensor(splits)
+        out, result = torch.ops.tridist.all_to_all_v(fx, fs, 40)
+        assert out.shape == (40, *ROW) and result.shape == (2, w.world_size)
+        out, result = torch.ops.tridist.all_to_all_v_2d(fx, fs, 40, 4)
+        assert out.shape == (40, *ROW) and result.shape == (2, w.world_size)
+        out, result = torch.ops.tridist.all_to_all_v_2d_offset(fx, mode.from_tensor(torch.zeros(2, w.world_size,
+                                                                                              dtype=torch.int64)), 9)
+        assert out.shape == (9, *ROW) and result.shape == (2, w.world_size)
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("2")
+def test_all_to_all_v_custom_ops(world):
+    world.run(_custom_ops)
+
+
+def _graph_replays(w, replays):
+    """One all_to_all_v_2d and its way back captured in a CUDA graph, replayed with new splits copied in."""
+    op = ops.AllToAllV(ROWS, w.world_size * ROWS + 8, ROW, torch.float32, experts_per_rank=2, layout="expert")
+    back_op = ops.AllToAllV(w.world_size * ROWS + 8, ROWS, ROW, torch.float32, experts_per_rank=2,
+                            layout="expert_offset")
+    x = _payload(w.rank, ROWS).to(w.device)
+    splits = torch.zeros(2 * w.world_size, dtype=torch.int64, device=w.device)
+    out = torch.zeros((w.world_size * ROWS + 8, *ROW), device=w.device)
+    back = torch.zeros((ROWS, *ROW), device=w.device)
+    op(x, splits, out, major_align=4)  # warm up: the first call fits the grid
+    back_op(out, op(x, splits, out, major_align=4), back)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = op(x, splits, out, major_align=4)
+        back_op(out, result, back)
+    for i in range(replays):
+        mine = _splits("random", w.rank, w.world_size, 2, i).to(w.device)
+        splits.copy_(mine)
+        back.fill_(POISON)
+        graph.replay()
+        sent = int(mine.sum())
+        assert torch.equal(back[:sent], x[:sent]), i
+    torch.cuda.synchronize()
+    tridist.barrier_all()
+    op.free()
+    back_op.free()
+
+
+@pytest.mark.worlds("1", "2", "2x1", "4")
+def test_all_to_all_v_cuda_graph_replays(world):
+    if world.backend == "emulator":
+        pytest.skip("CUDA graphs need GPUs")
+    world.run(_graph_replays, replays=1000)
+
+
+def _against_pytorch(w):
+    """PyTorch's all_to_all_vdev on the same inputs gives the same rows and splits."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        symm_mem.set_backend("NVSHMEM")
+        group = dist.group.WORLD.group_name
+        x = symm_mem.empty((ROWS, 6), dtype=torch.float32, device=w.device)
+        theirs = symm_mem.empty((w.world_size * ROWS, 6), dtype=torch.float32, device=w.device)
+        splits = symm_mem.empty(w.world_size, dtype=torch.int64, device=w.device)
+        result = symm_mem.empty((2, w.world_size), dtype=torch.int64, device=w.device)
+        symm_mem.rendezvous(x, group)
+        symm_mem.rendezvous(theirs, group)
+        symm_mem.rendezvous(splits, group)
+        symm_mem.rendezvous(result, group)
+    except Exception as error:  # noqa: BLE001 - an older torch, or NVSHMEM's backend not usable here
+        return f"PyTorch's all_to_all_vdev is not available here: {error}"
+    x.copy_(_payload(w.rank, ROWS).view(ROWS, 6))
+    splits.copy_(_splits("random", w.rank, w.world_size, 1, 3))
+    theirs.fill_(POISON)
+    torch.ops.symm_mem.all_to_all_vdev(x, theirs, splits, result, group)
+    ours = torch.full_like(theirs, POISON)
+    mine = ops.all_to_all_v(x.clone(), splits.clone(), ours)
+    received = int(result[0].sum())
+    assert torch.equal(mine, result) and torch.equal(ours[:received], theirs[:received])
+    return None
+
+
+@pytest.mark.worlds("2")
+def test_all_to_all_v_against_pytorch(world):
+    if world.backend == "emulator":
+        pytest.skip("PyTorch's all_to_all_vdev needs GPUs")
+    skipped = world.run(_against_pytorch)[0]
+    if skipped:
+        pytest.skip(skipped)
