@@ -1,0 +1,320 @@
+"""EPBuffer in DeepEP's style: every token's payload encodes its rank and index, so a misrouted row
+shows at once; random routing and edge cases (an empty expert, every token to one expert, a rank
+that sends nothing, top-k hitting one rank several times, -1 entries, the most tokens the buffer
+takes); exact checks of what arrives, identity experts for the way back (combine(dispatch(x)) =
+x * sum of the weights), bits equal across calls, the receive hook, fp8, bad input."""
+import hashlib
+
+import pytest
+import torch
+
+import tridist
+from tridist import ops
+
+HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 128, 5, 3, 4
+TOLERANCE = 2e-2  # bf16 rounding of the output, relative to its largest value
+
+
+def _routing(kind, rank, world_size, seed):
+    """topk_idx of `rank`, alike on every rank."""
+    experts = EXPERTS_PER_RANK * world_size
+    generator = torch.Generator().manual_seed(seed * 97 + rank)
+    idx = torch.rand(TOKENS, experts, generator=generator).argsort(1)[:, :TOPK].contiguous()
+    if kind == "random":
+        idx[1, 0] = -1  # some -1 entries
+        idx[3, 2] = -1
+    elif kind == "one expert":  # every token to expert 1, the rest of its slots unused: empty experts
+        idx[:, 0] = 1
+        idx[:, 1:] = -1
+    elif kind == "sends nothing" and rank == world_size - 1:
+        idx[:] = -1
+    elif kind == "one rank":  # every expert of every token on the last rank: top-k hits it TOPK times
+        last = (world_size - 1) * EXPERTS_PER_RANK
+        idx = torch.stack([last + (torch.arange(TOPK) + t) % EXPERTS_PER_RANK for t in range(TOKENS)])
+    return idx
+
+
+def _tokens(rank):
+    """Token t of rank r: r * 100 + t everywhere, plus its column / 256 (exact in bf16)."""
+    return (rank * 100 + torch.arange(TOKENS)[:, None] + torch.arange(HIDDEN)[None, :] / 256).to(torch.bfloat16)
+
+
+def _weights(rank, seed):
+    return torch.rand(TOKENS, TOPK, generator=torch.Generator().manual_seed(seed * 13 + rank))
+
+
+class Call:
+    """Every rank's inputs of one call."""
+
+    def __init__(self, w, kind, seed):
+        self.kind, self.world_size, self.rank = kind, w.world_size, w.rank
+        self.idx = [_routing(kind, r, w.world_size, seed) for r in range(w.world_size)]
+        self.weights = [_weights(r, seed) for r in range(w.world_size)]
+
+    def inputs(self, device):
+        return _tokens(self.rank).to(device), self.idx[self.rank].to(device), self.weights[self.rank].to(device)
+
+    def mine(self, ids):
+        """Which of `ids` are experts of this rank, and their local indices."""
+        first = self.rank * EXPERTS_PER_RANK
+        held = (ids >= first) & (ids < first + EXPERTS_PER_RANK)
+        return held, torch.where(held, ids - first, -1)
+
+    def normal(self):
+        """(rows, local expert ids, weights) this rank receives in normal mode, in order."""
+        rows, ids, weights = [], [], []
+        for source in range(self.world_size):
+            for t in range(TOKENS):
+                held, local = self.mine(self.idx[source][t])
+                if held.any():
+                    rows.append(_tokens(source)[t])
+                    ids.append(local)
+                    weights.append(self.weights[source][t])
+        if not rows:
+            return torch.zeros(0, HIDDEN, dtype=torch.bfloat16), torch.zeros(0, TOPK, dtype=torch.int64), None
+        return torch.stack(rows), torch.stack(ids), torch.stack(weights)
+
+    def low_latency(self, expert):
+        """The rows local expert `expert` receives in low-latency mode, in order."""
+        target = self.rank * EXPERTS_PER_RANK + expert
+        return [_tokens(q)[t] for q in range(self.world_size) for t in range(TOKENS)
+                for k in range(TOPK) if self.idx[q][t, k] == target]
+
+    def combined(self):
+        """Identity experts: each token times the sum of its weights of real experts."""
+        idx, weights = self.idx[self.rank], self.weights[self.rank]
+        return _tokens(self.rank).float() * torch.where(idx >= 0, weights, 0).sum(1, keepdim=True)
+
+
+def _close(out, expected, what):
+    error = (out.float().cpu() - expected).abs().max() / max(expected.abs().max(), 1e-6)
+    assert error <= TOLERANCE, f"{what}: relative error {error:.2e}"
+
+
+def _normal(w, kinds):
+    """Dispatch, identity experts, combine: every kind back to back, then all checked."""
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    calls = [Call(w, kind, seed) for seed, kind in enumerate(kinds)]
+    results = []
+    for call in calls:
+        x, idx, weights = call.inputs(w.device)
+        recv_x, recv_idx, recv_weights, per_expert, handle = buffer.dispatch(x, idx, weights)
+        y = (recv_x.float() * torch.where(recv_idx >= 0, recv_weights, 0).sum(1, keepdim=True)).to(torch.bfloat16)
+        results.append((recv_x, recv_idx, recv_weights, per_expert, buffer.combine(y, handle)))
+    for call, (recv_x, recv_idx, recv_weights, per_expert, out) in zip(calls, results):
+        rows, ids, weights = call.normal()
+        n, what = rows.shape[0], f"normal mode, {call.kind}"
+        assert torch.equal(recv_x[:n].cpu(), rows), f"{what}: received tokens"
+        assert torch.equal(recv_idx[:n].cpu(), ids), f"{what}: received expert ids"
+        assert (recv_idx[n:] == -1).all(), f"{what}: rows past those received"
+        if n:
+            assert torch.equal(recv_weights[:n].cpu(), weights), f"{what}: received weights"
+        assert per_expert.tolist() == [int((ids == e).sum()) for e in range(EXPERTS_PER_RANK)], what
+        _close(out, call.combined(), what)
+    tridist.barrier_all()
+    buffer.free()
+
+
+def _low_latency(w, kinds, hook):
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    calls = [Call(w, kind, seed) for seed, kind in enumerate(kinds)]
+    results = []
+    for call in calls:
+        x, idx, weights = call.inputs(w.device)
+        recv_x, recv_count, handle, receive = buffer.low_latency_dispatch(x, idx, return_recv_hook=hook)
+        if hook:
+            busy = torch.ones(64, 64, device=w.device) @ torch.ones(64, 64, device=w.device)  # between the halves
+            receive()
+            assert busy[0, 0] == 64
+        results.append((recv_x.clone(), recv_count, buffer.low_latency_combine(recv_x, idx, weights, handle)))
+    for call, (recv_x, recv_count, out) in zip(calls, results):
+        what = f"low-latency mode, {call.kind}, hook {hook}"
+        for expert in range(EXPERTS_PER_RANK):
+            rows = call.low_latency(expert)
+            assert int(recv_count[expert]) == len(rows), f"{what}: count of expert {expert}"
+            if rows:
+                assert torch.equal(recv_x[expert, :len(rows)].cpu(), torch.stack(rows)), f"{what}: expert {expert}"
+        _close(out, call.combined(), what)
+    tridist.barrier_all()
+    buffer.free()
+
+
+KINDS = ["random", "one expert", "sends nothing", "one rank"]
+
+
+@pytest.mark.worlds("1", "2", "3", "4", "2x2")
+def test_dispatch_combine(world):
+    world.run(_normal, kinds=KINDS)
+
+
+@pytest.mark.worlds("1", "2", "3", "4", "2x2")
+def test_low_latency_dispatch_combine(world):
+    world.run(_low_latency, kinds=KINDS, hook=False)
+
+
+@pytest.mark.worlds("2", "2x2")
+def test_low_latency_receive_hook(world):
+    world.run(_low_latency, kinds=["random", "one rank"], hook=True)
+
+
+def _layout(w):
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    idx = _routing("random", w.rank, w.world_size, 0)
+    per_rank, per_expert, in_rank = buffer.get_dispatch_layout(idx.to(w.device))
+    ranks = torch.where(idx >= 0, idx // EXPERTS_PER_RANK, -1)
+    expected = torch.stack([(ranks == r).any(1) for r in range(w.world_size)], 1)
+    assert torch.equal(in_rank.cpu(), expected)
+    assert per_rank.tolist() == expected.sum(0).tolist()
+    assert per_expert.tolist() == torch.bincount(idx[idx >= 0], minlength=EXPERTS_PER_RANK * w.world_size).tolist()
+    tridist.barrier_all()
+    buffer.free()
+
+
+@pytest.mark.worlds("1", "3")
+def test_dispatch_layout(world):
+    world.run(_layout)
+
+
+def _full_and_sync(w):
+    """The most tokens the buffer takes, every token on every rank; `sync=True` trims to what came."""
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    idx = torch.stack([torch.arange(w.world_size) * EXPERTS_PER_RANK + t % EXPERTS_PER_RANK for t in range(TOKENS)])
+    weights = torch.ones(TOKENS, w.world_size)
+    recv_x, recv_idx, _, _, handle = buffer.dispatch(_tokens(w.rank).to(w.device), idx.to(w.device),
+                                                     weights.to(w.device), sync=True)
+    assert recv_x.shape == (w.world_size * TOKENS, HIDDEN)
+    assert torch.equal(recv_x.cpu(), torch.cat([_tokens(q) for q in range(w.world_size)]))
+    out = buffer.combine(recv_x, handle)
+    assert torch.equal(out.cpu(), (_tokens(w.rank).float() * w.world_size).to(torch.bfloat16))
+    tridist.barrier_all()
+    buffer.free()
+
+
+@pytest.mark.worlds("2", "3")
+def test_dispatch_most_tokens_and_sync(world):
+    world.run(_full_and_sync)
+
+
+def _deterministic(w):
+    """The same inputs give the same bits, by a hash over three calls of each mode."""
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    x, idx, weights = Call(w, "random", 4).inputs(w.device)
+    x = (x.float() * torch.rand(x.shape, generator=torch.Generator().manual_seed(w.rank)).to(w.device)).bfloat16()
+    digests = set()
+    for _ in range(3):
+        recv_x, recv_idx, recv_weights, _, handle = buffer.dispatch(x, idx, weights)
+        out = buffer.combine((recv_x.float() * 1.5).bfloat16(), handle)
+        ll_x, _, ll_handle, _ = buffer.low_latency_dispatch(x, idx)
+        ll_out = buffer.low_latency_combine(ll_x, idx, weights, ll_handle)
+        blobs = [t.cpu().float().numpy().tobytes() for t in (recv_x, recv_weights, out, ll_out)]
+        digests.add(hashlib.sha256(b"".join(blobs)).hexdigest())
+    assert len(digests) == 1
+    tridist.barrier_all()
+    buffer.free()
+
+
+@pytest.mark.worlds("3")
+def test_deterministic(world):
+    world.run(_deterministic)
+
+
+def _fp8(w):
+    """use_fp8: e4m3 values with a float32 scale per 128 columns, within e4m3's rounding of x."""
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    call = Call(w, "random", 2)
+    x, idx, _ = call.inputs(w.device)
+    (values, scales), recv_count, _, _ = buffer.low_latency_dispatch(x, idx, use_fp8=True)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (EXPERTS_PER_RANK, w.world_size * TOKENS,
+                                                                    HIDDEN // 128)
+    for expert in range(EXPERTS_PER_RANK):
+        rows = call.low_latency(expert)
+        assert int(recv_count[expert]) == len(rows)
+        if rows:
+            got = values[expert, :len(rows)].float().view(len(rows), -1, 128) * scales[expert, :len(rows), :, None]
+            error = (got.view(len(rows), HIDDEN).cpu() - torch.stack(rows).float()).abs().max()
+            assert error <= torch.stack(rows).float().abs().max() / 16, f"expert {expert}: {error}"
+    tridist.barrier_all()
+    buffer.free()
+
+
+@pytest.mark.worlds("1", "2")
+def test_low_latency_fp8(world):
+    world.run(_fp8)
+
+
+def _bad_input(w):
+    experts = EXPERTS_PER_RANK * w.world_size
+    buffer = ops.EPBuffer(experts, HIDDEN, TOKENS)
+    x, idx, weights = Call(w, "random", 0).inputs(w.device)
+    cases = [
+        (lambda: buffer.dispatch(x, idx.int(), weights), "int64"),
+        (lambda: buffer.dispatch(x, idx + experts, weights), "expert ids"),
+        (lambda: buffer.dispatch(x, idx - 2, weights), "expert ids"),
+        (lambda: buffer.dispatch(torch.cat([x, x]), torch.cat([idx, idx]), torch.cat([weights, weights])),
+         "more than max_tokens_per_rank"),
+        (lambda: buffer.dispatch(x.half(), idx, weights), "must be torch.bfloat16"),
+        (lambda: buffer.dispatch(x[:, :64].contiguous(), idx, weights), "shape"),
+        (lambda: buffer.dispatch(x, idx, weights.double()), "float32"),
+        (lambda: buffer.combine(x, "handle"), "EPHandle"),
+        (lambda: buffer.low_latency_combine(x, idx, weights, None), "EPHandle"),
+        (lambda: ops.EPBuffer(experts + 1, HIDDEN, TOKENS) if w.world_size > 1 else ops.EPBuffer(0, 8, 1),
+         "split evenly" if w.world_size > 1 else "positive"),
+        (lambda: ops.EPBuffer(experts, 7, TOKENS), "even"),
+        (lambda: ops.EPBuffer(experts, HIDDEN, TOKENS, torch.float32), "takes"),
+        (lambda: ops.EPBuffer(experts, 64, TOKENS).low_latency_dispatch(x[:, :64].contiguous(), idx, use_fp8=True),
+         "multiple"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    _, _, handle, hook = buffer.low_latency_dispatch(x, idx, return_recv_hook=True)
+    with pytest.raises(ValueError, match="hook has not run"):
+        buffer.dispatch(x, idx, weights)
+    hook()
+    with pytest.raises(ValueError, match="has run already"):
+        hook()
+    normal = buffer.dispatch(x, idx, weights)[4]
+    with pytest.raises(ValueError, match="EPHandle of a low_latency_dispatch"):
+        buffer.low_latency_combine(torch.zeros((EXPERTS_PER_RANK, w.world_size * TOKENS, HIDDEN),
+                                               dtype=torch.bfloat16, device=w.device), idx, weights, normal)
+    tridist.barrier_all()
+    buffer.free()
+
+
+@pytest.mark.worlds("1")
+def test_ep_bad_input(world):
+    world.run(_bad_input)
+
+
+def _graph_replays(w, replays):
+    """Low-latency dispatch, hook and combine captured in one CUDA graph, replayed with new tokens,
+    routing and weights copied in; every replay checked against identity experts."""
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    calls = [Call(w, kind, seed) for seed, kind in enumerate(KINDS)]
+    inputs = [call.inputs(w.device) for call in calls]
+    x, idx, weights = (t.clone() for t in inputs[0])
+    for _ in range(2):  # warm up: allocates the buffers, fits the grids
+        recv_x, _, handle, hook = buffer.low_latency_dispatch(x, idx, return_recv_hook=True)
+        hook()
+        buffer.low_latency_combine(recv_x, idx, weights, handle)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv_x, _, handle, hook = buffer.low_latency_dispatch(x, idx, return_recv_hook=True)
+        hook()
+        out = buffer.low_latency_combine(recv_x, idx, weights, handle)
+    expected = [call.combined() for call in calls]
+    for i in range(replays):
+        for buffer_, value in zip((x, idx, weights), inputs[i % len(calls)]):
+            buffer_.copy_(value)
+        graph.replay()
+        _close(out, expected[i % len(calls)], f"replay {i}")
+    torch.cuda.synchronize()
+    tridist.barrier_all()
+    buffer.free()
+
+
+@pytest.mark.worlds("1", "2", "2x1", "4")
+def test_low_latency_cuda_graph_replays(world):
+    if world.backend == "emulator":
+        pytest.skip("CUDA graphs need GPUs")
+    world.run(_graph_replays, replays=1000)
