@@ -10,7 +10,8 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "gemm": "tridist.bench.overlap", "ag_gemm": "tridist.bench.overlap", "gemm_rs": "tridist.bench.overlap",
               "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused",
               "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode",
-              "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe"}
+              "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe",
+              "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep"}
 SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode")  # modules with one benchmark: their `main` takes no benchmark name
 DEFAULT_RANKS = 2
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
@@ -32,6 +33,9 @@ NAME:
   flash_decode    the split-KV decode kernel's bandwidth against a copy and SDPA on one GPU (-n 1)
   grouped_gemm    the grouped GEMM against torch._grouped_mm (fp8: _scaled_grouped_mm) and a copy's bandwidth
   ag_moe, moe_rs  the tensor-parallel MoE ops against the grouped GEMM alone and NCCL + torch._grouped_mm
+  ep              expert-parallel dispatch and combine (EPBuffer, normal and low-latency modes) against the plain
+                  PyTorch steps, NCCL all_to_all_single with host-read splits, and a copy's bandwidth
+  alltoall        all_to_all_v and all_to_all_v_2d against NCCL all_to_all_single and PyTorch's all_to_all_vdev
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them
