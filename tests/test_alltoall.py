@@ -62,14 +62,15 @@ def _reference_2d(every, me, experts, align):
                 if p == me:
                     chunks[e, source] = _payload(source, ROWS)[start:start + n]
                 start += n
-    placed, splits, offsets, at = {}, [], [], 0
+    placed, splits, offsets, start = {}, [], [], 0
     for e in range(experts):
-        at = -(-at // align) * align
+        at = start
         for source in range(world_size):
             placed[at] = chunks[e, source]
             splits.append(chunks[e, source].shape[0])
             offsets.append(at)
             at += chunks[e, source].shape[0]
+        start += max(-(-(at - start) // align), 1) * align  # as PyTorch's: an empty expert takes `align` rows
     return placed, splits, offsets
 
 

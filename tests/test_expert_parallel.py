@@ -184,8 +184,7 @@ def _full_and_sync(w):
                                                      weights.to(w.device), sync=True)
     assert recv_x.shape == (w.world_size * TOKENS, HIDDEN)
     assert torch.equal(recv_x.cpu(), torch.cat([_tokens(q) for q in range(w.world_size)]))
-    out = buffer.combine(recv_x, handle)
-    assert torch.equal(out.cpu(), (_tokens(w.rank).float() * w.world_size).to(torch.bfloat16))
+    _close(buffer.combine(recv_x, handle), _tokens(w.rank).float() * w.world_size, "every token on every rank")
     tridist.barrier_all()
     buffer.free()
 
@@ -206,7 +205,8 @@ def _deterministic(w):
         out = buffer.combine((recv_x.float() * 1.5).bfloat16(), handle)
         ll_x, _, ll_handle, _ = buffer.low_latency_dispatch(x, idx)
         ll_out = buffer.low_latency_combine(ll_x, idx, weights, ll_handle)
-        blobs = [t.cpu().float().numpy().tobytes() for t in (recv_x, recv_weights, out, ll_out)]
+        received = int(handle.recv_layout[0].sum())  # rows past those received are unspecified
+        blobs = [t.cpu().float().numpy().tobytes() for t in (recv_x[:received], recv_weights, out, ll_out)]
         digests.add(hashlib.sha256(b"".join(blobs)).hexdigest())
     assert len(digests) == 1
     tridist.barrier_all()

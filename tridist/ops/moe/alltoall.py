@@ -8,7 +8,8 @@ rank p):
   rank 1, ..., packed. Splits and offsets are indexed by rank.
 - `all_to_all_v_2d`: x holds chunks rank-major (in_splits[p * G + e]); out receives expert-major:
   for each local expert e, the chunks from rank 0, 1, ...; each expert's first chunk starts at a
-  multiple of `major_align`. The result is indexed expert-major, [e * world + s].
+  multiple of `major_align`, and takes at least `major_align` rows (an empty expert too, as in
+  PyTorch). The result is indexed expert-major, [e * world + s].
 - `all_to_all_v_2d_offset`, the way back: x holds expert-major chunks at the given offsets
   (in_splits_offsets[:, e * world + p]; padding between them is not sent); out receives rank-major,
   packed: from rank 0 its experts' chunks for this rank in expert order, then rank 1's... The
@@ -36,7 +37,6 @@ from tridist.runtime.tensors import check_tensor
 from .. import _protocol
 from .._protocol import after_flags, call_epoch, finish_call
 from . import exchange
-from ..gemm.grouped import pick
 from .exchange import chunk_of, gather, send_rows, send_values, split_rows
 
 # What the rows may hold: an all-to-all only moves them (fp8 as its bytes).
@@ -106,16 +106,12 @@ def all_to_all_v_kernel(x_ptr, splits_ptr, offsets_ptr, out_ptr, result_ptr, sta
     # 3. Where chunk (q, e) goes: rank-major packs each source's chunks in expert order; expert-major
     #    starts each expert at a multiple of major_align, its chunks in source order.
     if LAYOUT == 1:
+        # As PyTorch's: every expert's rows take a whole number of major_align rows, at least one
+        # (an empty expert too: grouped GEMMs that cannot take an empty group get a padding row).
         per_expert = tl.sum(matrix, 0)
-        expert_start = tl.cumsum(per_expert, 0) - per_expert
-        if major_align > 1:
-            end = 0
-            for e in range(experts):
-                aligned = tl.cdiv(end, major_align) * major_align
-                expert_start = tl.where(experts_ == e, aligned, expert_start)
-                end = aligned + pick(per_expert, e)
-        placed = expert_start[None, :] + tl.cumsum(matrix, 0) - matrix
-        arriving = tl.max(tl.where(real, expert_start + per_expert, 0), 0)
+        taken = tl.where(real, tl.maximum(tl.cdiv(per_expert, major_align), 1) * major_align, 0)
+        placed = (tl.cumsum(taken, 0) - taken)[None, :] + tl.cumsum(matrix, 0) - matrix
+        arriving = tl.sum(taken, 0)
     else:
         per_source = tl.sum(matrix, 1)
         placed = (tl.cumsum(per_source, 0) - per_source)[:, None] + tl.cumsum(matrix, 1) - matrix
@@ -298,8 +294,9 @@ def all_to_all_v_2d(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor,
         in_splits: int64 device tensor of world_size * experts_per_rank row counts,
             in_splits[p * experts_per_rank + e] for local expert e of rank p.
         out: room for what may arrive; receives, for each of this rank's experts, the chunks from
-            rank 0, 1, ...; the first chunk of each expert at a multiple of `major_align` (rows
-            between experts are left as they were). Overflow as in `all_to_all_v`.
+            rank 0, 1, ...; the first chunk of each expert at a multiple of `major_align`, each
+            expert taking at least `major_align` rows, an empty one too (as PyTorch's; rows between
+            experts are left as they were). Overflow as in `all_to_all_v`.
         major_align: alignment of each expert's first row (e.g. a GEMM's tile height).
 
     Returns:
