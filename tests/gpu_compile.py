@@ -29,7 +29,7 @@ from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
 from tridist.ops.attention import decode as attention  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
-from tridist.ops.moe import allgather_moe, moe_reduce, tp_routing  # noqa: E402
+from tridist.ops.moe import allgather_moe, alltoall, exchange, expert_parallel, moe_reduce, tp_routing  # noqa: E402
 from tridist.ops.stencil import jacobi  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
@@ -190,6 +190,63 @@ def _moe_cases():
     return cases
 
 
+def _expert_parallel_cases():
+    """The all-to-all-v kernel (the expert-major layout: every branch but the given offsets), the
+    routing both ways, and EPBuffer's four kernels (the low-latency dispatch as one launch, which
+    holds both halves), at DeepSeek-like sizes: 8 ranks, 32 experts each, top-8, hidden 7168."""
+    i32 = {"width": "i32", "max_tokens": "i32", "experts_local": "i32", "topk": "i32", "slot_numel": "i32",
+           "meta_slot": "i32", "local_world_size": "i32", "splits": "i32", "tokens": "i32", "hidden": "i32"}
+    block_w = expert_parallel._block_w(7168 // 2)
+    dispatch = {"x_ptr": "*i32", "meta_ptr": "*i32", "positions_ptr": "*i32", "routed_ptr": "*i32",
+                "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32", "flags_ptr": "*i64",
+                "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_idx_ptr": "*i64", "recv_weights_ptr": "*fp32",
+                "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "recv_per_expert_ptr": "*i64"}
+    ll_dispatch = {"x_ptr": "*i32", "idx_ptr": "*i64", "positions_ptr": "*i32", "routed_ptr": "*i32",
+                   "pair_ids_ptr": "*i32", "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32",
+                   "flags_ptr": "*i64", "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_src_ptr": "*i32",
+                   "recv_count_ptr": "*i32", "recv_layout_ptr": "*i32"}
+    blocks = {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": block_w}
+    return [
+        *[(exchange.positions_kernel, {"idx_ptr": "*i64", "positions_ptr": "*i32", "counts_ptr": "*i32",
+                                       "items": "i32", "topk": "i32", "groups": "i32", "per_group": "i32",
+                                       "ONE_GROUP": "constexpr", "GROUPS": "constexpr", "BLOCK": "constexpr"},
+           {"ONE_GROUP": one, "GROUPS": groups, "BLOCK": exchange.ROUTE_IDS // groups})
+          for one, groups in ((True, 16), (False, 8))],
+        (alltoall.all_to_all_v_kernel,
+         {"x_ptr": "*i16", "splits_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": "*i16", "result_ptr": "*i64",
+          "staging_ptr": "*i16", "counts_ptr": "*i32", "flags_ptr": "*i64", "calls_ptr": "*i64", "width": "i32",
+          "region": "i32", "out_rows": "i32", "experts": "i32", "major_align": "i32", "slot_numel": "i32",
+          "local_world_size": "i32", "splits": "i32", "LAYOUT": "constexpr", "W_PAD": "constexpr",
+          "G_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"LAYOUT": 1, "W_PAD": 8, "G_PAD": 32, "BLOCK_R": alltoall.BLOCK_R,
+          "BLOCK_W": alltoall.TILE // alltoall.BLOCK_R}),
+        (expert_parallel.dispatch_kernel,
+         {**dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "slot_numel",
+                                              "meta_slot", "local_world_size", "splits")},
+          "W_PAD": "constexpr", "E_PAD": "constexpr", "K_PAD": "constexpr", "BLOCK_R": "constexpr",
+          "BLOCK_W": "constexpr"}, {"W_PAD": 8, "E_PAD": 32, "K_PAD": 32, **blocks}),
+        (expert_parallel.combine_kernel,
+         {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
+          "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
+          **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "slot_numel", "local_world_size", "splits")},
+          "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel._block_w(7168)}),
+        (expert_parallel.ll_dispatch_kernel,
+         {**ll_dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk",
+                                                 "slot_numel", "meta_slot", "local_world_size", "splits")},
+          "SEND": "constexpr", "RECEIVE": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
+          "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"SEND": True, "RECEIVE": True, "W_PAD": 8, "E_PAD": 32, **blocks}),
+        (expert_parallel.ll_combine_kernel,
+         {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
+          "weights_ptr": "*fp32", "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
+          **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "topk", "slot_numel", "local_world_size",
+                                 "splits")},
+          "W_PAD": "constexpr", "E_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"W_PAD": 8, "E_PAD": 32, "BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel._block_w(7168)}),
+    ]
+
+
 _ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
 
 
@@ -238,6 +295,7 @@ def cases():
         *_gemm_cases(),
         *_attention_cases(),
         *_grouped_cases(),
+        *_expert_parallel_cases(),
         *_moe_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
@@ -419,7 +477,7 @@ DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "a
                 "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
                 "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel", "rotate_kernel",
                 "jacobi_fused_kernel", "flash_decode_combine_kernel", "route_kernel", "ag_moe_kernel",
-                "moe_combine_kernel"}
+                "moe_combine_kernel", "all_to_all_v_kernel", "ll_dispatch_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

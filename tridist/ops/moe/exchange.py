@@ -104,8 +104,8 @@ def chunk_of(rows, ends):
 
 
 @jit
-def route_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, per_group, ONE_GROUP: tl.constexpr,
-                 GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+def positions_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, per_group, ONE_GROUP: tl.constexpr,
+                     GROUPS: tl.constexpr, BLOCK: tl.constexpr):
     """Where each item goes, in item order: program g takes groups g * GROUPS ... (g + 1) * GROUPS - 1.
 
     Item i has `topk` ids at idx_ptr[i * topk:] (int64; -1 for none); it belongs to group
@@ -138,9 +138,9 @@ def route_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, per_gr
 
 
 def route(idx, positions, counts, groups: int, per_group: int, one_group: bool) -> None:
-    """Queue `route_kernel` over `idx` (int64, [items, topk]; `one_group`: [pairs] with topk 1)."""
+    """Queue `positions_kernel` over `idx` (int64, [items, topk]; `one_group`: [pairs] with topk 1)."""
     items, topk = (idx.numel(), 1) if one_group else idx.shape
     per_program = min(triton.next_power_of_2(groups), 16 if one_group else 64)
-    route_kernel[(triton.cdiv(groups, per_program),)](idx, positions, counts, items, topk, groups, per_group,
-                                                      ONE_GROUP=one_group, GROUPS=per_program,
-                                                      BLOCK=max(1, ROUTE_IDS // per_program), num_warps=4)
+    positions_kernel[(triton.cdiv(groups, per_program),)](idx, positions, counts, items, topk, groups, per_group,
+                                                          ONE_GROUP=one_group, GROUPS=per_program,
+                                                          BLOCK=max(1, ROUTE_IDS // per_program), num_warps=4)

@@ -5,7 +5,7 @@ Experts are spread evenly: rank r holds experts r * E_local ... (r + 1) * E_loca
 with `topk_idx[t]` = its experts (-1: none) takes two ways, one per mode:
 
 **Normal mode** (prefill, training): a token goes once to every rank that holds one of its
-experts. Routing (`exchange.route_kernel`) gives each token its place among the tokens for each
+experts. Routing (`exchange.positions_kernel`) gives each token its place among the tokens for each
 rank; `dispatch_kernel` then runs the family's protocol (`exchange.py`): program (p, s) puts its
 share s of the tokens for rank p into region `rank` of p's staging (rows of x, and a meta row:
 the token's expert ids, weights and index), writes the count and the pairs per expert of p there,
@@ -207,8 +207,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
     local = experts < experts_local
     if SEND:
         first, stop = split_rows(tokens * topk, split, splits)
-        for pair in range(first, stop, BLOCK_R):
-            pairs = pair + tl.arange(0, BLOCK_R)
+        for first_pair in range(first, stop, BLOCK_R):
+            pairs = first_pair + tl.arange(0, BLOCK_R)
             inside = pairs < stop
             ids = tl.load(idx_ptr + pairs, mask=inside, other=-1)
             going = inside & (ids >= 0) & (ids // experts_local == peer)
@@ -246,8 +246,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
             source_rows = (expert * world + peer) * max_tokens + index
             target = expert * world * max_tokens + gather(mine_at, expert) + index
             copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
-            pair = tl.load(meta_stage + source_rows, mask=inside, other=0)
-            tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair, mask=inside)
+            pair_index = tl.load(meta_stage + source_rows, mask=inside, other=0)
+            tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair_index, mask=inside)
         if (peer == 0) & (split == 0):
             inside = (sources < world)[:, None] & local[None, :]
             tl.store(recv_count_ptr + experts, tl.sum(matrix, 0), mask=local)
