@@ -39,8 +39,8 @@ the rows cut on the host's copy of every rank's splits, the output poisoned with
 those received must stay so), and the returned splits and offsets. Timed with `op_us`; NCCL
 `all_to_all_single` with the splits exchanged and read on the host, eagerly (as above; it does not
 regroup the 2d rows by expert); PyTorch's `torch.ops.symm_mem.all_to_all_vdev(_2d)` on symmetric
-copies, checked the same way first (the 2d at the offsets it returns: it gives an expert that receives
-nothing a row), where this PyTorch has it and it runs, else the reason is printed. GB/s: the bytes a
+copies, checked the same way first (in both, as in PyTorch's 2d layout, an expert that receives
+nothing takes a row), where this PyTorch has it and it runs, else the reason is printed. GB/s: the bytes a
 rank sends per second. Each size's staging takes 2 x world x rows x hidden
 x 2 bytes of the symmetric heap: raise TRIDIST_HEAP_SIZE for the largest sizes at 4 ranks and more.
 
@@ -343,22 +343,26 @@ def _expected(every: list[torch.Tensor], me: int, experts: int, rows: int, hidde
     rank's splits; with one expert a rank, the rank-major layout of `all_to_all_v`."""
     world_size = len(every)
     sources = [_x_of(s, rows, hidden, device) for s in range(world_size)]
-    chunks = []
+    chunks, offsets, at = [], [], 0
     for e in range(experts):
+        first = at
         for s, counts in enumerate(every):
             start = int(counts[:me * experts + e].sum())
             chunks.append(sources[s][start:start + int(counts[me * experts + e])])
-    splits = [chunk.shape[0] for chunk in chunks]
-    return chunks, splits, [sum(splits[:i]) for i in range(len(splits))]
+            offsets.append(at)
+            at += chunks[-1].shape[0]
+        if experts > 1 and at == first:  # as PyTorch's 2d layout: an empty expert takes a row
+            at += 1
+    return chunks, [chunk.shape[0] for chunk in chunks], offsets
 
 
-def _received_right(out: torch.Tensor, result: torch.Tensor, expected, packed: bool = True) -> bool:
-    """Whether `result` holds the expected splits and `out` each expected chunk at the offset `result`
-    gives; `packed`: those offsets are the expected ones and `out` (poisoned with NaN) is NaN past the
-    chunks. (PyTorch's all_to_all_vdev_2d gives an expert that receives nothing a row: not packed.)"""
+def _received_right(out: torch.Tensor, result: torch.Tensor, expected) -> bool:
+    """Whether `result` holds the expected splits and offsets, `out` each expected chunk at its offset,
+    and `out` (poisoned with NaN) is NaN past the chunks."""
     chunks, splits, offsets = expected
     at = result[1].tolist()
-    if result[0].tolist() != splits or (packed and (at != offsets or not bool(out[sum(splits):].isnan().all()))):
+    end = max(o + n for o, n in zip(offsets, splits))
+    if result[0].tolist() != splits or at != offsets or not bool(out[end:].isnan().all()):
         return False
     return all(torch.equal(out[start:start + chunk.shape[0]], chunk) for start, chunk in zip(at, chunks))
 
@@ -399,8 +403,9 @@ def alltoall_rows(sizes, hidden: int = HIDDEN, experts: int = EXPERTS_PER_RANK, 
             splits = every[w.rank].to(w.device)
             expected = _expected(every, w.rank, per_rank, size, hidden, w.device)
             what = f"alltoall {label} {size} rows"
-            op = ops.AllToAllV(size, w.world_size * size, (hidden,), torch.bfloat16, per_rank, layout)
-            out = torch.full((w.world_size * size, hidden), float("nan"), dtype=torch.bfloat16, device=w.device)
+            capacity = w.world_size * size + per_rank  # 2d: an expert that receives nothing takes a row
+            op = ops.AllToAllV(size, capacity, (hidden,), torch.bfloat16, per_rank, layout)
+            out = torch.full((capacity, hidden), float("nan"), dtype=torch.bfloat16, device=w.device)
             _check_exact(what, _received_right(out, op(x, splits, out), expected))
             if timed:
                 us = op_us(lambda: op(x, splits, out))
@@ -447,7 +452,7 @@ def _torch_vdev_us(layout: str, x, splits, out_rows: int, expected, what: str, s
         call, out, result = _torch_vdev(layout, x, splits, out_rows)
         out.fill_(float("nan"))
         call()
-        if not _received_right(out, result, expected, packed=layout == "rank"):
+        if not _received_right(out, result, expected):
             why = "wrong result"
     except Exception as error:  # noqa: BLE001 - not in this PyTorch, or it refuses these tensors: no column
         why = _why(error)
