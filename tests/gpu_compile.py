@@ -198,12 +198,12 @@ def _expert_parallel_cases():
            "meta_slot": "i32", "local_world_size": "i32", "splits": "i32", "tokens": "i32", "hidden": "i32"}
     block_w = expert_parallel._block_w(7168 // 2)
     dispatch = {"x_ptr": "*i32", "meta_ptr": "*i32", "positions_ptr": "*i32", "routed_ptr": "*i32",
-                "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32", "flags_ptr": "*i64",
+                "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32", "arrivals_ptr": "*i64",
                 "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_idx_ptr": "*i64", "recv_weights_ptr": "*fp32",
                 "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "recv_per_expert_ptr": "*i64"}
     ll_dispatch = {"x_ptr": "*i32", "idx_ptr": "*i64", "positions_ptr": "*i32", "routed_ptr": "*i32",
                    "pair_ids_ptr": "*i32", "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32",
-                   "flags_ptr": "*i64", "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_src_ptr": "*i32",
+                   "arrivals_ptr": "*i64", "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_src_ptr": "*i32",
                    "recv_count_ptr": "*i32", "recv_layout_ptr": "*i32"}
     blocks = {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": block_w}
     return [
@@ -227,7 +227,7 @@ def _expert_parallel_cases():
           "BLOCK_W": "constexpr"}, {"W_PAD": 8, "E_PAD": 32, "K_PAD": 32, **blocks}),
         (expert_parallel.combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
-          "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
+          "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
           **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "slot_numel", "local_world_size", "splits")},
           "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
          {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel._block_w(7168)}),
@@ -239,7 +239,8 @@ def _expert_parallel_cases():
          {"SEND": True, "RECEIVE": True, "W_PAD": 8, "E_PAD": 32, **blocks}),
         (expert_parallel.ll_combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
-          "weights_ptr": "*fp32", "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
+          "weights_ptr": "*fp32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64",
+          "out_ptr": "*bf16",
           **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "topk", "slot_numel", "local_world_size",
                                  "splits")},
           "W_PAD": "constexpr", "E_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
@@ -477,7 +478,7 @@ DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "a
                 "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
                 "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel", "rotate_kernel",
                 "jacobi_fused_kernel", "flash_decode_combine_kernel", "route_kernel", "ag_moe_kernel",
-                "moe_combine_kernel", "all_to_all_v_kernel", "ll_dispatch_kernel"}
+                "moe_combine_kernel", "all_to_all_v_kernel", "ll_dispatch_kernel", "combine_kernel"}
 
 
 def _check(index: int, debug: bool) -> str:

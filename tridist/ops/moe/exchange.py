@@ -12,7 +12,8 @@ Every op of this family follows one protocol, the same for every world and node 
 Only one network round is needed, whatever the routing: a sender never waits to learn where its
 rows will land, because each source has a region of its own in the receiver's staging, as big as
 the most rows it may send. Epochs and two slots (see `_protocol.py`) make back-to-back calls safe:
-every call waits for a flag from every peer.
+every call waits for a flag from every peer. Where a receiver needs every sending program's part,
+the senders add to an arrival counter per source instead of raising a flag each (`arrive`).
 """
 import triton
 import triton.language as tl
@@ -70,15 +71,43 @@ def send_values(ptr, offsets, values, mask, peer, local_world_size, BLOCK: tl.co
 
 
 @triton.jit
-def raise_flag(flag_ptr, epoch, peer, local_world_size):
-    """Set `peer`'s flag at `flag_ptr` to `epoch` once every row and value this program sent it
-    has landed: a release through the peer's pointer on this node; on another node every thread
-    first completes its puts (`quiet`), then one thread signals."""
+def _publish(flag_ptr, value, peer, local_world_size, sig_op: tl.constexpr):
+    """Set (or add to) `peer`'s word at `flag_ptr` once every row and value this program sent it has
+    landed. On this node every thread first fences its own stores: rows are stored by all the
+    program's threads, and the release that `dl.notify` gives after its barrier is one thread's (a run
+    on 2 x H100, 2026-11-25, read rows of the low-latency dispatch whose flag was up with only the
+    first thread's 8 bytes there; that this was the cause is not confirmed). On another node every
+    thread completes its puts (`quiet`) before one thread signals."""
     if dl.rank() // local_world_size == peer // local_world_size:
-        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
+        dl.fence("sys")
+        dl.notify(flag_ptr, peer, signal=value, sig_op=sig_op)
     else:
         dl.shmem.quiet()
-        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set", comm_scope="inter_node")
+        dl.notify(flag_ptr, peer, signal=value, sig_op=sig_op, comm_scope="inter_node")
+
+
+@triton.jit
+def raise_flag(flag_ptr, epoch, peer, local_world_size):
+    """Set `peer`'s flag at `flag_ptr` to `epoch` once what this program sent it has landed."""
+    _publish(flag_ptr, epoch, peer, local_world_size, "set")
+
+
+@triton.jit
+def arrive(counter_ptr, peer, local_world_size):
+    """Add 1 to `peer`'s arrival counter at `counter_ptr` once what this program sent it has landed.
+    A counter per source replaces a flag per (source, program): a receiver that needs every program's
+    part waits on one word a source, where waiting on each of a hundred flags in turn took a memory
+    round trip each."""
+    _publish(counter_ptr, 1, peer, local_world_size, "add")
+
+
+@triton.jit
+def arrivals_at_least(counters_ptr, source, count):
+    """Wait until `source`'s arrival counter here (`counters_ptr` + source) is at least `count`;
+    returns a token for `dl.consume_token`. Counters only grow: the programs of call e add after those
+    of call e - 1 on the same stream, so `count` = e x programs per source means all of call e's have
+    arrived, and (e - 1) x programs + 1 that one of them has."""
+    return dl.shmem.signal_wait_until(counters_ptr + source, dl.shmem.CMP_GE, count)
 
 
 @triton.jit

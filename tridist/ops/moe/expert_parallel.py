@@ -9,8 +9,9 @@ experts. Routing (`exchange.positions_kernel`) gives each token its place among 
 rank; `dispatch_kernel` then runs the family's protocol (`exchange.py`): program (p, s) puts its
 share s of the tokens for rank p into region `rank` of p's staging (rows of x, and a meta row:
 the token's expert ids, weights and index), writes the count and the pairs per expert of p there,
-and raises flag (rank, s) on p; then, as a receiver, it waits for every source's counts and all of
-rank p's flags, and copies p's tokens into recv_x after those of ranks before p. `combine_kernel`
+and adds 1 to p's arrival counter for this rank (`exchange.arrive`); then, as a receiver, it waits
+until every source's counts are here and all of rank p's programs have arrived, and copies p's
+tokens into recv_x after those of ranks before p. `combine_kernel`
 runs the way back: each received token's output goes to row (rank, token) of its source's
 combine staging, and each token sums what every rank that got it sent, in rank order.
 
@@ -39,9 +40,9 @@ from tridist.runtime.jit import jit
 from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
-from .._protocol import after_flags, call_epoch, finish_call
+from .._protocol import call_epoch, finish_call
 from . import exchange
-from .exchange import chunk_of, copy_rows, gather, raise_flag, send_rows, send_values, split_rows
+from .exchange import arrivals_at_least, arrive, chunk_of, copy_rows, gather, send_rows, send_values, split_rows
 
 DTYPES = (torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
@@ -58,8 +59,8 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 # ---- kernels -------------------------------------------------------------------------------------
 @jit
-def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr, flags_ptr,
-                    calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
+def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
+                    arrivals_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
                     recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot,
                     local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -77,7 +78,6 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     stage = staging_ptr + (epoch % 2) * slot_numel
     meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
     counts = counts_ptr + (epoch % 2) * W_PAD * 2 * E_PAD
-    flags = flags_ptr + (epoch % 2) * world * splits
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
 
@@ -96,14 +96,15 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     routed = tl.load(routed_ptr + tl.where(words == 0, peer, world + peer * experts_local + words - E_PAD),
                      mask=(words == 0) | pair_words, other=0)
     send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
-    raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+    arrive(arrivals_ptr + me, peer, local_world_size)
 
-    # Receive: every source's counts (any of its flags), then all of `peer`'s parts.
+    # Receive: every source's counts (one of its programs arrived), then all of `peer`'s parts.
     for step in range(world):
-        counts = after_flags(counts, flags + ((me + step) % world) * splits + split, 1, epoch)
-    token = dl.wait(flags + peer * splits, splits, scope="sys", semantic="acquire", waitValue=epoch)
-    stage = dl.consume_token(stage, token)
-    meta_stage = dl.consume_token(meta_stage, token)
+        arrived = arrivals_at_least(arrivals_ptr, (me + step) % world, (epoch - 1) * splits + 1)
+        counts = dl.consume_token(counts, arrived)
+    arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
+    stage = dl.consume_token(stage, arrived)
+    meta_stage = dl.consume_token(meta_stage, arrived)
     sources = tl.arange(0, W_PAD)
     received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
     before = tl.cumsum(received, 0) - received
@@ -137,7 +138,7 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
 
 
 @jit
-def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, flags_ptr, calls_ptr, out_ptr,
+def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, arrivals_ptr, calls_ptr, out_ptr,
                    tokens, hidden, max_tokens, slot_numel, local_world_size, splits, BLOCK_R: tl.constexpr,
                    BLOCK_W: tl.constexpr):
     """Normal mode, the way back. Grid (world, splits). y: the received tokens' outputs (rows of
@@ -150,7 +151,6 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
     peer = tl.program_id(0)
     split = tl.program_id(1)
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * world * splits
     count = tl.load(recv_layout_ptr + peer)
     start = tl.load(recv_layout_ptr + world + peer)
     first, stop = split_rows(count, split, splits)
@@ -160,9 +160,10 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
         token = tl.load(recv_src_ptr + rows, mask=inside, other=0) - peer * max_tokens
         send_rows(y_ptr, rows, stage + me * max_tokens * hidden, token, inside, hidden, peer, local_world_size,
                   BLOCK_R, BLOCK_W)
-    raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+    arrive(arrivals_ptr + me, peer, local_world_size)
 
-    stage = after_flags(stage, flags, world * splits, epoch)
+    for source in range(world):
+        stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     columns = tl.arange(0, BLOCK_W)[None, :]
     for token in range(first, stop, BLOCK_R):
@@ -182,7 +183,7 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
 
 @jit
 def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, staging_ptr, meta_staging_ptr,
-                       counts_ptr, flags_ptr, calls_ptr, recv_x_ptr, recv_src_ptr, recv_count_ptr, recv_layout_ptr,
+                       counts_ptr, arrivals_ptr, calls_ptr, recv_x_ptr, recv_src_ptr, recv_count_ptr, recv_layout_ptr,
                        tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot, local_world_size,
                        splits, SEND: tl.constexpr, RECEIVE: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -202,7 +203,6 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
     stage = staging_ptr + (epoch % 2) * slot_numel
     meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
     counts = counts_ptr + (epoch % 2) * W_PAD * E_PAD
-    flags = flags_ptr + (epoch % 2) * world * splits
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
     if SEND:
@@ -223,13 +223,14 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
         per_expert = tl.load(routed_ptr + peer * experts_local + experts, mask=local, other=0)
         send_values(counts, me * E_PAD + experts, tl.minimum(per_expert, max_tokens), local, peer,
                     local_world_size, E_PAD)
-        raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+        arrive(arrivals_ptr + me, peer, local_world_size)
     if RECEIVE:
         for step in range(world):
-            counts = after_flags(counts, flags + ((me + step) % world) * splits + split, 1, epoch)
-        token = dl.wait(flags + peer * splits, splits, scope="sys", semantic="acquire", waitValue=epoch)
-        stage = dl.consume_token(stage, token)
-        meta_stage = dl.consume_token(meta_stage, token)
+            arrived = arrivals_at_least(arrivals_ptr, (me + step) % world, (epoch - 1) * splits + 1)
+            counts = dl.consume_token(counts, arrived)
+        arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
+        stage = dl.consume_token(stage, arrived)
+        meta_stage = dl.consume_token(meta_stage, arrived)
         sources = tl.arange(0, W_PAD)
         matrix = tl.load(counts + sources[:, None] * E_PAD + experts[None, :],
                          mask=(sources < world)[:, None] & local[None, :], other=0)
@@ -260,7 +261,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
 
 
 @jit
-def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr, staging_ptr, flags_ptr, calls_ptr,
+def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr, staging_ptr, arrivals_ptr, calls_ptr,
                       out_ptr, tokens, hidden, max_tokens, topk, slot_numel, local_world_size, splits,
                       W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Low-latency mode, the way back. Grid (world, splits). y: recv_x's layout, [E_local, world *
@@ -273,7 +274,6 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
     peer = tl.program_id(0)
     split = tl.program_id(1)
     stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * world * splits
     experts = tl.arange(0, E_PAD)
     mine = tl.load(recv_layout_ptr + peer * E_PAD + experts)
     mine_at = tl.load(recv_layout_ptr + W_PAD * E_PAD + peer * E_PAD + experts)
@@ -286,9 +286,10 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
         source_rows = expert * world * max_tokens + gather(mine_at, expert) + rows - gather(ends - mine, expert)
         pair = tl.load(recv_src_ptr + source_rows, mask=inside, other=0) - peer * max_tokens * topk
         send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
-    raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+    arrive(arrivals_ptr + me, peer, local_world_size)
 
-    stage = after_flags(stage, flags, world * splits, epoch)
+    for source in range(world):
+        stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     columns = tl.arange(0, BLOCK_W)[None, :]
     for token in range(first, stop, BLOCK_R):
@@ -335,22 +336,25 @@ class EPHandle:
 
 
 class _Exchange:
-    """The symmetric buffers of one kind of launch of an `EPBuffer`: staging of `rows` rows of
-    `width` elements of `dtype` per slot (and `meta_width` int32 per row, if any), counts of
-    `count_words` int32 per slot, flags per (source, split), the calls counter."""
+    """The symmetric buffers of one kind of launch of an `EPBuffer`: per slot, staging of `rows` rows
+    of `width` elements of `dtype` (and `meta_width` int32 per row, if any) and `count_words` int32
+    of counts; an arrival counter per source (`exchange.arrive`) and the calls counter."""
 
     def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int):
         w = tridist.world()
-        _protocol.check_offsets("EPBuffer", rows * max(width, meta_width))
+        _protocol.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.splits = splits
         self.fitted = False
-        self.workspace = _protocol.Workspace(rows * width, dtype, w.world_size * splits)
+        self.slot_numel = rows * width
+        self.staging = tridist.symm_zeros((2, self.slot_numel), dtype)
         self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
-        self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None  # per slot
+        self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None
+        self.arrivals = tridist.signals(w.world_size)
+        self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     def fit(self, kernel, grid_world: int, args: tuple, meta: dict) -> None:
         """At the first call, shrink the splits to what a co-resident launch of `kernel` (the launch
-        whose receiving programs wait for flags its own sending programs raise) can hold. Every
+        whose receiving programs wait for counters its own sending programs raise) can hold. Every
         launch of these buffers then has the same grid, which their call epochs count on."""
         if not self.fitted:
             self.splits = _protocol.fit_coresident(kernel, self.splits, grid_world, *args, splits=self.splits,
@@ -363,10 +367,9 @@ class _Exchange:
         kernel[(grid_world, self.splits)](*args, splits=self.splits, coresident=coresident, **meta)
 
     def free(self) -> None:
-        self.workspace.free()
-        for extra in (self.meta, self.counts):
-            if extra is not None:
-                tridist.symm_free(extra)
+        for buffer in (self.staging, self.meta, self.counts, self.arrivals):
+            if buffer is not None:
+                tridist.symm_free(buffer)
 
 
 def _block_w(width: int) -> int:
@@ -546,10 +549,10 @@ class EPBuffer:
         recv_src = torch.empty(capacity, dtype=torch.int32, device=w.device)
         recv_layout = torch.empty((2, w.world_size), dtype=torch.int32, device=w.device)
         recv_per_expert = torch.empty(self.experts_local, dtype=torch.int64, device=w.device)
-        ws = exchange_.workspace
-        args = (_words(x), meta, positions, routed, ws.staging, exchange_.meta, exchange_.counts, ws.flags, ws.calls,
+        ex = exchange_
+        args = (_words(x), meta, positions, routed, ex.staging, ex.meta, ex.counts, ex.arrivals, ex.calls,
                 _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert, tokens,
-                self.hidden // 2, self.max_tokens, self.experts_local, topk, ws.slot_numel,
+                self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel,
                 exchange_.meta.shape[1], w.local_world_size)
         exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
@@ -581,9 +584,9 @@ class EPBuffer:
         self._no_hook_pending()
         exchange_ = self._exchange("combine", 1)
         out = torch.empty((handle.tokens, self.hidden), dtype=self.dtype, device=w.device)
-        ws = exchange_.workspace
-        args = (y, handle.recv_src, handle.recv_layout, handle.positions, ws.staging, ws.flags, ws.calls, out,
-                handle.tokens, self.hidden, self.max_tokens, ws.slot_numel, w.local_world_size)
+        ex = exchange_
+        args = (y, handle.recv_src, handle.recv_layout, handle.positions, ex.staging, ex.arrivals, ex.calls, out,
+                handle.tokens, self.hidden, self.max_tokens, ex.slot_numel, w.local_world_size)
         exchange_.launch(combine_kernel, w.world_size, args,
                          {"BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden)})
         return out
@@ -628,10 +631,10 @@ class EPBuffer:
                                device=w.device)
         recv_count = torch.empty(self.experts_local, dtype=torch.int32, device=w.device)
         recv_layout = torch.empty((2, self.w_pad, self.e_pad), dtype=torch.int32, device=w.device)
-        ws = exchange_.workspace
-        args = (rows, topk_idx, positions, routed[w.world_size:], self._pair_index(topk), ws.staging, exchange_.meta,
-                exchange_.counts, ws.flags, ws.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
-                tokens, width, self.max_tokens, self.experts_local, topk, ws.slot_numel, exchange_.meta.shape[1],
+        ex = exchange_
+        args = (rows, topk_idx, positions, routed[w.world_size:], self._pair_index(topk), ex.staging, ex.meta,
+                ex.counts, ex.arrivals, ex.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
+                tokens, width, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
                 w.local_world_size)
         meta = {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(width)}
         exchange_.fit(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": True})
@@ -686,9 +689,9 @@ class EPBuffer:
         self._no_hook_pending()
         exchange_ = self._exchange("ll_combine", topk)
         out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=w.device)
-        ws = exchange_.workspace
-        args = (y, handle.recv_src, handle.recv_layout, topk_idx, topk_weights, ws.staging, ws.flags, ws.calls, out,
-                tokens, self.hidden, self.max_tokens, topk, ws.slot_numel, w.local_world_size)
+        ex = exchange_
+        args = (y, handle.recv_src, handle.recv_layout, topk_idx, topk_weights, ex.staging, ex.arrivals, ex.calls,
+                out, tokens, self.hidden, self.max_tokens, topk, ex.slot_numel, w.local_world_size)
         exchange_.launch(ll_combine_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R,
                           "BLOCK_W": _block_w(self.hidden)})
