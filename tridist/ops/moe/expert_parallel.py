@@ -668,7 +668,8 @@ class EPBuffer:
         Args:
             y: [E_local, world_size * max_tokens_per_rank, hidden], recv_x's layout, the buffer's
                 dtype: each received pair's expert output.
-            topk_idx, topk_weights: the dispatch's routing (int64) and float32 weights [T, topk].
+            topk_idx: the dispatch's routing, int64 [T, topk].
+            topk_weights: float32 [T, topk].
             handle: the dispatch's.
 
         Returns:
