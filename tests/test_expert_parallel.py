@@ -11,7 +11,7 @@ import torch
 import tridist
 from tridist import ops
 
-HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 128, 5, 3, 4
+HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 128, 5, 3, 3  # 3: padded to 4 in the kernels
 TOLERANCE = 2e-2  # bf16 rounding of the output, relative to its largest value
 
 
@@ -28,6 +28,8 @@ def _routing(kind, rank, world_size, seed):
         idx[:, 1:] = -1
     elif kind == "sends nothing" and rank == world_size - 1:
         idx[:] = -1
+    elif kind == "no tokens" and rank == world_size - 1:
+        idx = idx[:0]
     elif kind == "one rank":  # every expert of every token on the last rank: top-k hits it TOPK times
         last = (world_size - 1) * EXPERTS_PER_RANK
         idx = torch.stack([last + (torch.arange(TOPK) + t) % EXPERTS_PER_RANK for t in range(TOKENS)])
@@ -52,7 +54,9 @@ class Call:
         self.weights = [_weights(r, seed) for r in range(w.world_size)]
 
     def inputs(self, device):
-        return _tokens(self.rank).to(device), self.idx[self.rank].to(device), self.weights[self.rank].to(device)
+        n = len(self.idx[self.rank])
+        return (_tokens(self.rank)[:n].to(device), self.idx[self.rank].to(device),
+                self.weights[self.rank][:n].to(device))
 
     def mine(self, ids):
         """Which of `ids` are experts of this rank, and their local indices."""
@@ -64,7 +68,7 @@ class Call:
         """(rows, local expert ids, weights) this rank receives in normal mode, in order."""
         rows, ids, weights = [], [], []
         for source in range(self.world_size):
-            for t in range(TOKENS):
+            for t in range(len(self.idx[source])):
                 held, local = self.mine(self.idx[source][t])
                 if held.any():
                     rows.append(_tokens(source)[t])
@@ -77,16 +81,20 @@ class Call:
     def low_latency(self, expert):
         """The rows local expert `expert` receives in low-latency mode, in order."""
         target = self.rank * EXPERTS_PER_RANK + expert
-        return [_tokens(q)[t] for q in range(self.world_size) for t in range(TOKENS)
+        return [_tokens(q)[t] for q in range(self.world_size) for t in range(len(self.idx[q]))
                 for k in range(TOPK) if self.idx[q][t, k] == target]
 
     def combined(self):
         """Identity experts: each token times the sum of its weights of real experts."""
-        idx, weights = self.idx[self.rank], self.weights[self.rank]
-        return _tokens(self.rank).float() * torch.where(idx >= 0, weights, 0).sum(1, keepdim=True)
+        idx = self.idx[self.rank]
+        weights = self.weights[self.rank][:len(idx)]
+        return _tokens(self.rank)[:len(idx)].float() * torch.where(idx >= 0, weights, 0).sum(1, keepdim=True)
 
 
 def _close(out, expected, what):
+    assert out.shape == expected.shape, f"{what}: shape {tuple(out.shape)}, expected {tuple(expected.shape)}"
+    if not expected.numel():
+        return
     error = (out.float().cpu() - expected).abs().max() / max(expected.abs().max(), 1e-6)
     assert error <= TOLERANCE, f"{what}: relative error {error:.2e}"
 
@@ -139,7 +147,7 @@ def _low_latency(w, kinds, hook):
     buffer.free()
 
 
-KINDS = ["random", "one expert", "sends nothing", "one rank"]
+KINDS = ["random", "one expert", "sends nothing", "one rank", "no tokens"]
 
 
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")
@@ -290,7 +298,7 @@ def _graph_replays(w, replays):
     """Low-latency dispatch, hook and combine captured in one CUDA graph, replayed with new tokens,
     routing and weights copied in; every replay checked against identity experts."""
     buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
-    calls = [Call(w, kind, seed) for seed, kind in enumerate(KINDS)]
+    calls = [Call(w, kind, seed) for seed, kind in enumerate(KINDS) if kind != "no tokens"]  # shapes fixed
     inputs = [call.inputs(w.device) for call in calls]
     x, idx, weights = (t.clone() for t in inputs[0])
     for _ in range(2):  # warm up: allocates the buffers, fits the grids

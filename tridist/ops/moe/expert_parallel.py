@@ -372,6 +372,12 @@ class _Exchange:
                 tridist.symm_free(buffer)
 
 
+def _nonempty(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or one row of zeros where it has no rows (a rank with no tokens): the kernels read none of
+    it, their loops stopping at the token count, but on GPUs an empty tensor has no address to pass."""
+    return t if t.shape[0] else t.new_zeros((1, *t.shape[1:]))
+
+
 def _block_w(width: int) -> int:
     return triton.next_power_of_2(min(width, TILE // BLOCK_R))
 
@@ -483,19 +489,22 @@ class EPBuffer:
         return self.hidden // 2
 
     # ---- layout ----
-    def _route_tokens(self, topk_idx: torch.Tensor):
-        """(positions [T, world], routed: tokens per rank then pairs per expert), on the device."""
+    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True):
+        """Where this rank's tokens go, on the device: (positions [T, world]: each token's row among
+        those sent to each rank, -1 where not sent; routed: tokens per rank, then pairs per expert;
+        pair positions [T * topk]: each pair's row among this rank's pairs of its expert). Without
+        `per_rank` (the low-latency mode, which sends pairs) the first two are left unset but for
+        the pairs per expert."""
         w = self.world
         tokens = topk_idx.shape[0]
         positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
-        routed = torch.empty(w.world_size + self.num_experts, dtype=torch.int32, device=w.device)
+        routed = torch.zeros(w.world_size + self.num_experts, dtype=torch.int32, device=w.device)
         pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
         if tokens:
-            exchange.route(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
+            if per_rank:
+                exchange.route(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
             exchange.route(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1,
                            one_group=True)
-        else:
-            routed.zero_()
         return positions, routed, pair_positions
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
@@ -509,7 +518,7 @@ class EPBuffer:
             tokens_per_expert int64 [num_experts]; is_token_in_rank bool [T, world_size]).
         """
         self._check_routing(topk_idx)
-        positions, routed, _ = self._route_tokens(topk_idx)
+        positions, routed, _ = self._route(topk_idx)
         w = self.world
         return routed[:w.world_size].long(), routed[w.world_size:].long(), positions >= 0
 
@@ -539,7 +548,7 @@ class EPBuffer:
         self._no_hook_pending()
         w = self.world
         exchange_ = self._exchange("dispatch", topk)
-        positions, routed, _ = self._route_tokens(topk_idx)
+        positions, routed, _ = self._route(topk_idx)
         capacity = w.world_size * self.max_tokens
         token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
         meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
@@ -550,7 +559,7 @@ class EPBuffer:
         recv_layout = torch.empty((2, w.world_size), dtype=torch.int32, device=w.device)
         recv_per_expert = torch.empty(self.experts_local, dtype=torch.int64, device=w.device)
         ex = exchange_
-        args = (_words(x), meta, positions, routed, ex.staging, ex.meta, ex.counts, ex.arrivals, ex.calls,
+        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), routed, ex.staging, ex.meta, ex.counts, ex.arrivals, ex.calls,
                 _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert, tokens,
                 self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel,
                 exchange_.meta.shape[1], w.local_world_size)
@@ -583,13 +592,14 @@ class EPBuffer:
                              f"shape {tuple(y.shape)}")
         self._no_hook_pending()
         exchange_ = self._exchange("combine", 1)
-        out = torch.empty((handle.tokens, self.hidden), dtype=self.dtype, device=w.device)
+        out = torch.empty((max(handle.tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
-        args = (y, handle.recv_src, handle.recv_layout, handle.positions, ex.staging, ex.arrivals, ex.calls, out,
+        args = (y, handle.recv_src, handle.recv_layout, _nonempty(handle.positions), ex.staging, ex.arrivals, ex.calls,
+                out,
                 handle.tokens, self.hidden, self.max_tokens, ex.slot_numel, w.local_world_size)
         exchange_.launch(combine_kernel, w.world_size, args,
                          {"BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden)})
-        return out
+        return out[:handle.tokens]
 
     # ---- low-latency mode ----
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, return_recv_hook: bool = False,
@@ -622,7 +632,7 @@ class EPBuffer:
         self._no_hook_pending()
         w = self.world
         exchange_ = self._exchange("ll_dispatch_fp8" if use_fp8 else "ll_dispatch", topk)
-        _, routed, positions = self._route_tokens(topk_idx)
+        _, routed, positions = self._route(topk_idx, per_rank=False)
         rows = self._payload(x, use_fp8)
         width = self._ll_words(use_fp8)
         recv = torch.empty((self.experts_local, w.world_size * self.max_tokens, 4 * width), dtype=torch.uint8,
@@ -630,9 +640,10 @@ class EPBuffer:
         recv_src = torch.empty((self.experts_local, w.world_size * self.max_tokens), dtype=torch.int32,
                                device=w.device)
         recv_count = torch.empty(self.experts_local, dtype=torch.int32, device=w.device)
-        recv_layout = torch.empty((2, self.w_pad, self.e_pad), dtype=torch.int32, device=w.device)
+        recv_layout = torch.zeros((2, self.w_pad, self.e_pad), dtype=torch.int32, device=w.device)  # padding: 0 rows
         ex = exchange_
-        args = (rows, topk_idx, positions, routed[w.world_size:], self._pair_index(topk), ex.staging, ex.meta,
+        args = (_nonempty(rows), _nonempty(topk_idx), _nonempty(positions), routed[w.world_size:],
+                self._pair_index(topk), ex.staging, ex.meta,
                 ex.counts, ex.arrivals, ex.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
                 tokens, width, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
                 w.local_world_size)
@@ -689,14 +700,14 @@ class EPBuffer:
                              f"{tuple(y.shape)}")
         self._no_hook_pending()
         exchange_ = self._exchange("ll_combine", topk)
-        out = torch.empty((tokens, self.hidden), dtype=self.dtype, device=w.device)
+        out = torch.empty((max(tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
-        args = (y, handle.recv_src, handle.recv_layout, topk_idx, topk_weights, ex.staging, ex.arrivals, ex.calls,
-                out, tokens, self.hidden, self.max_tokens, topk, ex.slot_numel, w.local_world_size)
+        args = (y, handle.recv_src, handle.recv_layout, _nonempty(topk_idx), _nonempty(topk_weights), ex.staging,
+                ex.arrivals, ex.calls, out, tokens, self.hidden, self.max_tokens, topk, ex.slot_numel, w.local_world_size)
         exchange_.launch(ll_combine_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R,
                           "BLOCK_W": _block_w(self.hidden)})
-        return out
+        return out[:tokens]
 
     # ---- helpers ----
     def _payload(self, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
