@@ -209,6 +209,24 @@ def test_all_to_all_v_bad_input(world):
     world.run(_bad_input)
 
 
+def _ranks_disagree(w):
+    """Ranks that pass different shapes are told so, every one of them, instead of waiting forever."""
+    op = ops.AllToAllV(ROWS, ROWS * w.world_size, ROW, torch.float32)
+    rows = ROWS - (w.rank == 0)
+    x = torch.zeros((rows, *ROW), device=w.device)
+    splits = torch.zeros(w.world_size, dtype=torch.int64, device=w.device)
+    with pytest.raises(ValueError, match=r"ranks passed different \(layout, rows of x, rows of out\) \(rank 0: "
+                                         rf"\(0, {ROWS - 1}, {ROWS * w.world_size}\)"):
+        op(x, splits, torch.zeros((ROWS * w.world_size, *ROW), device=w.device))
+    tridist.barrier_all()
+    op.free()
+
+
+@pytest.mark.worlds("2")
+def test_all_to_all_v_ranks_disagree(world):
+    world.run(_ranks_disagree)
+
+
 def _custom_ops(w):
     """The custom ops under torch.compile and with fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode

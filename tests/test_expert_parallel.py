@@ -294,6 +294,27 @@ def test_ep_bad_input(world):
     world.run(_bad_input)
 
 
+def _ranks_disagree(w):
+    """Ranks that pass different topk, or make different calls, are told so, every one of them."""
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
+    x, idx, weights = Call(w, "random", 0).inputs(w.device)
+    topk = TOPK - (w.rank == 0)
+    with pytest.raises(ValueError, match=r"EPBuffer.dispatch: ranks passed different \(call, topk\)"):
+        buffer.dispatch(x, idx[:, :topk].contiguous(), weights[:, :topk].contiguous())
+    with pytest.raises(ValueError, match=r"ranks passed different \(call, topk\) \(rank 0: \(0, 3\); rank 1: \(2, 3\)"):
+        if w.rank == 0:
+            buffer.dispatch(x, idx, weights)
+        else:
+            buffer.low_latency_dispatch(x, idx)
+    tridist.barrier_all()
+    buffer.free()
+
+
+@pytest.mark.worlds("2")
+def test_ep_ranks_disagree(world):
+    world.run(_ranks_disagree)
+
+
 def _graph_replays(w, replays):
     """Low-latency dispatch, hook and combine captured in one CUDA graph, replayed with new tokens,
     routing and weights copied in; every replay checked against identity experts."""

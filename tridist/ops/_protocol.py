@@ -28,7 +28,9 @@ import triton.language as tl
 from torch._C._distributed_c10d import _SymmetricMemory
 
 import tridist
-from tridist.runtime import occupancy
+from tridist.runtime import config, occupancy
+from tridist.runtime.backend import is_emulator
+from tridist.runtime.world import transport
 from tridist.runtime.tensors import check_tensor
 
 from .. import language as dl
@@ -163,6 +165,18 @@ def check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, op: str, dtypes=
     if x.numel() != numel or x.dtype != dtype:
         raise ValueError(f"this {op} was built for {numel} {dtype} elements per rank; x has {x.numel()} {x.dtype}: "
                          "build another instance, or call the op's function in tridist.ops, which keeps one per shape")
+
+
+def agree(op: str, what: str, values: tuple) -> None:
+    """Every rank passed the same `values` (ints: shapes, a method's code) to a call of `op`, checked
+    in the emulator and with TRIDIST_DEBUG=1 (a host collective: every rank reaches it); ranks that
+    disagree would wait for each other's rows forever. Raises the same ValueError on every rank."""
+    if not (config.debug() or is_emulator()):
+        return
+    everyone = [tuple(v) for v in transport().allgather_ints(tuple(values))]
+    if len(set(everyone)) > 1:
+        listed = "; ".join(f"rank {rank}: {v}" for rank, v in enumerate(everyone))
+        raise ValueError(f"{op}: ranks passed different {what} ({listed}); every rank must pass the same")
 
 
 INDEX_LIMIT = 1 << 31  # the kernels index rows of x, out and staging with 32-bit offsets

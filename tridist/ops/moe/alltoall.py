@@ -227,6 +227,8 @@ class AllToAllV:
         (2, world_size * experts_per_rank) splits and offsets); see the module's functions."""
         w = self.world
         chunks = w.world_size * self.experts
+        rows = [int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() else -1 for t in (x, out)]
+        _protocol.agree("all_to_all_v", "(layout, rows of x, rows of out)", (LAYOUTS.index(self.layout), *rows))
         if self.layout == "expert_offset":
             self._check(x, in_splits, out, "in_splits_offsets", (2, chunks))
             return self._launch(x, in_splits[0], in_splits[1], out, 1, 2)

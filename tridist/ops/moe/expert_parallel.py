@@ -50,6 +50,7 @@ FP8_GROUP = 128   # columns that share one fp8 scale
 FP8_MAX = 448.0   # the largest e4m3 value
 BLOCK_R = 8       # rows a step moves
 TILE = 4096       # elements a step moves at most
+CALLS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch fp8", "low_latency_combine")
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -302,8 +303,8 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
                 pair = rows.to(tl.int64) * topk + k
                 routed = tl.load(idx_ptr + pair, mask=inside, other=-1) >= 0
                 weight = tl.load(weights_ptr + pair, mask=inside & routed, other=0.0)
-                part = tl.load(stage + pair[:, None] * hidden + where, mask=(inside & routed)[:, None] & (where < hidden),
-                               other=0.0)
+                part = tl.load(stage + pair[:, None] * hidden + where,
+                               mask=(inside & routed)[:, None] & (where < hidden), other=0.0)
                 total += weight[:, None] * part.to(tl.float32)
             tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
                      mask=inside[:, None] & (where < hidden))
@@ -448,6 +449,11 @@ class EPBuffer:
                                  f"ids are -1 (none) or 0 to {self.num_experts - 1}")
         return tokens, topk
 
+    def _agree(self, call: str, topk: int) -> None:
+        """Every rank makes the same call with the same topk (emulator, TRIDIST_DEBUG=1): `call`'s
+        index in CALLS and topk."""
+        _protocol.agree(f"EPBuffer.{call}", "(call, topk)", (CALLS.index(call), topk))
+
     def _check_tokens(self, x: torch.Tensor, tokens: int, name: str = "x") -> None:
         check_tensor(x, name)
         if x.dtype != self.dtype or tuple(x.shape) != (tokens, self.hidden):
@@ -546,6 +552,7 @@ class EPBuffer:
         self._check_tokens(x, tokens)
         self._check_weights(topk_weights, (tokens, topk))
         self._no_hook_pending()
+        self._agree("dispatch", topk)
         w = self.world
         exchange_ = self._exchange("dispatch", topk)
         positions, routed, _ = self._route(topk_idx)
@@ -559,10 +566,10 @@ class EPBuffer:
         recv_layout = torch.empty((2, w.world_size), dtype=torch.int32, device=w.device)
         recv_per_expert = torch.empty(self.experts_local, dtype=torch.int64, device=w.device)
         ex = exchange_
-        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), routed, ex.staging, ex.meta, ex.counts, ex.arrivals, ex.calls,
-                _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert, tokens,
-                self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel,
-                exchange_.meta.shape[1], w.local_world_size)
+        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), routed, ex.staging, ex.meta, ex.counts,
+                ex.arrivals, ex.calls, _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert,
+                tokens, self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
+                w.local_world_size)
         exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
                           "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2)})
@@ -587,10 +594,12 @@ class EPBuffer:
         self._check_handle(handle, "normal")
         check_tensor(y, "y")
         w = self.world
-        if y.dtype != self.dtype or y.dim() != 2 or y.shape[1] != self.hidden or y.shape[0] > w.world_size * self.max_tokens:
+        capacity = w.world_size * self.max_tokens
+        if y.dtype != self.dtype or y.dim() != 2 or y.shape[1] != self.hidden or y.shape[0] > capacity:
             raise ValueError(f"y must be {self.dtype} of shape (received tokens, {self.hidden}); got {y.dtype} of "
                              f"shape {tuple(y.shape)}")
         self._no_hook_pending()
+        self._agree("combine", handle.topk)
         exchange_ = self._exchange("combine", 1)
         out = torch.empty((max(handle.tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
@@ -630,6 +639,7 @@ class EPBuffer:
             raise ValueError(f"use_fp8 scales groups of {FP8_GROUP} columns: hidden must be a multiple, got "
                              f"{self.hidden}")
         self._no_hook_pending()
+        self._agree("low_latency_dispatch fp8" if use_fp8 else "low_latency_dispatch", topk)
         w = self.world
         exchange_ = self._exchange("ll_dispatch_fp8" if use_fp8 else "ll_dispatch", topk)
         _, routed, positions = self._route(topk_idx, per_rank=False)
@@ -699,11 +709,13 @@ class EPBuffer:
             raise ValueError(f"y must be {self.dtype} of shape {shape} (recv_x's); got {y.dtype} of shape "
                              f"{tuple(y.shape)}")
         self._no_hook_pending()
+        self._agree("low_latency_combine", topk)
         exchange_ = self._exchange("ll_combine", topk)
         out = torch.empty((max(tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
         args = (y, handle.recv_src, handle.recv_layout, _nonempty(topk_idx), _nonempty(topk_weights), ex.staging,
-                ex.arrivals, ex.calls, out, tokens, self.hidden, self.max_tokens, topk, ex.slot_numel, w.local_world_size)
+                ex.arrivals, ex.calls, out, tokens, self.hidden, self.max_tokens, topk, ex.slot_numel,
+                w.local_world_size)
         exchange_.launch(ll_combine_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R,
                           "BLOCK_W": _block_w(self.hidden)})
@@ -729,8 +741,8 @@ class EPBuffer:
 
     def _check_handle(self, handle, mode: str) -> None:
         if not isinstance(handle, EPHandle) or handle.mode != mode:
-            raise ValueError(f"handle must be the EPHandle of a {'dispatch' if mode == 'normal' else mode + '_dispatch'}"
-                             f" of this buffer, got {type(handle).__name__}"
+            call = "dispatch" if mode == "normal" else "low_latency_dispatch"
+            raise ValueError(f"handle must be the EPHandle of a {call} of this buffer, got {type(handle).__name__}"
                              + (f" of mode {handle.mode!r}" if isinstance(handle, EPHandle) else ""))
 
     def _no_hook_pending(self) -> None:
