@@ -27,7 +27,7 @@ import random
 
 import torch
 
-FAMILIES = ("collectives", "gemm")  # modules of tridist.stress that register op cases; add new families here
+FAMILIES = ("collectives", "gemm", "alltoall")  # modules of tridist.stress that register op cases; add new ones here
 
 FORMS = ("function", "class")
 
