@@ -167,11 +167,17 @@ def check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, op: str, dtypes=
                          "build another instance, or call the op's function in tridist.ops, which keeps one per shape")
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (never in the emulator)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def agree(op: str, what: str, values: tuple) -> None:
     """Every rank passed the same `values` (ints: shapes, a method's code) to a call of `op`, checked
     in the emulator and with TRIDIST_DEBUG=1 (a host collective: every rank reaches it); ranks that
-    disagree would wait for each other's rows forever. Raises the same ValueError on every rank."""
-    if not (config.debug() or is_emulator()):
+    disagree would wait for each other's rows forever. Raises the same ValueError on every rank. Not
+    while a CUDA graph is captured: the host collective would end the capture."""
+    if not (config.debug() or is_emulator()) or capturing():
         return
     everyone = [tuple(v) for v in transport().allgather_ints(tuple(values))]
     if len(set(everyone)) > 1:

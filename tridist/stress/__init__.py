@@ -4,9 +4,11 @@
                    [--ops LIST] [--time-limit SECONDS] [--out PATH]
 
 starts N ranks (as `tridist run` does) that make the same C calls, drawn from the seed by every rank
-alone: every op and method of `tridist.ops` (all_gather, reduce_scatter, all_reduce with each of
-their methods and `auto`; ag_gemm, gemm_rs, gemm_ar, matmul), through the functions and through
-the classes, sizes from one element to several MB per rank (a few KB in the emulator), every dtype
+alone: the ops of `tridist.ops` that have stress cases, with every method (all_gather,
+reduce_scatter, all_reduce with each of their methods and `auto`; ag_gemm, gemm_rs, gemm_ar, matmul;
+all_to_all_v in its three layouts and EPBuffer's dispatch + combine in both modes; not yet the
+grouped GEMM, ag_moe, moe_rs, flash_decode or Jacobi2D), through the functions and through the
+classes, sizes from one element to several MB per rank (a few KB in the emulator), every dtype
 each op takes, in and out of place, into symmetric buffers and regular ones, eager, captured in a
 CUDA graph and replayed with new inputs (GPUs), two instances at once on two streams, and calls
 back to back with no host synchronisation. `cases.py` says how calls are drawn and checked, and
@@ -29,7 +31,7 @@ the emulator, TRIDIST_WAIT_TIMEOUT; on GPUs with TRIDIST_DEBUG=1, where the wait
 still running after --watchdog seconds (default 120): that rank prints which call hung and exits,
 and the launcher stops the others.
 
---ops takes op names and families (`collectives`, `gemm`), comma-separated; --time-limit stops
+--ops takes op names and families (`collectives`, `gemm`, `moe`), comma-separated; --time-limit stops
 starting new calls after that many seconds (kernels compile on first use: a first run on a GPU
 spends most of its time compiling); --out writes the figures as JSON (into a folder, named
 `stress-<device>x<ranks>-<date>.json` as the benchmarks' results are). Exit codes: 0 right, 1

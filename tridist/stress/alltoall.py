@@ -306,8 +306,6 @@ class EPCases(OpCases):
                                               limits.nbytes // (hidden * itemsize))))
         tokens = [0 if rng.random() < 0.15 else most if rng.random() < 0.3 else rng.randint(0, most)
                   for _ in range(world.world_size)]
-        if fp8 and 0 in tokens:
-            raise Invalid("ep_dispatch_combine fp8: a rank with no tokens (EPBuffer._payload cannot view an empty x)")
         hook = method == "low_latency" and rng.random() < 0.5
         return dict(method=method, dtype=expert_parallel.FP8 if fp8 else torch.bfloat16,
                     shape=(hidden, experts, topk, most, *tokens),

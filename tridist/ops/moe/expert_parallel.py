@@ -443,7 +443,8 @@ class EPBuffer:
                              "built for")
         if topk < 1 or topk > self.num_experts:
             raise ValueError(f"topk_idx has {topk} experts per token; this layer has {self.num_experts}")
-        if topk_idx.device.type == "cpu" or config.debug():  # reading ids costs a synchronisation on GPUs
+        # Reading the ids costs a synchronisation on GPUs, which a CUDA-graph capture cannot take.
+        if topk_idx.device.type == "cpu" or (config.debug() and not _protocol.capturing()):
             if tokens and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= self.num_experts):
                 raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; "
                                  f"ids are -1 (none) or 0 to {self.num_experts - 1}")
@@ -727,9 +728,11 @@ class EPBuffer:
         token's e4m3 values followed by its float32 scales (one per FP8_GROUP columns)."""
         if not use_fp8:
             return _words(x)
-        groups = x.float().view(x.shape[0], -1, FP8_GROUP)
+        if not x.shape[0]:
+            return torch.empty((0, self._ll_words(True)), dtype=torch.int32, device=x.device)
+        groups = x.float().view(x.shape[0], self.hidden // FP8_GROUP, FP8_GROUP)
         scales = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-        values = (groups / scales[..., None]).to(FP8).view(torch.uint8).view(x.shape[0], -1)
+        values = (groups / scales[..., None]).to(FP8).view(torch.uint8).view(x.shape[0], self.hidden)
         return torch.cat([values, scales.view(torch.uint8)], 1).view(torch.int32)
 
     def _pair_index(self, topk: int) -> torch.Tensor:
