@@ -138,6 +138,37 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     finish_call(calls_ptr)
 
 
+@triton.jit
+def sum_parts(stage, out_ptr, first, stop, hidden, parts, present_ptr, weights_ptr, max_tokens,
+              WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """What the combines end with: out[t] = the sum over j < parts, in j order, in fp32, of part j of
+    token t, for the tokens t in [first, stop). Part j is there where present[t * parts + j] >= 0 (an
+    expert id, a row position). WEIGHTED (low-latency mode): part j is staging row t * parts + j, the
+    pair (t, k = j), times weights[t * parts + j]; else (normal mode) staging row j * max_tokens + t,
+    what rank j sent, already weighted."""
+    columns = tl.arange(0, BLOCK_W)[None, :]
+    for token in range(first, stop, BLOCK_R):
+        rows = token + tl.arange(0, BLOCK_R)
+        inside = rows < stop
+        for column in range(0, hidden, BLOCK_W):
+            where = column + columns
+            total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
+            for j in range(parts):
+                index = rows.to(tl.int64) * parts + j
+                present = inside & (tl.load(present_ptr + index, mask=inside, other=-1) >= 0)
+                if WEIGHTED:
+                    row = index
+                    weight = tl.load(weights_ptr + index, mask=present, other=0.0)
+                else:
+                    row = (j * max_tokens + rows).to(tl.int64)
+                    weight = present.to(tl.float32)
+                part = tl.load(stage + row[:, None] * hidden + where, mask=present[:, None] & (where < hidden),
+                               other=0.0)
+                total += weight[:, None] * part.to(tl.float32)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
+                     mask=inside[:, None] & (where < hidden))
+
+
 @jit
 def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, arrivals_ptr, calls_ptr, out_ptr,
                    tokens, hidden, max_tokens, slot_numel, local_world_size, splits, BLOCK_R: tl.constexpr,
@@ -166,19 +197,8 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
     for source in range(world):
         stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
-    columns = tl.arange(0, BLOCK_W)[None, :]
-    for token in range(first, stop, BLOCK_R):
-        rows = token + tl.arange(0, BLOCK_R)
-        inside = rows < stop
-        for column in range(0, hidden, BLOCK_W):
-            where = column + columns
-            total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
-            for source in range(world):
-                went = tl.load(positions_ptr + rows.to(tl.int64) * world + source, mask=inside, other=-1) >= 0
-                part = stage + (source * max_tokens + rows).to(tl.int64)[:, None] * hidden + where
-                total += tl.load(part, mask=(inside & went)[:, None] & (where < hidden), other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
-                     mask=inside[:, None] & (where < hidden))
+    sum_parts(stage, out_ptr, first, stop, hidden, world, positions_ptr, positions_ptr, max_tokens, False, BLOCK_R,
+              BLOCK_W)
     finish_call(calls_ptr)
 
 
@@ -292,22 +312,7 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
     for source in range(world):
         stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
-    columns = tl.arange(0, BLOCK_W)[None, :]
-    for token in range(first, stop, BLOCK_R):
-        rows = token + tl.arange(0, BLOCK_R)
-        inside = rows < stop
-        for column in range(0, hidden, BLOCK_W):
-            where = column + columns
-            total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
-            for k in range(topk):
-                pair = rows.to(tl.int64) * topk + k
-                routed = tl.load(idx_ptr + pair, mask=inside, other=-1) >= 0
-                weight = tl.load(weights_ptr + pair, mask=inside & routed, other=0.0)
-                part = tl.load(stage + pair[:, None] * hidden + where,
-                               mask=(inside & routed)[:, None] & (where < hidden), other=0.0)
-                total += weight[:, None] * part.to(tl.float32)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
-                     mask=inside[:, None] & (where < hidden))
+    sum_parts(stage, out_ptr, first, stop, hidden, topk, idx_ptr, weights_ptr, max_tokens, True, BLOCK_R, BLOCK_W)
     finish_call(calls_ptr)
 
 
