@@ -111,6 +111,29 @@ def arrivals_at_least(counters_ptr, source, count):
 
 
 @triton.jit
+def await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits):
+    """A dispatch receiver's wait: every source's counts (one of its programs of this call has
+    arrived), then all of `peer`'s parts. Returns `counts`, `stage` and `meta_stage` made to depend on
+    the waits, for the loads that read them."""
+    me = dl.rank()
+    world = dl.num_ranks()
+    for step in range(world):
+        arrived = arrivals_at_least(arrivals_ptr, (me + step) % world, (epoch - 1) * splits + 1)
+        counts = dl.consume_token(counts, arrived)
+    arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
+    return counts, dl.consume_token(stage, arrived), dl.consume_token(meta_stage, arrived)
+
+
+@triton.jit
+def await_combine(arrivals_ptr, stage, epoch, splits):
+    """A combine receiver's wait: every program of every source has arrived. Returns `stage` made to
+    depend on the waits."""
+    for source in range(dl.num_ranks()):
+        stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
+    return stage
+
+
+@triton.jit
 def split_rows(total, split, splits):
     """Part `split` [start, stop) of `total` rows cut in `splits` nearly equal parts."""
     per_split = tl.cdiv(total, splits)

@@ -42,7 +42,8 @@ from tridist.runtime.tensors import check_tensor
 from .. import _protocol
 from .._protocol import call_epoch, finish_call
 from . import exchange
-from .exchange import arrivals_at_least, arrive, chunk_of, copy_rows, gather, send_rows, send_values, split_rows
+from .exchange import (arrive, await_combine, await_dispatch, chunk_of, copy_rows, gather, send_rows, send_values,
+                       split_rows)
 
 DTYPES = (torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
@@ -99,13 +100,7 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    # Receive: every source's counts (one of its programs arrived), then all of `peer`'s parts.
-    for step in range(world):
-        arrived = arrivals_at_least(arrivals_ptr, (me + step) % world, (epoch - 1) * splits + 1)
-        counts = dl.consume_token(counts, arrived)
-    arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
-    stage = dl.consume_token(stage, arrived)
-    meta_stage = dl.consume_token(meta_stage, arrived)
+    counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
     sources = tl.arange(0, W_PAD)
     received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
     before = tl.cumsum(received, 0) - received
@@ -194,8 +189,7 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
                   BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    for source in range(world):
-        stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
+    stage = await_combine(arrivals_ptr, stage, epoch, splits)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     sum_parts(stage, out_ptr, first, stop, hidden, world, positions_ptr, positions_ptr, max_tokens, False, BLOCK_R,
               BLOCK_W)
@@ -246,12 +240,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
                     local_world_size, E_PAD)
         arrive(arrivals_ptr + me, peer, local_world_size)
     if RECEIVE:
-        for step in range(world):
-            arrived = arrivals_at_least(arrivals_ptr, (me + step) % world, (epoch - 1) * splits + 1)
-            counts = dl.consume_token(counts, arrived)
-        arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
-        stage = dl.consume_token(stage, arrived)
-        meta_stage = dl.consume_token(meta_stage, arrived)
+        counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
         sources = tl.arange(0, W_PAD)
         matrix = tl.load(counts + sources[:, None] * E_PAD + experts[None, :],
                          mask=(sources < world)[:, None] & local[None, :], other=0)
@@ -309,8 +298,7 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
         send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    for source in range(world):
-        stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
+    stage = await_combine(arrivals_ptr, stage, epoch, splits)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     sum_parts(stage, out_ptr, first, stop, hidden, topk, idx_ptr, weights_ptr, max_tokens, True, BLOCK_R, BLOCK_W)
     finish_call(calls_ptr)
