@@ -4,6 +4,7 @@ cases (empty, all to one rank, a rank that sends nothing, every row of x), calls
 with no host synchronisation; the 2-D round trip returns every row; overflow is refused on the
 device; bad input before any launch."""
 import hashlib
+import os
 
 import pytest
 import torch
@@ -224,6 +225,8 @@ def _ranks_disagree(w):
 
 @pytest.mark.worlds("2")
 def test_all_to_all_v_ranks_disagree(world):
+    if world.backend != "emulator" and os.environ.get("TRIDIST_DEBUG") != "1":
+        pytest.skip("on GPUs the ranks' calls are compared with TRIDIST_DEBUG=1 only")
     world.run(_ranks_disagree)
 
 

@@ -4,6 +4,7 @@ that sends nothing, top-k hitting one rank several times, -1 entries, the most t
 takes); exact checks of what arrives, identity experts for the way back (combine(dispatch(x)) =
 x * sum of the weights), bits equal across calls, the receive hook, fp8, bad input."""
 import hashlib
+import os
 
 import pytest
 import torch
@@ -141,7 +142,12 @@ def _low_latency(w, kinds, hook):
             rows = call.low_latency(expert)
             assert int(recv_count[expert]) == len(rows), f"{what}: count of expert {expert}"
             if rows:
-                assert torch.equal(recv_x[expert, :len(rows)].cpu(), torch.stack(rows)), f"{what}: expert {expert}"
+                got, expected = recv_x[expert, :len(rows)].cpu(), torch.stack(rows)
+                assert torch.equal(got, expected), (
+                    f"{what}: expert {expert}: received tokens (rank * 100 + token, from column 0) "
+                    f"{got[:, 0].tolist()}, expected {expected[:, 0].tolist()}; wrong columns per row "
+                    f"{(got != expected).sum(1).tolist()}, first wrong column per row "
+                    f"{[int((g != e).nonzero()[0]) if (g != e).any() else -1 for g, e in zip(got, expected)]}")
         _close(out, call.combined(), what)
     tridist.barrier_all()
     buffer.free()
@@ -312,6 +318,8 @@ def _ranks_disagree(w):
 
 @pytest.mark.worlds("2")
 def test_ep_ranks_disagree(world):
+    if world.backend != "emulator" and os.environ.get("TRIDIST_DEBUG") != "1":
+        pytest.skip("on GPUs the ranks' calls are compared with TRIDIST_DEBUG=1 only")
     world.run(_ranks_disagree)
 
 

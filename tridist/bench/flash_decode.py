@@ -15,7 +15,8 @@ checked against SDPA in fp32 on the whole cache first. Then, on one rank, per sh
 - op: the whole op; at one rank the kernel with its last programs' merge (`op / kernel`).
 Targets (issue 25): contiguous >= 0.9 of the copy and no slower than SDPA; paged >= 0.85; op within
 1.05x of the kernel. With several ranks only the op is timed (and with several ranks sharing a GPU,
-TRIDIST_RANKS_PER_GPU > 1, nothing: correctness only). The kernel alone is checked too, its records
+TRIDIST_RANKS_PER_GPU > 1, nothing: correctness only), next to the kernel alone on the whole cache
+on one GPU (`one gpu kernel us`, a lower bound of the one-GPU op) and the op's speed-up over it. The kernel alone is checked too, its records
 merged with torch. `--sweep` times only the kernel alone (the op's other variants would more than
 double what it compiles), with every config of `tridist.ops.attention.configs`, then the default
 config at each `--programs-per-sm`.
@@ -172,6 +173,9 @@ def run(shapes, q_heads: int, kv_heads: int, head_dim: int, dtype, configs: list
         if timed and one_rank:
             baselines["copy"] = copy_us(nbytes, w.device)
             baselines["sdpa"], baselines["backend"] = sdpa_us(q, k, v)
+        whole = None  # several ranks timed: the whole cache, for the one-GPU baseline
+        if timed and not one_rank and whole_op:
+            whole = (k, v, torch.full((batch,), length, dtype=torch.int32, device=w.device), None)
         del k, v
         for config in configs:
             op = attention.FlashDecode(batch, q_heads, kv_heads, head_dim, dtype, config=config)
@@ -185,6 +189,8 @@ def run(shapes, q_heads: int, kv_heads: int, head_dim: int, dtype, configs: list
                        "splits": op.splits_for(args[0], args[3])}
                 if timed:
                     row.update(_timings(op, q, args, nbytes, baselines, layout, whole_op))
+                    if whole is not None and layout == "contiguous":
+                        row.update(_against_one_gpu(op, q, whole, row["op us"]))
                 rows.append(row)
                 if w.rank == 0 and timed:
                     print(f"  {name}: " + ", ".join(f"{key} {value:.2f}" for key, value in row.items()
@@ -217,6 +223,14 @@ def _timings(op, q, args, nbytes, baselines, layout, whole_op) -> dict:
     row["copy us"] = baselines["copy"]
     row["targets met"] = met
     return row
+
+
+def _against_one_gpu(op, q, whole, op_us_here) -> dict:
+    """Several ranks: the kernel alone on the whole cache on each GPU (every rank at once, the slowest
+    taken), a lower bound of what one GPU takes for the op (its records are left unmerged), and the
+    op's speed-up over it (issue 27: >= 1.8 at 2 ranks and 128k positions)."""
+    one_gpu = op_us(lambda: op.split_kv(q, *whole))
+    return {"one gpu kernel us": one_gpu, "vs one gpu": one_gpu / op_us_here}
 
 
 def sweep_configs(device, programs_per_sm: list[int]) -> list[dict]:

@@ -62,12 +62,6 @@ def _signal_op(sig_addr, signal, sig_op, pe, _semantic=None):
 
 
 @core.extern
-def _signal_wait_until(sig_addr, cmp, value, _semantic=None):
-    return _extern("nvshmem_signal_wait_until", [sig_addr, cmp, value], ("int64", "int32", "uint64"), "uint64",
-                   _semantic)
-
-
-@core.extern
 def _no_arguments(symbol: tl.constexpr, _semantic=None):
     return _extern(core._unwrap_if_constexpr(symbol), [], (), "int32", _semantic)
 
@@ -485,10 +479,10 @@ def signal_op(sig_addr, signal, sig_op, pe):
 def signal_wait_until(sig_addr, cmp: tl.constexpr, cmp_value):
     tl.static_assert(cmp == CMP_EQ or cmp == CMP_NE or cmp == CMP_GT or cmp == CMP_GE or cmp == CMP_LT
                      or cmp == CMP_LE, "shmem.signal_wait_until: cmp is one of dl.shmem.CMP_*")
-    if DEBUG:
-        return _spin(sig_addr, cmp, cmp_value, "sys", "acquire")
-    else:
-        return _signal_wait_until(sig_addr.to(tl.int64), cmp, tl.cast(cmp_value, tl.uint64))
+    # Our acquire spin rather than NVSHMEM's wait: `ld.acquire.sys` orders the caller's later loads
+    # after the word and keeps them off L1 lines filled before it, which NVSHMEM's documentation does
+    # not promise of its loop (a low-latency dispatch on 2 x H100, 2026-11-25, read partial rows).
+    return _spin(sig_addr, cmp, cmp_value, "sys", "acquire")
 
 
 @triton.jit

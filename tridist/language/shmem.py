@@ -160,8 +160,9 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
     def signal_wait_until(sig_addr: tl.tensor, cmp: tl.constexpr, cmp_value) -> tl.tensor:
         """Spin until this rank's signal word at `sig_addr` compares true against `cmp_value`
         (`cmp`: one of `CMP_EQ`, `CMP_NE`, `CMP_GT`, `CMP_GE`, `CMP_LT`, `CMP_LE`); returns the
-        word. Bounded and reporting like [`dl.wait`][tridist.language.wait] in the emulator and,
-        on GPUs, with TRIDIST_DEBUG=1 (then an acquire spin of ours instead of NVSHMEM's)."""
+        word. An acquire at system scope: loads after it see what was written before the signal.
+        Bounded and reporting like [`dl.wait`][tridist.language.wait] in the emulator and, on GPUs,
+        with TRIDIST_DEBUG=1."""
 
     def quiet() -> None:
         """Wait until every put and get this thread issued (the `_nbi` forms too) is complete."""
