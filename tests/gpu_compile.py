@@ -181,11 +181,12 @@ def _moe_cases():
     combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
     combine.update(row_of_pair_ptr="*i32", counts_ptr="*i32", weights_ptr="*fp32", exchange_ptr="*fp32",
                    flags_ptr="*i64", done_ptr="*i64", calls_ptr="*i64")
-    combine.update({name: "i32" for name in ("tokens", "K", "topk", "weights_row", "slot_numel", "local_world_size",
+    combine.update({name: "i32" for name in ("tokens", "K", "weights_row", "slot_numel", "local_world_size",
                                              "spans", "span", "gemm_tiles_n")})
-    combine.update({name: "constexpr" for name in ("GEMM_BLOCK_M", "OWN", "W_PAD", "E_PAD", "CHUNK", "BLOCK_C")})
+    combine.update({name: "constexpr" for name in ("TOPK", "GEMM_BLOCK_M", "OWN", "W_PAD", "E_PAD", "CHUNK",
+                                                   "BLOCK_C")})
     cases += [(moe_reduce.moe_combine_kernel, dict(combine),
-               {"GEMM_BLOCK_M": 128, "OWN": own, "W_PAD": 8, "E_PAD": 32, "CHUNK": moe_reduce.CHUNK["cuda"],
+               {"TOPK": 8, "GEMM_BLOCK_M": 128, "OWN": own, "W_PAD": 8, "E_PAD": 32, "CHUNK": moe_reduce.CHUNK["cuda"],
                 "BLOCK_C": moe_reduce.BLOCK_C["cuda"]}) for own in (False, True)]
     return cases
 

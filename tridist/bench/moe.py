@@ -191,41 +191,53 @@ class _Layer:
         return (mine * self.weights_shard[:, :, None]).sum(1)
 
 
-def moe_rows(op_name: str, layers, timed: bool = True) -> list[dict]:
-    w = tridist.world()
+def moe_rows(op_name: str, layers, timed: bool = True, comm_programs=(None,)) -> list[dict]:
+    """A row per layer (moe_rs: per layer and each of `comm_programs`, None for the op's default)."""
     rows = []
-    for name, experts, per_expert, k, n, topk in layers:
-        layer = _Layer(experts, per_expert, k, n, topk, w, w.device)
-        up = layer.up(w.rank)
-        ag = ops.AllGatherMoE(layer.tokens, k, layer.n, experts, topk, torch.bfloat16)
-        h, handle = ag(layer.x_shard, layer.idx_shard, up)
-        if op_name == "ag_moe":
-            _check(f"ag_moe {name}", h, _reference_grouped(layer.sorted_tokens(), up, layer.offs))
-            op, args = ag, (layer.x_shard, layer.idx_shard, up, h)
-            alone = (layer.sorted_tokens(), up)
-        else:
-            down, h = layer.down(w.rank), layer.h(w.rank)
-            op = ops.MoEReduceScatter(layer.tokens, layer.n, k, experts, topk, torch.bfloat16)
-            args = (h, down, handle, layer.weights_shard)
-            _check(f"moe_rs {name}", op(*args), layer.expected_y())
-            alone = (h, down)
-        if timed:
-            row = {"layer": name, "config": _config_name(op.config), f"{op_name} us": op_us(lambda: op(*args))}
-            gemm_out = torch.empty(alone[0].shape[0], alone[1].shape[2], dtype=torch.bfloat16, device=w.device)
-            row["grouped GEMM alone us"] = op_us(lambda: ops.grouped_gemm(*alone, layer.offs, gemm_out))
-            if _has("_grouped_mm"):
-                row["torch._grouped_mm us"] = op_us(lambda: torch._grouped_mm(*alone, offs=layer.offs))
-                row["sequential us"] = op_us(_sequential(op_name, layer, *alone))
-            row["/ GEMM alone"] = row[f"{op_name} us"] / row["grouped GEMM alone us"]
-            rows.append(row)
-            if w.rank == 0:
-                print(f"  {op_name} {name}: {row[f'{op_name} us']:.1f} us, grouped GEMM alone "
-                      f"{row['grouped GEMM alone us']:.1f} us", flush=True)
-        tridist.barrier_all()
-        op.free()
-        if op is not ag:
-            ag.free()
+    for layer_spec in layers:
+        for programs in comm_programs if op_name == "moe_rs" else (None,):
+            row = _moe_layer(op_name, *layer_spec, timed, programs)
+            rows += [row] if row else []
     return rows
+
+
+def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_programs) -> dict | None:
+    """One layer checked and (if `timed`) timed: its row."""
+    w = tridist.world()
+    row = None
+    layer = _Layer(experts, per_expert, k, n, topk, w, w.device)
+    up = layer.up(w.rank)
+    ag = ops.AllGatherMoE(layer.tokens, k, layer.n, experts, topk, torch.bfloat16)
+    h, handle = ag(layer.x_shard, layer.idx_shard, up)
+    if op_name == "ag_moe":
+        _check(f"ag_moe {name}", h, _reference_grouped(layer.sorted_tokens(), up, layer.offs))
+        op, args = ag, (layer.x_shard, layer.idx_shard, up, h)
+        alone = (layer.sorted_tokens(), up)
+    else:
+        down, h = layer.down(w.rank), layer.h(w.rank)
+        op = ops.MoEReduceScatter(layer.tokens, layer.n, k, experts, topk, torch.bfloat16, comm_programs)
+        args = (h, down, handle, layer.weights_shard)
+        _check(f"moe_rs {name}", op(*args), layer.expected_y())
+        alone = (h, down)
+    if timed:
+        row = {"layer": name, "config": _config_name(op.config)}
+        if op_name == "moe_rs":
+            row["comm programs"] = op.comm_programs
+        row[f"{op_name} us"] = op_us(lambda: op(*args))
+        gemm_out = torch.empty(alone[0].shape[0], alone[1].shape[2], dtype=torch.bfloat16, device=w.device)
+        row["grouped GEMM alone us"] = op_us(lambda: ops.grouped_gemm(*alone, layer.offs, gemm_out))
+        if _has("_grouped_mm"):
+            row["torch._grouped_mm us"] = op_us(lambda: torch._grouped_mm(*alone, offs=layer.offs))
+            row["sequential us"] = op_us(_sequential(op_name, layer, *alone))
+        row["/ GEMM alone"] = row[f"{op_name} us"] / row["grouped GEMM alone us"]
+        if w.rank == 0:
+            print(f"  {op_name} {name}: {row[f'{op_name} us']:.1f} us, grouped GEMM alone "
+                  f"{row['grouped GEMM alone us']:.1f} us", flush=True)
+    tridist.barrier_all()
+    op.free()
+    if op is not ag:
+        ag.free()
+    return row
 
 
 def _sequential(op_name: str, layer: _Layer, a, b):
@@ -268,6 +280,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
                         help="grouped_gemm only (default %(default)s; fp8 with row and column scales, bf16 out)")
     parser.add_argument("--configs", action="store_true", help="grouped_gemm: time every config as well")
+    parser.add_argument("--comm-programs", default="default",
+                        help="moe_rs: the programs of the peers' combine, comma separated, 'default' for the op's "
+                             "(default %(default)s)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     w = tridist.init()
@@ -279,7 +294,8 @@ def main(argv=None) -> int:
     else:
         if args.dtype != "bfloat16":
             raise SystemExit("ag_moe and moe_rs take bf16 and fp16; --dtype is for grouped_gemm")
-        rows = moe_rows(args.op, args.layers, timed)
+        comm_programs = [None if p.strip() == "default" else int(p) for p in args.comm_programs.split(",")]
+        rows = moe_rows(args.op, args.layers, timed, comm_programs)
     if w.rank == 0:
         if not timed:
             print(f"{args.op}: every layer checked (ranks share a GPU: TRIDIST_RANKS_PER_GPU > 1, nothing timed)")
