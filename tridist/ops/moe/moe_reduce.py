@@ -15,7 +15,7 @@ Protocol (slots and call epochs as in `_protocol.py`)
   count of finished tiles of that source's rows (not at world size 1: nothing waits for it). Program 0 zeroes the other slot's counts for the
   next call (this call's other kernels have finished with it: each call waits for the last).
 - The combine for the peers (`moe_combine_kernel` with OWN=False), on a side stream beside the
-  GEMM (a few programs: `comm_programs`): program 0 first sends this rank's topk weights into row
+  GEMM (a quarter of the SMs: `comm_programs`): program 0 first sends this rank's topk weights into row
   `rank` of every peer's `weights` and raises flag (slot, rank) there to the epoch. Then, for each
   peer s in the GEMM's order, once done[slot, s] has reached the tile count of s's rows (computed
   from `counts`) and s's weights are here, piece after piece (CHUNK of s's tokens by a span of
@@ -187,7 +187,7 @@ def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, e
 class MoEReduceScatter:
     """`moe_rs` for h of `n` columns (N/world), `experts` x n x k down weights, and `tokens` tokens
     of `topk` experts per rank, with its buffers allocated once; one instance per stream.
-    `comm_programs`: the programs of the peers' combine, beside the GEMM (default a sixteenth of the
+    `comm_programs`: the programs of the peers' combine, beside the GEMM (default a quarter of the
     SMs); `config`: as for `AllGatherMoE`."""
 
     def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype,
@@ -205,7 +205,10 @@ class MoEReduceScatter:
             lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
             dtype)
         programs = _protocol.programs_for(w.device)
-        self.comm_programs = comm_programs or max(1, programs // 16)
+        # A quarter: of 8, 16, 33 and 66 programs on 2 x H100 (132 SMs), 33 was the fastest at each
+        # layer of `tridist bench moe_rs` (deepseek 492 us, 803 at 8), and on 4 it beat 8 (614 us
+        # against 1207), 2026-11-26.
+        self.comm_programs = comm_programs or max(1, programs // 4)
         self.overlap = w.world_size > 1  # the peers' combine runs beside the GEMM
         self.gemm_programs = max(1, programs - self.comm_programs) if self.overlap else programs
         self.programs = programs
