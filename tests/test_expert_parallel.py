@@ -8,9 +8,12 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import tridist
 from tridist import ops
+from tridist.ops.moe import exchange
 
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 128, 5, 3, 3  # 3: padded to 4 in the kernels
 TOLERANCE = 2e-2  # bf16 rounding of the output, relative to its largest value
@@ -355,3 +358,50 @@ def test_low_latency_cuda_graph_replays(world):
     if world.backend == "emulator":
         pytest.skip("CUDA graphs need GPUs")
     world.run(_graph_replays, replays=1000)
+
+
+@triton.jit
+def _placement_kernel(counts_ptr, stage_ptr, out_ptr, world, experts_local, max_tokens, width, W_PAD: tl.constexpr,
+                      E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The low-latency receive's placement alone, no communication: program p copies source p's rows
+    of staging [expert, source, place] into out [expert, world * max_tokens]."""
+    peer = tl.program_id(0)
+    _, _, mine, mine_at = exchange.expert_blocks(counts_ptr, peer, world, experts_local, W_PAD, E_PAD)
+    total = tl.sum(mine, 0)
+    for at in range(0, total, BLOCK_R):
+        rows = at + tl.arange(0, BLOCK_R)
+        source_rows, target = exchange.block_rows(rows, mine, mine_at, peer, world, max_tokens)
+        exchange.copy_rows(stage_ptr, source_rows, out_ptr, target, rows < total, width, BLOCK_W)
+
+
+def _placement(w):
+    """On H100s, with a count matrix of 2 rows (W_PAD 2) and rows of 64 words, the receive wrote only
+    the first 16 bytes of the second source's rows (2026-11-25 and -26); EPBuffer now pads to 4 rows.
+    This runs the placement alone at both, so a GPU run says whether the compiled code is at fault."""
+    experts_local, e_pad, max_tokens, width = 3, 4, 5, 64
+    for world, w_pad in ((2, 2), (2, 4), (3, 4), (4, 4)):
+        generator = torch.Generator().manual_seed(world * 10 + w_pad)
+        counts = torch.zeros(w_pad, e_pad, dtype=torch.int32)
+        counts[:world, :experts_local] = torch.randint(0, max_tokens + 1, (world, experts_local), generator=generator)
+        word = torch.arange(width)
+        stage = torch.stack([torch.stack([torch.stack([(e * 1000 + s * 100 + p) * 1000 + word
+                                                       for p in range(max_tokens)]) for s in range(world)])
+                             for e in range(experts_local)]).to(torch.int32)
+        out = torch.full((experts_local, world * max_tokens, width), -1, dtype=torch.int32)
+        expected = out.clone()
+        for e in range(experts_local):
+            at = 0
+            for s in range(world):
+                expected[e, at:at + counts[s, e]] = stage[e, s, :counts[s, e]]
+                at += int(counts[s, e])
+        out = out.to(w.device)
+        _placement_kernel[(world,)](counts.to(w.device), stage.to(w.device), out, world, experts_local, max_tokens,
+                                    width, W_PAD=w_pad, E_PAD=e_pad, BLOCK_R=8, BLOCK_W=64)
+        wrong = (out.cpu() != expected).any(2)
+        assert not wrong.any(), (f"world {world}, W_PAD {w_pad}: rows (expert, row) placed wrong "
+                                 f"{wrong.nonzero().tolist()}")
+
+
+@pytest.mark.worlds("1")
+def test_low_latency_placement(world):
+    world.run(_placement)

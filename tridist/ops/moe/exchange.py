@@ -155,6 +155,33 @@ def chunk_of(rows, ends):
     return tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), 1)
 
 
+@triton.jit
+def expert_blocks(counts, peer, world, experts_local, W_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """A low-latency receiver's layout from `counts` (a row of E_PAD words per source: the pairs it
+    sent for each local expert). Returns the matrix [W_PAD, E_PAD], each source's first row in each
+    expert's block (`placed`: after the lower sources' pairs), and `peer`'s row of each (`mine`,
+    `mine_at`)."""
+    sources = tl.arange(0, W_PAD)
+    experts = tl.arange(0, E_PAD)
+    matrix = tl.load(counts + sources[:, None] * E_PAD + experts[None, :],
+                     mask=(sources < world)[:, None] & (experts < experts_local)[None, :], other=0)
+    placed = tl.cumsum(matrix, 0) - matrix
+    mine = tl.sum(tl.where(sources[:, None] == peer, matrix, 0), 0)
+    mine_at = tl.sum(tl.where(sources[:, None] == peer, placed, 0), 0)
+    return matrix, placed, mine, mine_at
+
+
+@triton.jit
+def block_rows(rows, mine, mine_at, peer, world, max_tokens):
+    """For rows 0, 1, ... of `peer`'s pairs (expert by expert, `mine` of each), the staging row they
+    are in ([expert, source, place] rows, `max_tokens` places) and their row of the output ([expert,
+    world * max_tokens] rows, `peer`'s pairs of an expert from `mine_at` on)."""
+    ends = tl.cumsum(mine, 0)
+    expert = chunk_of(rows, ends)
+    index = rows - gather(ends - mine, expert)
+    return (expert * world + peer) * max_tokens + index, expert * world * max_tokens + gather(mine_at, expert) + index
+
+
 @jit
 def positions_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, per_group, ONE_GROUP: tl.constexpr,
                      GROUPS: tl.constexpr, BLOCK: tl.constexpr):

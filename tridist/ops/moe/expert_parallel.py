@@ -42,8 +42,8 @@ from tridist.runtime.tensors import check_tensor
 from .. import _protocol
 from .._protocol import call_epoch, finish_call
 from . import exchange
-from .exchange import (arrive, await_combine, await_dispatch, chunk_of, copy_rows, gather, send_rows, send_values,
-                       split_rows)
+from .exchange import (arrive, await_combine, await_dispatch, block_rows, copy_rows, expert_blocks, send_rows,
+                       send_values, split_rows)
 
 DTYPES = (torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
@@ -241,21 +241,13 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
         arrive(arrivals_ptr + me, peer, local_world_size)
     if RECEIVE:
         counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
+        matrix, placed, mine, mine_at = expert_blocks(counts, peer, world, experts_local, W_PAD, E_PAD)
         sources = tl.arange(0, W_PAD)
-        matrix = tl.load(counts + sources[:, None] * E_PAD + experts[None, :],
-                         mask=(sources < world)[:, None] & local[None, :], other=0)
-        placed = tl.cumsum(matrix, 0) - matrix
-        mine = tl.sum(tl.where(sources[:, None] == peer, matrix, 0), 0)
-        mine_at = tl.sum(tl.where(sources[:, None] == peer, placed, 0), 0)
-        ends = tl.cumsum(mine, 0)
         first, stop = split_rows(tl.sum(mine, 0), split, splits)
         for at in range(first, stop, BLOCK_R):
             rows = at + tl.arange(0, BLOCK_R)
             inside = rows < stop
-            expert = chunk_of(rows, ends)
-            index = rows - gather(ends - mine, expert)
-            source_rows = (expert * world + peer) * max_tokens + index
-            target = expert * world * max_tokens + gather(mine_at, expert) + index
+            source_rows, target = block_rows(rows, mine, mine_at, peer, world, max_tokens)
             copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
             pair_index = tl.load(meta_stage + source_rows, mask=inside, other=0)
             tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair_index, mask=inside)
@@ -287,13 +279,11 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
     experts = tl.arange(0, E_PAD)
     mine = tl.load(recv_layout_ptr + peer * E_PAD + experts)
     mine_at = tl.load(recv_layout_ptr + W_PAD * E_PAD + peer * E_PAD + experts)
-    ends = tl.cumsum(mine, 0)
     first, stop = split_rows(tl.sum(mine, 0), split, splits)
     for at in range(first, stop, BLOCK_R):
         rows = at + tl.arange(0, BLOCK_R)
         inside = rows < stop
-        expert = chunk_of(rows, ends)
-        source_rows = expert * world * max_tokens + gather(mine_at, expert) + rows - gather(ends - mine, expert)
+        _, source_rows = block_rows(rows, mine, mine_at, peer, world, max_tokens)
         pair = tl.load(recv_src_ptr + source_rows, mask=inside, other=0) - peer * max_tokens * topk
         send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
