@@ -35,7 +35,8 @@ import torch
 from tridist import ops
 from tridist.ops.moe import alltoall, expert_parallel
 
-from .cases import Expected, Invalid, OpCases, Trial, _UNIT_ROUNDOFF, log_uniform, random_tensor, register, seed_of
+from .cases import (Expected, Invalid, OpCases, Trial, _UNIT_ROUNDOFF, composition, count_with_edges, log_uniform,
+                    random_tensor, register, seed_of)
 
 ALIGNS = (1, 4)          # major_align of the "expert" layout
 MAX_EXPERTS_PER_RANK = 4
@@ -47,27 +48,6 @@ MAX_TOPK = 8
 # dispatch and combine of 32 tokens x top-4: 1.6 s): there they take fewer rows than `Limits` allow,
 # all_to_all_v's rows of x, EPBuffer's tokens per rank and hidden.
 EMULATOR_ROWS, EMULATOR_TOKENS, EMULATOR_HIDDEN = 16, 8, 256
-
-
-def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
-    """`total` rows cut into `parts` counts: all in one part, in a random few, or spread over all."""
-    counts = [0] * parts
-    style = rng.random()
-    if style < 0.2:
-        counts[rng.randrange(parts)] = total
-        return counts
-    chosen = [p for p in range(parts) if rng.random() < 0.5] if style < 0.5 else list(range(parts))
-    chosen = chosen or [rng.randrange(parts)]
-    cuts = sorted(rng.randint(0, total) for _ in range(len(chosen) - 1))
-    for part, low, high in zip(chosen, [0] + cuts, cuts + [total]):
-        counts[part] = high - low
-    return counts
-
-
-def _total(rng: random.Random, most: int) -> int:
-    """Rows a rank sends: none, all it has, or any number between."""
-    roll = rng.random()
-    return 0 if roll < 0.1 else most if roll < 0.3 else rng.randint(0, most)
 
 
 # ---- all_to_all_v --------------------------------------------------------------------------------
@@ -132,7 +112,7 @@ class AllToAllVTrial(Trial):
         """Every rank's (counts, offsets in its x) per chunk, in the layout's indexing, such that each
         rank's chunks fit its x and what arrives at each rank fits out."""
         W, G, rows = self.world.world_size, self.experts, self.rows
-        counts = [_composition(rng, _total(rng, rows), W * G) for _ in range(W)]
+        counts = [composition(rng, count_with_edges(rng, rows), W * G) for _ in range(W)]
 
         def chunk(source, dest, expert):  # index of chunk (dest, expert) in source's splits
             return expert * W + dest if self.layout == "expert_offset" else dest * G + expert

@@ -27,9 +27,10 @@ import random
 
 import torch
 
-FAMILIES = ("collectives", "gemm", "alltoall")  # modules of tridist.stress that register op cases; add new ones here
+FAMILIES = ("collectives", "gemm", "alltoall", "moe_tp")  # modules of tridist.stress that register op cases; add new ones here
 
 FORMS = ("function", "class")
+MODES = ("eager", "graph", "streams")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,27 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def count_with_edges(rng: random.Random, most: int) -> int:
+    """A count in [0, most] whose edges come up often: none, all, or any number between."""
+    roll = rng.random()
+    return 0 if roll < 0.1 else most if roll < 0.3 else rng.randint(0, most)
+
+
+def composition(rng: random.Random, total: int, parts: int) -> list[int]:
+    """`total` cut into `parts` counts: all in one part, in a random few, or spread over all."""
+    counts = [0] * parts
+    style = rng.random()
+    if style < 0.2:
+        counts[rng.randrange(parts)] = total
+        return counts
+    chosen = [p for p in range(parts) if rng.random() < 0.5] if style < 0.5 else list(range(parts))
+    chosen = chosen or [rng.randrange(parts)]
+    cuts = sorted(rng.randint(0, total) for _ in range(len(chosen) - 1))
+    for part, low, high in zip(chosen, [0] + cuts, cuts + [total]):
+        counts[part] = high - low
+    return counts
+
+
 class OpCases:
     """How a stress run calls one op. Subclasses set `name` (the op's), `family` (its module in
     tridist.ops) and `forms` (those it has), and implement `draw` and `trial`. A family's module,
@@ -124,11 +146,16 @@ class OpCases:
     name: str
     family: str
     forms: tuple = FORMS
+    modes: tuple = MODES  # those it can run in (an op whose calls synchronise on the host is not captured)
 
     def draw(self, rng: random.Random, world, limits: Limits) -> dict:
         """Call fields for a random valid call: method, dtype, shape, and as the op takes them
         config, in_place, symmetric. Raises `Invalid` for a draw this world cannot run."""
         raise NotImplementedError
+
+    def forms_for(self, fields: dict) -> tuple:
+        """The forms that can make the call `fields` describes (e.g. only the class takes a config)."""
+        return self.forms
 
     def trial(self, call: Call, world) -> "Trial":
         """Buffers for one call of `call` (one per repeat, and per stream)."""
@@ -200,8 +227,9 @@ def plan(seed: int, count: int, world, ops: list[str]) -> Plan:
     """`count` calls drawn from `seed` for this world (the same on every rank). A call picks a family,
     then one of its ops (so that each family gets its share however many ops it has), or, half the
     time, takes the op and sizes of one of the last 8 calls, so that the instances the functions
-    keep are called again, at later epochs and in the other slot. Modes: eager half the time (GPUs:
-    graph and streams a quarter each; the emulator: streams a quarter); 1 call (half the time), 2 or 3."""
+    keep are called again, at later epochs and in the other slot. Modes, of those the op can run in:
+    eager half the time (GPUs: graph and streams a quarter each; the emulator: streams a quarter); 1
+    call (half the time), 2 or 3. Forms: those that can make the call (`OpCases.forms_for`)."""
     rng = random.Random(seed)
     cases = registry()
     limits = limits_for(world)
@@ -221,9 +249,10 @@ def plan(seed: int, count: int, world, ops: list[str]) -> Plan:
                 except Invalid as reason:
                     skipped[str(reason)] = skipped.get(str(reason), 0) + 1
                     continue
-            mode = rng.choice(modes)
+            op_cases = cases[fields["op"]]
+            mode = rng.choice([m for m in modes if m in op_cases.modes])
             repeats = rng.choice((1, 1, 2, 3)) if mode != "graph" else rng.choice((2, 3))
-            call = Call(index, **fields, form=rng.choice(cases[fields["op"]].forms), mode=mode, repeats=repeats)
+            call = Call(index, **fields, form=rng.choice(op_cases.forms_for(fields)), mode=mode, repeats=repeats)
             break
         else:
             raise ValueError(f"stress: no valid call found in {_ATTEMPTS} draws among {', '.join(ops)} in this world "
