@@ -33,7 +33,7 @@ from tridist import ops
 from tridist.ops.gemm import grouped
 
 from .results import relative_error, save, table
-from .timing import op_us, slowest
+from .timing import kernel_us, op_us, slowest
 
 LAYERS = {"mixtral": (8, 1024, 4096, 14336, 2), "deepseek": (32, 128, 7168, 2048, 8),
           "decode": (32, 16, 7168, 2048, 8)}
@@ -191,18 +191,19 @@ class _Layer:
         return (mine * self.weights_shard[:, :, None]).sum(1)
 
 
-def moe_rows(op_name: str, layers, timed: bool = True, comm_programs=(None,)) -> list[dict]:
+def moe_rows(op_name: str, layers, timed: bool = True, comm_programs=(None,), kernels: bool = False) -> list[dict]:
     """A row per layer (moe_rs: per layer and each of `comm_programs`, None for the op's default)."""
     rows = []
     for layer_spec in layers:
         for programs in comm_programs if op_name == "moe_rs" else (None,):
-            row = _moe_layer(op_name, *layer_spec, timed, programs)
+            row = _moe_layer(op_name, *layer_spec, timed, programs, kernels)
             rows += [row] if row else []
     return rows
 
 
-def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_programs) -> dict | None:
-    """One layer checked and (if `timed`) timed: its row."""
+def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_programs, kernels) -> dict | None:
+    """One layer checked and (if `timed`) timed: its row; with `kernels`, the op's GPU time per
+    kernel printed as well."""
     w = tridist.world()
     row = None
     layer = _Layer(experts, per_expert, k, n, topk, w, w.device)
@@ -233,6 +234,12 @@ def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_progr
         if w.rank == 0:
             print(f"  {op_name} {name}: {row[f'{op_name} us']:.1f} us, grouped GEMM alone "
                   f"{row['grouped GEMM alone us']:.1f} us", flush=True)
+        if kernels:
+            times = kernel_us(lambda: op(*args))
+            if w.rank == 0:
+                print(f"  {op_name} {name}, rank 0's GPU time per call by kernel (eager; overlapping kernels "
+                      "each in full): " + "; ".join(f"{kernel} {us:.1f} us x {launches:g}"
+                                                     for kernel, (us, launches) in times.items()), flush=True)
     tridist.barrier_all()
     op.free()
     if op is not ag:
@@ -280,6 +287,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
                         help="grouped_gemm only (default %(default)s; fp8 with row and column scales, bf16 out)")
     parser.add_argument("--configs", action="store_true", help="grouped_gemm: time every config as well")
+    parser.add_argument("--kernels", action="store_true",
+                        help="ag_moe, moe_rs: also print where a call's GPU time goes, by kernel (PyTorch's profiler)")
     parser.add_argument("--comm-programs", default="default",
                         help="moe_rs: the programs of the peers' combine, comma separated, 'default' for the op's "
                              "(default %(default)s)")
@@ -295,7 +304,7 @@ def main(argv=None) -> int:
         if args.dtype != "bfloat16":
             raise SystemExit("ag_moe and moe_rs take bf16 and fp16; --dtype is for grouped_gemm")
         comm_programs = [None if p.strip() == "default" else int(p) for p in args.comm_programs.split(",")]
-        rows = moe_rows(args.op, args.layers, timed, comm_programs)
+        rows = moe_rows(args.op, args.layers, timed, comm_programs, args.kernels)
     if w.rank == 0:
         if not timed:
             print(f"{args.op}: every layer checked (ranks share a GPU: TRIDIST_RANKS_PER_GPU > 1, nothing timed)")

@@ -84,3 +84,26 @@ def slowest(value: float) -> float:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value)
     return max(everyone)
+
+
+def kernel_us(fn, calls: int = 20) -> dict[str, tuple[float, float]]:
+    """Where one call of `fn()` spends its GPU time, by kernel name, from PyTorch's profiler over
+    `calls` eager calls (a collective: call it on every rank): {name: (microseconds per call, launches
+    per call)}. Kernels that overlap (a side stream's beside the current one's) each count in full,
+    so the times may add up to more than the call took; kernels of one name (a Triton kernel at two
+    constexpr settings) add up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    _start_together()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in trace.key_averages():
+        total = getattr(event, "device_time_total", 0)
+        if total:
+            times[event.key] = (total / calls, event.count / calls)
+    return dict(sorted(times.items(), key=lambda item: -item[1][0]))
