@@ -4,19 +4,21 @@
                    [--ops LIST] [--time-limit SECONDS] [--out PATH]
 
 starts N ranks (as `tridist run` does) that make the same C calls, drawn from the seed by every rank
-alone: the ops of `tridist.ops` that have stress cases, with every method (all_gather,
-reduce_scatter, all_reduce with each of their methods and `auto`; ag_gemm, gemm_rs, gemm_ar, matmul;
-all_to_all_v in its three layouts and EPBuffer's dispatch + combine in both modes; not yet the
-grouped GEMM, ag_moe, moe_rs, flash_decode or Jacobi2D), through the functions and through the
-classes, sizes from one element to several MB per rank (a few KB in the emulator), every dtype
-each op takes, in and out of place, into symmetric buffers and regular ones, eager, captured in a
-CUDA graph and replayed with new inputs (GPUs), two instances at once on two streams, and calls
-back to back with no host synchronisation. `cases.py` says how calls are drawn and checked, and
-where a new op family adds its cases; `rank.py` how they run.
+alone: every op of `tridist.ops`, with every method (all_gather, reduce_scatter, all_reduce with
+each of their methods and `auto`; ag_gemm, gemm_rs, gemm_ar, matmul and grouped_gemm; all_to_all_v
+in its three layouts, EPBuffer's dispatch + combine in both modes, ag_moe and moe_rs; flash_decode
+over contiguous and paged caches; Jacobi2D's runs, host-loop and fused), through the functions and
+through the classes, sizes from one element to several MB per rank (a few KB in the emulator),
+every dtype each op takes, in and out of place, into symmetric buffers and regular ones, eager,
+captured in a CUDA graph and replayed with new inputs (GPUs; not Jacobi2D, whose load synchronises
+on the host), two instances at once on two streams, and calls back to back with no host
+synchronisation. `cases.py` says how calls are drawn and checked, and where a new op family adds
+its cases; `rank.py` how they run.
 
 Every rank checks its own result of every call against a reference it builds from the seed:
-exact for data movement, within a stated bound for sums (`cases.sum_tolerance`,
-`cases.gemm_tolerance`), outputs poisoned before the call. The output ends with one line,
+exact for data movement and the Jacobi solver, within a stated bound for sums, products and
+attention (`cases.sum_tolerance`, `cases.gemm_tolerance` and those of the families' modules),
+outputs poisoned before the call. The output ends with one line,
 
     stress: C calls, W wrong, H hangs, T s
 
@@ -31,11 +33,11 @@ the emulator, TRIDIST_WAIT_TIMEOUT; on GPUs with TRIDIST_DEBUG=1, where the wait
 still running after --watchdog seconds (default 120): that rank prints which call hung and exits,
 and the launcher stops the others.
 
---ops takes op names and families (`collectives`, `gemm`, `moe`), comma-separated; --time-limit stops
-starting new calls after that many seconds (kernels compile on first use: a first run on a GPU
-spends most of its time compiling); --out writes the figures as JSON (into a folder, named
-`stress-<device>x<ranks>-<date>.json` as the benchmarks' results are). Exit codes: 0 right, 1
-wrong results, 3 a hang, 4 a call failed.
+--ops takes op names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the
+modules of `tridist.ops`), comma-separated; --time-limit stops starting new calls after that many
+seconds (kernels compile on first use: a first run on a GPU spends most of its time compiling);
+--out writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as
+the benchmarks' results are). Exit codes: 0 right, 1 wrong results, 3 a hang, 4 a call failed.
 """
 import argparse
 import json

@@ -23,9 +23,9 @@ Shapes (`Call.shape`): all_to_all_v (rows of x, rows of out, experts per rank, *
 ep_dispatch_combine (hidden, experts per rank, topk, max tokens per rank, tokens of rank 0, 1, ...),
 fixed for a call so that graph replays keep them: only the data, splits and routing change.
 
-Both ops are of family "moe", their module in tridist.ops (`--ops moe` selects them). An fp8
-dispatch is drawn only where every rank has tokens: `use_fp8` on an empty x raises in
-`EPBuffer._payload` (the plan lists such draws as invalid).
+Both ops are of family "moe", their module in tridist.ops (`--ops moe` selects them, with ag_moe
+and moe_rs of `moe_tp.py`). An fp8 dispatch is drawn only where every rank has tokens: `use_fp8`
+on an empty x raises in `EPBuffer._payload` (the plan lists such draws as invalid).
 """
 import math
 import random

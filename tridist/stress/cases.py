@@ -4,8 +4,9 @@ Registry. Each op of `tridist.ops` has an `OpCases` here, registered by its fami
 modules named in FAMILIES). An `OpCases` says how to draw a valid call of its op at random
 (`draw`: method, dtype, sizes, in place or not, symmetric or not) and how to run one (`trial`:
 buffers, fresh inputs with the expected result, the call through the function or through an
-instance of the op's class). A new family adds a module beside `collectives.py` and `gemm.py` that
-registers its ops, and its name to FAMILIES; the runner (`rank.py`) needs nothing else.
+instance of the op's class); `forms_for` and `modes` narrow the forms and modes a call may take. A
+new family adds a module beside `collectives.py` and `gemm.py` that registers its ops, and its name
+to FAMILIES; the runner (`rank.py`) needs nothing else.
 
 Plan. Every rank draws the same calls from the seed (Python's `random.Random`, the same on every
 process), so no rank tells another what comes next. Draws that cannot run in this world (a
@@ -27,7 +28,8 @@ import random
 
 import torch
 
-FAMILIES = ("collectives", "gemm", "alltoall", "moe_tp")  # modules of tridist.stress that register op cases; add new ones here
+# The modules of tridist.stress that register op cases; a new family adds its own here.
+FAMILIES = ("collectives", "gemm", "alltoall", "moe_tp", "attention", "stencil")
 
 FORMS = ("function", "class")
 MODES = ("eager", "graph", "streams")
@@ -80,7 +82,8 @@ class Invalid(Exception):
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """The largest sizes drawn: bytes of a collective's input per rank; a GEMM's rows (of A, or of
-    all shards for ag_gemm), K and N."""
+    all shards for ag_gemm), K and N. The other families take theirs from these (e.g. an MoE op's
+    pairs of all ranks from `rows`, a KV cache's and a Jacobi domain's bytes from `nbytes`)."""
 
     nbytes: int
     rows: int
@@ -103,6 +106,15 @@ def log_uniform(rng: random.Random, low: int, high: int) -> int:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def draw_method(rng: random.Random, op: str, methods, world, one_node=(), kind: str = "method") -> str:
+    """One of `methods` (a method, or a comm: `kind`); `Invalid` for one of `one_node`, those that
+    reach peers through pointers or copy engines, in a world of several nodes."""
+    method = rng.choice(methods)
+    if method in one_node and world.nnodes > 1:
+        raise Invalid(f"{op} {kind} {method!r}: one node only")
+    return method
 
 
 def count_with_edges(rng: random.Random, most: int) -> int:
@@ -329,24 +341,23 @@ def gemm_tolerance(reference: torch.Tensor, out_dtype: torch.dtype, partials: in
 
 def mismatch(actual: torch.Tensor, expected: Expected) -> str | None:
     """None if `actual` is what `expected` says; else the first wrong element and how many are wrong."""
-    actual, reference = actual.reshape(-1), expected.reference.reshape(-1)
-    if expected.tolerance is None:
+    actual, reference, tolerance = actual.reshape(-1), expected.reference.reshape(-1), expected.tolerance
+    if isinstance(tolerance, torch.Tensor):
+        tolerance = tolerance.reshape(-1)
+    if tolerance is None:
         wrong = bits(actual) != bits(reference)
     else:
-        tolerance = expected.tolerance
-        if isinstance(tolerance, torch.Tensor):
-            tolerance = tolerance.reshape(-1)
         wrong = ~((actual.double() - reference.double()).abs() <= tolerance)  # NaN is wrong
     count = int(wrong.sum().item())
     if count == 0:
         return None
     i = int(wrong.nonzero()[0].item())
     where = f" ({expected.where(i)})" if expected.where else ""
-    if expected.tolerance is None:
+    if tolerance is None:
         width = 2 * actual.element_size()
         mask = (1 << (4 * width)) - 1
         shown = [f"{t[i].item()} (0x{int(bits(t)[i].item()) & mask:0{width}x})" for t in (reference, actual)]
         return f"element {i}{where}: expected {shown[0]}, got {shown[1]}; {count} of {actual.numel()} elements differ"
-    tolerance = expected.tolerance[i].item() if isinstance(expected.tolerance, torch.Tensor) else expected.tolerance
-    return (f"element {i}{where}: expected {reference[i].item():.6g} +- {tolerance:.2g}, got {actual[i].item():.6g}; "
+    bound = tolerance[i].item() if isinstance(tolerance, torch.Tensor) else tolerance
+    return (f"element {i}{where}: expected {reference[i].item():.6g} +- {bound:.2g}, got {actual[i].item():.6g}; "
             f"{count} of {actual.numel()} elements off")

@@ -14,8 +14,8 @@ from tridist import ops
 from tridist.ops import _protocol
 from tridist.ops.collectives import allgather, allreduce
 
-from .cases import (Expected, Invalid, OpCases, Trial, log_uniform, poison, random_tensor, register, seed_of,
-                    sum_tolerance)
+from .cases import (Expected, Invalid, OpCases, Trial, draw_method, log_uniform, poison, random_tensor, register,
+                    seed_of, sum_tolerance)
 
 # Methods that reach their peers through pointers or copy engines, so within one node only.
 ONE_NODE = {"all_gather": ("pull", "ll", "ce"), "reduce_scatter": ("ll", "ce"), "all_reduce": ("ll", "ce")}
@@ -23,9 +23,7 @@ ONE_NODE = {"all_gather": ("pull", "ll", "ce"), "reduce_scatter": ("ll", "ce"), 
 
 def _draw_method(rng, op: str, methods, world, ll_bytes: int) -> str:
     """A method of `op`; `ll_bytes`: what each LL packet row carries, which must be whole 4-byte words."""
-    method = rng.choice(methods)
-    if method in ONE_NODE[op] and world.nnodes > 1:
-        raise Invalid(f"{op} method {method!r}: one node only")
+    method = draw_method(rng, op, methods, world, ONE_NODE[op])
     if method == "ll" and ll_bytes % 4:
         raise Invalid(f"{op} method 'll': data not whole 4-byte words")
     return method

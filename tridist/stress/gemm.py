@@ -14,8 +14,8 @@ from tridist import ops
 from tridist.ops import gemm
 from tridist.ops.gemm import allgather_gemm, gemm_reduce, persistent
 
-from .cases import (Expected, Invalid, OpCases, Trial, gemm_tolerance, log_uniform, poison, random_tensor, register,
-                    round_up, seed_of)
+from .cases import (Expected, Invalid, OpCases, Trial, draw_method, gemm_tolerance, log_uniform, poison, random_tensor,
+                    register, round_up, seed_of)
 
 CONFIG_SHARE = 1 / 8  # calls that pass an explicit config rather than the default of their size
 
@@ -62,10 +62,7 @@ class AgGemmCases(_GemmCases):
         return log_uniform(rng, 1, max(1, limits.rows // world.world_size))
 
     def method(self, rng, world):
-        comm = rng.choice(allgather_gemm.COMMS)
-        if comm == "ce" and world.nnodes > 1:
-            raise Invalid("ag_gemm comm 'ce': one node only")
-        return comm
+        return draw_method(rng, self.name, allgather_gemm.COMMS, world, ("ce",), "comm")
 
 
 class GemmRsCases(_GemmCases):
@@ -83,10 +80,7 @@ class GemmArCases(_GemmCases):
     name = "gemm_ar"
 
     def method(self, rng, world):
-        method = rng.choice(gemm_reduce.GEMM_AR_METHODS)
-        if method == "ll" and world.nnodes > 1:
-            raise Invalid("gemm_ar method 'll': one node only")
-        return method
+        return draw_method(rng, self.name, gemm_reduce.GEMM_AR_METHODS, world, ("ll",))
 
     def takes_flatten(self, world):
         return False
