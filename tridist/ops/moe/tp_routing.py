@@ -214,8 +214,9 @@ class Router:
 
 def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
     """Expert ids in [0, experts), checked where reading them costs no synchronisation (on the CPU:
-    the emulator) or where it is asked for (TRIDIST_DEBUG=1)."""
-    if topk_idx.device.type == "cuda" and not config.debug():
+    the emulator) or where it is asked for (TRIDIST_DEBUG=1), but not while a CUDA graph is captured
+    (the read would end the capture)."""
+    if (topk_idx.device.type == "cuda" and not config.debug()) or _protocol.capturing():
         return
     if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= experts):
         raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; there are "
