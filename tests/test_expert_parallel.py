@@ -376,8 +376,9 @@ def _placement_kernel(counts_ptr, stage_ptr, out_ptr, world, experts_local, max_
 
 def _placement(w):
     """On H100s, with a count matrix of 2 rows (W_PAD 2) and rows of 64 words, the receive wrote only
-    the first 16 bytes of the second source's rows (2026-11-25 and -26); EPBuffer now pads to 4 rows.
-    This runs the placement alone at both, so a GPU run says whether the compiled code is at fault."""
+    the first 16 bytes of the second source's rows (2026-11-25 and -26); the ops now pad to 4 rows
+    (`exchange.sources_pad`). This runs the placement alone at both, so a GPU run says whether the
+    compiled code is at fault."""
     experts_local, e_pad, max_tokens, width = 3, 4, 5, 64
     for world, w_pad in ((2, 2), (2, 4), (3, 4), (4, 4)):
         generator = torch.Generator().manual_seed(world * 10 + w_pad)

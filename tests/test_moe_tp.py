@@ -325,3 +325,6 @@ def test_moe_bench_layers():
     assert bench.parse_layers("mixtral, 2x3x16x8x1")[1] == ("2x3x16x8x1", 2, 3, 16, 8, 1)
     with pytest.raises(Exception, match="five positive integers"):
         bench.parse_layers("8x1024")
+    assert bench.parse_comm_programs("default, 16,33") == [None, 16, 33]
+    with pytest.raises(Exception, match="a positive int or 'default'"):
+        bench.parse_comm_programs("0")

@@ -191,6 +191,20 @@ class _Layer:
         return (mine * self.weights_shard[:, :, None]).sum(1)
 
 
+def parse_comm_programs(text: str) -> list[int | None]:
+    """'default,16,33' -> [None, 16, 33]; an argparse `type`."""
+    values = []
+    for spec in text.split(","):
+        spec = spec.strip()
+        if spec == "default":
+            values.append(None)
+        elif spec.isdigit() and int(spec) > 0:
+            values.append(int(spec))
+        else:
+            raise argparse.ArgumentTypeError(f"--comm-programs {spec!r}: a positive int or 'default', e.g. default,16,33")
+    return values
+
+
 def moe_rows(op_name: str, layers, timed: bool = True, comm_programs=(None,), kernels: bool = False) -> list[dict]:
     """A row per layer (moe_rs: per layer and each of `comm_programs`, None for the op's default)."""
     rows = []
@@ -289,9 +303,9 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", action="store_true", help="grouped_gemm: time every config as well")
     parser.add_argument("--kernels", action="store_true",
                         help="ag_moe, moe_rs: also print where a call's GPU time goes, by kernel (PyTorch's profiler)")
-    parser.add_argument("--comm-programs", default="default",
+    parser.add_argument("--comm-programs", type=parse_comm_programs, default=[None],
                         help="moe_rs: the programs of the peers' combine, comma separated, 'default' for the op's "
-                             "(default %(default)s)")
+                             "(default: default)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     w = tridist.init()
@@ -303,8 +317,7 @@ def main(argv=None) -> int:
     else:
         if args.dtype != "bfloat16":
             raise SystemExit("ag_moe and moe_rs take bf16 and fp16; --dtype is for grouped_gemm")
-        comm_programs = [None if p.strip() == "default" else int(p) for p in args.comm_programs.split(",")]
-        rows = moe_rows(args.op, args.layers, timed, comm_programs, args.kernels)
+        rows = moe_rows(args.op, args.layers, timed, args.comm_programs, args.kernels)
     if w.rank == 0:
         if not timed:
             print(f"{args.op}: every layer checked (ranks share a GPU: TRIDIST_RANKS_PER_GPU > 1, nothing timed)")

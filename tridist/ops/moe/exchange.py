@@ -216,6 +216,17 @@ def positions_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, pe
     tl.store(counts_ptr + group, before, mask=real)
 
 
+def sources_pad(world_size: int) -> int:
+    """W_PAD, the rows of a receiver's count matrix (a row per source), at least 4. With 2 rows, the
+    low-latency receive, compiled with 16-byte copies, wrote only the first 16 bytes of each row of
+    the second source (2 x H100, 2026-11-25 and -26, deterministic, with one split per peer too);
+    with 4 rows (the same kernel at world 2, or worlds 4 and 2x2) and with rows of 65 words (no
+    16-byte copies) every row was exact. Suspected: the code Triton generates for `tl.cumsum` over
+    the 2-row matrix (`test_low_latency_placement` tells on a GPU). `all_to_all_v` places its rows
+    the same way, so it takes the same padding."""
+    return max(4, triton.next_power_of_2(world_size))
+
+
 def route(idx, positions, counts, groups: int, per_group: int, one_group: bool) -> None:
     """Queue `positions_kernel` over `idx` (int64, [items, topk]; `one_group`: [pairs] with topk 1)."""
     items, topk = (idx.numel(), 1) if one_group else idx.shape

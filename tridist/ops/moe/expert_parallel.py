@@ -407,12 +407,7 @@ class EPBuffer:
             raise ValueError(f"EPBuffer takes {', '.join(str(d) for d in DTYPES)}; got {dtype}")
         self.num_experts, self.hidden, self.max_tokens, self.dtype = num_experts, hidden, max_tokens_per_rank, dtype
         self.experts_local = num_experts // w.world_size
-        # At least 4: with a [2, E_PAD] count matrix the low-latency receive, compiled with 16-byte
-        # copies, wrote only the first 16 bytes of each row of the second source (2 x H100,
-        # 2026-11-25 and -26, deterministic, with splits 1 too); with 4 rows (the same kernel at
-        # world 2, or worlds 4 and 2x2) and with rows of 65 words (no 16-byte copies) every row was
-        # exact. The code Triton generates for the 2-row matrix is the suspect, not yet confirmed.
-        self.w_pad = max(4, triton.next_power_of_2(w.world_size))
+        self.w_pad = exchange.sources_pad(w.world_size)
         self.e_pad = triton.next_power_of_2(self.experts_local)
         self.splits = max(1, _protocol.programs_for(w.device) // w.world_size)
         self._exchanges: dict = {}
