@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The whole GPU test suite and the benchmarks in one command, for a lent multi-GPU machine:
-#   bash scripts/gpu_suite.sh [tests|bench|all] [pytest args: default "tests"]
+#   bash scripts/gpu_suite.sh [tests|bench|stress|all, or several: tests,stress] [pytest args: default "tests"]
 #   BENCHES="gemm ag_gemm" BENCH_ARGS=--tune bash scripts/gpu_suite.sh bench   (default: every benchmark)
 #   NPROC=2 bash scripts/gpu_suite.sh bench   (benchmark ranks; default: every GPU of the machine)
 #   TRIDIST_TEST_WORLDS=4,2x2 bash scripts/gpu_suite.sh tests   (test worlds; see tests/harness.py)
 #   RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 ranks share each GPU, so one GPU runs worlds 2, 2x1,
 #     4 and 2x2 with peers: a CUDA MPS daemon is started for the run and quit however it ends; the
 #     benchmarks then check results only: see docs/guide/one-gpu.md)
+#   STRESS="2:10000 4:2000" bash scripts/gpu_suite.sh stress   (`tridist stress` runs of N ranks and C calls,
+#     one after the other, with TRIDIST_DEBUG=1 unless STRESS_DEBUG=0, each stopped after
+#     STRESS_TIME_LIMIT seconds (default 400); their figures go to benchmarks/results)
+#   PARALLEL=4 RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 pytest-xdist workers, each with a GPU
+#     of its own whose ranks share it: the suite with peers on 4 GPUs at once, 4 kernels compiling at a time)
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
 # gemm_rs is asked for: they read its JSON for their "torch fused us" column.
 # Runs from the repository without installing it (that machine has no network; its image has
@@ -20,6 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
+wants() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
 OUT=${OUT:-out}
 mkdir -p "$OUT" benchmarks/results
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -32,10 +38,18 @@ if compgen -G ".triton-cache-parts/triton-cache.part-*" >/dev/null; then
 fi
 mkdir -p .triton-cache
 export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
+# The kernels the suite and the stress runs compiled on 2026-11-26 (one H100 and 4 x H100, worlds 2
+# to 2x2, with and without TRIDIST_DEBUG), so that a bare machine precompiles them on every core at
+# once. Refresh it from a returned cache (entries repeat in a log; precompile reads each once):
+#   gzip -9 -c .triton-cache/compile-log.jsonl > tests/gpu-compile-log.jsonl.gz
+gunzip -c tests/gpu-compile-log.jsonl.gz >> "$TRIDIST_COMPILE_LOG"  # precompile reads each entry once
 status=0
-if [ -f "$TRIDIST_COMPILE_LOG" ] && { [ "$what" = tests ] || [ "$what" = all ]; }; then
+if [ -f "$TRIDIST_COMPILE_LOG" ] && { wants tests || wants stress; }; then
   # Before MPS starts: the compiling processes need no GPU share.
   timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 | tail -n 20 | tee "$OUT/precompile.log"
+  if wants stress && [ "${STRESS_DEBUG:-1}" = 1 ] && [ "${TRIDIST_DEBUG:-0}" != 1 ]; then  # the stress runs' mode too
+    TRIDIST_DEBUG=1 timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 | tail -n 20 | tee -a "$OUT/precompile.log"
+  fi
 fi
 gpus=$(nvidia-smi -L | wc -l)
 if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
@@ -55,15 +69,20 @@ fi
 nproc=${NPROC:-$((gpus * ${RANKS_PER_GPU:-1}))}
 python -m tridist info 2>&1 | tee "$OUT/info.txt"
 nvidia-smi topo -m 2>&1 | tee -a "$OUT/info.txt"
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if wants tests; then
   targets=("$@"); [ ${#targets[@]} -eq 0 ] && targets=(tests)
   # -v: when the call's time runs out, the log still says which tests passed, and each one's time
   # (2026-11-26: three phases ran out inside one test, slow or hung, not known)
+  parallel=()
+  if [ "${PARALLEL:-1}" != 1 ]; then  # a GPU per worker (tests/harness.py, pin_worker_gpu)
+    parallel=(-p xdist -n "$PARALLEL" --dist load)
+    export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
+  fi
   timeout ${TESTS_TIMEOUT:-330} python -m pytest -v -o console_output_style=times --ignore=tests/test_gpu_compile.py \
-    "${targets[@]}" 2>&1 | tee "$OUT/tests.log"
+    "${parallel[@]}" "${targets[@]}" 2>&1 | tee "$OUT/tests.log"
   status=$((status | ${PIPESTATUS[0]}))
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if wants bench; then
   benches=" ${BENCHES:-torch_fused primitives allgather reducescatter allreduce gemm ag_gemm gemm_rs gemm_ar} "
   if [[ $benches == *" ag_gemm "* || $benches == *" gemm_rs "* || $benches == *" torch_fused "* ]]; then
     benches="torch_fused ${benches// torch_fused / }"
@@ -75,6 +94,19 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     status=$((status | ${PIPESTATUS[0]}))
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
+fi
+if wants stress; then
+  for job in ${STRESS:-2:1000}; do
+    per_gpu=$(( (${job%%:*} + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the job needs
+    [ "${RANKS_PER_GPU:-1}" = 1 ] && per_gpu=1
+    # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
+    PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
+      timeout $(( ${STRESS_TIME_LIMIT:-400} + 150 )) python -m tridist stress -n "${job%%:*}" --calls "${job##*:}" \
+      --ranks-per-gpu "$per_gpu" \
+      --time-limit "${STRESS_TIME_LIMIT:-400}" --out benchmarks/results 2>&1 | tee "$OUT/stress-${job%%:*}.log" | grep -v '^\[rank'
+    status=$((status | ${PIPESTATUS[0]}))
+  done
+  tar czf "$OUT/stress-results.tar.gz" benchmarks/results/stress-*
 fi
 # A call carries at most 64 MiB: the entries of kernels no longer in the code go before the cache does.
 for dir in .triton-cache/*/; do

@@ -1,6 +1,8 @@
 import pytest
 
-from .harness import WorldPool, default_worlds, parse_world
+from .harness import WorldPool, default_worlds, parse_world, pin_worker_gpu
+
+pin_worker_gpu()  # before default_worlds() below counts the GPUs
 
 
 @pytest.fixture(scope="session", params=default_worlds())

@@ -11,7 +11,8 @@ Worlds are named "N" (N ranks, one node) or "KxL" (K virtual nodes of L ranks ea
 On GPUs, TRIDIST_RANKS_PER_GPU=K puts K ranks on each GPU as `tridist run --ranks-per-gpu K` does
 (rank r on GPU r // K, a gloo host group, each rank 100 // (ranks on its GPU) percent of the SMs
 through CUDA MPS, which must be running: scripts/gpu_suite.sh starts it with RANKS_PER_GPU=K), so
-that a machine with one GPU runs the suite with peers. TRIDIST_COMPILE_LOG=path makes the ranks
+that a machine with one GPU runs the suite with peers; under pytest-xdist each worker takes a GPU
+of its own (`pin_worker_gpu`). TRIDIST_COMPILE_LOG=path makes the ranks
 record the kernels they compile, for `python -m tests.precompile` (see there).
 """
 import importlib.util
@@ -79,6 +80,23 @@ def default_worlds() -> list[str]:
     # (2026-11-25: 24 minutes in all with 2x4). 2x2 runs every kernel across nodes with several
     # ranks a node; 3 runs the paths whose sizes are not powers of two.
     return ["1", "2", "3", "4", "2x2"]
+
+
+def pin_worker_gpu() -> None:
+    """Under pytest-xdist (`pytest -n P`, as `PARALLEL=P scripts/gpu_suite.sh` runs it), worker i
+    takes the i-th GPU of CUDA_VISIBLE_DEVICES alone, before anything starts CUDA, so that no two
+    workers' kernels share a GPU: on one GPU shared through MPS a co-resident grid of one worker's
+    ranks was not resident beside another worker's (2026-11-26: grid barriers and the fused Jacobi
+    solver hung). Called by conftest.py; does nothing outside xdist or on the emulator."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or os.environ.get("TRIDIST_BACKEND") == "emulator":
+        return  # (not `backend()`: asking torch would start CUDA before the GPU is chosen)
+    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > len(visible):
+        raise RuntimeError(f"{workers} pytest-xdist workers need a GPU each: list them in CUDA_VISIBLE_DEVICES "
+                           f"(it lists {len(visible)}); scripts/gpu_suite.sh with PARALLEL does")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(worker[2:])]
 
 
 def _free_port() -> int:

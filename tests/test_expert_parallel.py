@@ -15,6 +15,8 @@ import tridist
 from tridist import ops
 from tridist.ops.moe import exchange
 
+from .harness import backend
+
 HIDDEN, TOKENS, TOPK, EXPERTS_PER_RANK = 128, 5, 3, 3  # 3: padded to 4 in the kernels
 TOLERANCE = 2e-2  # bf16 rounding of the output, relative to its largest value
 
@@ -374,35 +376,44 @@ def _placement_kernel(counts_ptr, stage_ptr, out_ptr, world, experts_local, max_
         exchange.copy_rows(stage_ptr, source_rows, out_ptr, target, rows < total, width, BLOCK_W)
 
 
-def _placement(w):
-    """On H100s, with a count matrix of 2 rows (W_PAD 2) and rows of 64 words, the receive wrote only
-    the first 16 bytes of the second source's rows (2026-11-25 and -26); the ops now pad to 4 rows
-    (`exchange.sources_pad`). This runs the placement alone at both, so a GPU run says whether the
-    compiled code is at fault."""
+def _placement(w, sources, w_pad):
+    """The low-latency receive's placement alone, no communication, for `sources` sources and a count
+    matrix of `w_pad` rows."""
+    world = sources
     experts_local, e_pad, max_tokens, width = 3, 4, 5, 64
-    for world, w_pad in ((2, 2), (2, 4), (3, 4), (4, 4)):
-        generator = torch.Generator().manual_seed(world * 10 + w_pad)
-        counts = torch.zeros(w_pad, e_pad, dtype=torch.int32)
-        counts[:world, :experts_local] = torch.randint(0, max_tokens + 1, (world, experts_local), generator=generator)
-        word = torch.arange(width)
-        stage = torch.stack([torch.stack([torch.stack([(e * 1000 + s * 100 + p) * 1000 + word
-                                                       for p in range(max_tokens)]) for s in range(world)])
-                             for e in range(experts_local)]).to(torch.int32)
-        out = torch.full((experts_local, world * max_tokens, width), -1, dtype=torch.int32)
-        expected = out.clone()
-        for e in range(experts_local):
-            at = 0
-            for s in range(world):
-                expected[e, at:at + counts[s, e]] = stage[e, s, :counts[s, e]]
-                at += int(counts[s, e])
-        out = out.to(w.device)
-        _placement_kernel[(world,)](counts.to(w.device), stage.to(w.device), out, world, experts_local, max_tokens,
-                                    width, W_PAD=w_pad, E_PAD=e_pad, BLOCK_R=8, BLOCK_W=64)
-        wrong = (out.cpu() != expected).any(2)
-        assert not wrong.any(), (f"world {world}, W_PAD {w_pad}: rows (expert, row) placed wrong "
-                                 f"{wrong.nonzero().tolist()}")
+    generator = torch.Generator().manual_seed(world * 10 + w_pad)
+    counts = torch.zeros(w_pad, e_pad, dtype=torch.int32)
+    counts[:world, :experts_local] = torch.randint(0, max_tokens + 1, (world, experts_local), generator=generator)
+    word = torch.arange(width)
+    stage = torch.stack([torch.stack([torch.stack([(e * 1000 + s * 100 + p) * 1000 + word
+                                                   for p in range(max_tokens)]) for s in range(world)])
+                         for e in range(experts_local)]).to(torch.int32)
+    out = torch.full((experts_local, world * max_tokens, width), -1, dtype=torch.int32)
+    expected = out.clone()
+    for e in range(experts_local):
+        at = 0
+        for s in range(world):
+            expected[e, at:at + counts[s, e]] = stage[e, s, :counts[s, e]]
+            at += int(counts[s, e])
+    out = out.to(w.device)
+    _placement_kernel[(world,)](counts.to(w.device), stage.to(w.device), out, world, experts_local, max_tokens,
+                                width, W_PAD=w_pad, E_PAD=e_pad, BLOCK_R=8, BLOCK_W=64)
+    wrong = (out.cpu() != expected).any(2)
+    assert not wrong.any(), (f"world {world}, W_PAD {w_pad}: rows (expert, row) placed wrong "
+                             f"{wrong.nonzero().tolist()}")
+
+
+# On H100s, with a count matrix of 2 rows the receive wrote only the first 16 bytes of the second
+# source's rows (2026-11-25 and -26), and this placement alone, with no communication, put rows of
+# expert 2 wrong at W_PAD 2 (one H100, 2026-11-26): Triton 3.6 miscompiles the scan over an axis of
+# 2 (benchmarks/NOTES.md). The ops pad the matrix to `exchange.sources_pad(world)` rows, at least 4;
+# if a Triton release makes the W_PAD 2 case pass on GPUs, that padding can shrink.
+_MISCOMPILED = pytest.mark.xfail(backend() == "nvshmem", strict=False,
+                                 reason="Triton 3.6 miscompiles the count matrix's scan at 2 rows on sm_90")
 
 
 @pytest.mark.worlds("1")
-def test_low_latency_placement(world):
-    world.run(_placement)
+@pytest.mark.parametrize("sources, w_pad", [pytest.param(2, 2, marks=_MISCOMPILED), (2, 4), (3, 4), (4, 4)])
+def test_low_latency_placement(world, sources, w_pad):
+    assert exchange.sources_pad(sources) >= max(4, sources)
+    world.run(_placement, sources=sources, w_pad=w_pad)
