@@ -96,11 +96,25 @@ def spin_until(done, describe, transport: "EmulatorTransport | None" = None, tim
         pause = min(pause * 2 or 1e-5, 1e-3)
 
 
+def numpy_problem() -> str | None:
+    """Why Triton's interpreter cannot run with this numpy, or None. (2026-11-26: a world that fell
+    back to the emulator on a machine with numpy 2.4 failed its first kernel with "only 0-dimensional
+    arrays can be converted to Python scalars".)"""
+    import numpy
+
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        return f"numpy {numpy.__version__} breaks Triton's interpreter, which the emulator runs: pip install 'numpy<2.4'"
+    return None
+
+
 class EmulatorTransport:
     """This rank's view of an emulated world, the emulator's counterpart of `NvshmemTransport`: all
     heaps mapped, host barrier and gather."""
 
     def __init__(self, folder: str, rank: int, world_size: int, heap_bytes: int):
+        problem = numpy_problem()
+        if problem:
+            raise RuntimeError(f"tridist emulator, rank {rank}: {problem}")
         self.folder, self.rank, self.world_size, self.heap_bytes = folder, rank, world_size, heap_bytes
         self._barriers = 0
         self._gathers = 0

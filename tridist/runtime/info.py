@@ -38,10 +38,10 @@ def report() -> str:
     else:
         lines.append("no CUDA GPU: kernels run in the CPU emulator (Triton's interpreter, one process per rank); "
                      "it runs any number of ranks (tridist run --ranks-per-gpu changes nothing there)")
-        import numpy
+        from .emulator import numpy_problem
 
-        if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-            fixes.append(f"numpy {numpy.__version__} breaks Triton's interpreter: pip install 'numpy<2.4'")
+        if numpy_problem():
+            fixes.append(numpy_problem())
     lines.append("settings:")
     for name, meaning in config.SETTINGS.items():
         lines.append(f"  {name}={os.environ.get(name, '')!s:<10} {meaning}")
