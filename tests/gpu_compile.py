@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import re
 import sys
+import tempfile
 import time
 
 os.environ["TRIDIST_BACKEND"] = "nvshmem"
@@ -18,6 +19,7 @@ os.environ["TRIDIST_BACKEND"] = "nvshmem"
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -31,6 +33,7 @@ from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.moe import allgather_moe, alltoall, exchange, expert_parallel, moe_reduce, tp_routing  # noqa: E402
 from tridist.ops.stencil import jacobi  # noqa: E402
+from tridist.runtime import device_library  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
 from . import test_language as lang  # noqa: E402
@@ -427,7 +430,7 @@ def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False)
              if ty.startswith("*") or ty in ("i32", "i64")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": 4, **(options or {}), "debug": debug,
-               "extern_libs": {"libnvshmem_device": find_device_library()}}
+               "extern_libs": {"libnvshmem_device": device_library.for_kernels(find_device_library())}}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -502,11 +505,42 @@ def _check(index: int, debug: bool) -> str:
         return f"FAIL  {kernel.__name__} {constexprs or ''}: {type(error).__name__}: {error}"
 
 
+def compare_libraries(names: list[str]) -> int:
+    """`python -m tests.gpu_compile --compare NAME...`: each kernel compiled against NVSHMEM's whole
+    device library and against the cut one (runtime/device_library.py), each in a fresh Triton
+    cache; one line each, "same PTX" or "DIFFERENT PTX", with both times."""
+    whole = find_device_library()
+    cut = device_library.for_kernels(whole)
+    if cut == whole:
+        print("FAIL  the device library was not cut (see the warning above)")
+        return 1
+    failed = False
+    for name in names:
+        kernel, signature, constexprs, *options = next(c for c in cases() if c[0].__name__ == name)
+        ptx, seconds = [], []
+        for library in (whole, cut):
+            knobs.cache.dir = tempfile.mkdtemp()
+            device_library.for_kernels = lambda _, library=library: library
+            start = time.monotonic()
+            compiled = compile_for_hopper(kernel, signature, constexprs, *options)
+            seconds.append(time.monotonic() - start)
+            ptx.append(re.sub(r"//.*", "", compiled.asm["ptx"]))  # the library's source comments aside
+        same = ptx[0] == ptx[1]
+        failed |= not same
+        print(f"{'same PTX' if same else 'DIFFERENT PTX'} {name}: whole library {seconds[0]:.2f} s, "
+              f"cut {seconds[1]:.2f} s", flush=True)
+    return 1 if failed else 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--compare"]:
+        return compare_libraries(sys.argv[2:])
     debug = os.environ.get("TRIDIST_DEBUG") == "1"
     only = sys.argv[1:]  # kernel names, to compile a few while working on them
     selected = [index for index, (kernel, *_) in enumerate(cases())
                 if not ((debug and kernel.__name__ not in DEBUG_SUBSET) or (only and kernel.__name__ not in only))]
+    library = device_library.for_kernels(find_device_library())  # cut once, before the workers fork
+    print(f"NVSHMEM device library linked: {library}", flush=True)
     # A compile keeps one core busy (LLVM, then ptxas): one at a time per core. Forked workers
     # inherit the imports, and Triton's cache writes each entry whole, so they can share it.
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) as pool:

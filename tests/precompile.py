@@ -93,6 +93,7 @@ def _compile(entry: dict) -> str | None:
 
     from triton.runtime.jit import JITFunction
 
+    from tridist.runtime.device_library import for_kernels
     from tridist.runtime.nvshmem import find_device_library
 
     try:
@@ -100,10 +101,10 @@ def _compile(entry: dict) -> str | None:
         for part in entry["name"].split("."):
             kernel = getattr(kernel, part)
         data = json.loads(entry["specialization"])
-        # The device library of this machine: Triton keys it by its contents, not its path. (libdevice
-        # is Triton's own and added back by Triton.)
+        # The device library the ranks link on this machine: Triton keys it by its contents, not its
+        # path. (libdevice is Triton's own and added back by Triton.)
         recorded = dict(data["options"].get("extern_libs") or ())
-        data["options"]["extern_libs"] = [[name, find_device_library()] for name in recorded
+        data["options"]["extern_libs"] = [[name, for_kernels(find_device_library())] for name in recorded
                                           if name == "libnvshmem_device"]
         # Triton's compile alone: tridist's `_do_compile` also loads the module for NVSHMEM, which needs
         # a running world.
@@ -125,6 +126,11 @@ def precompile(path: str, workers: int | None = None) -> tuple[int, list[str]]:
             _module(entry)
         except Exception:  # noqa: BLE001 - the worker says why
             pass
+    # The cut device library once, here, before the workers fork (runtime/device_library.py).
+    from tridist.runtime.device_library import for_kernels
+    from tridist.runtime.nvshmem import find_device_library
+
+    for_kernels(find_device_library())
     # None of the workers has started CUDA before it forks: the parent never does.
     with concurrent.futures.ProcessPoolExecutor(workers or os.cpu_count(),
                                                 mp_context=multiprocessing.get_context("fork")) as pool:

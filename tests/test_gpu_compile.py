@@ -1,6 +1,7 @@
 """Every GPU kernel compiles for Hopper (sm_90) with NVSHMEM linked, checked on any machine."""
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -50,3 +51,73 @@ def test_compile_log_records_each_compile_once(tmp_path, monkeypatch):
     assert [json.loads(e["specialization"])["name"] for e in entries] == ["a", "b"]
     assert entries[0]["module"] == __name__ and entries[0]["name"] == "kernel" and entries[0]["file"] == __file__
     assert entries[0]["mode"] == precompile._mode()
+
+
+def _library():
+    pytest.importorskip("nvidia.nvshmem", reason="the NVSHMEM wheel (pip install -e .[test]) holds the device library")
+    from tridist.runtime.nvshmem import find_device_library
+
+    return find_device_library()
+
+
+def test_cut_device_library_links_the_same_code():
+    """A kernel compiled against the cut library has the same PTX as against the whole one, in far
+    less time (runtime/device_library.py); `tests.gpu_compile` then compiles every case against it."""
+    _library()
+    pytest.importorskip("llvmlite", reason="cutting the device library needs llvmlite (pip install -e .[test])")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-m", "tests.gpu_compile", "--compare", "all_gather_push_kernel",
+                             "ll_ping_pong_kernel"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 0 and len(lines) == 2 and all(line.startswith("same PTX") for line in lines), \
+        result.stdout + result.stderr[-3000:]
+    for line in lines:  # "... whole library W s, cut C s"
+        whole, cut = (float(word) for word in re.findall(r"([0-9.]+) s", line))
+        assert cut < whole / 2, line
+
+
+def test_cut_device_library_keeps_what_the_language_calls(tmp_path, monkeypatch):
+    pytest.importorskip("llvmlite", reason="cutting the device library needs llvmlite (pip install -e .[test])")
+    import llvmlite.binding as llvm
+
+    from tridist.runtime import device_library
+
+    whole = _library()
+    monkeypatch.setattr("triton.knobs.cache.dir", str(tmp_path))
+    cut = device_library.for_kernels.__wrapped__(whole)
+    assert cut.startswith(str(tmp_path)) and os.path.getsize(cut) < os.path.getsize(whole) // 100
+    with open(cut, "rb") as f:
+        kept = {fn.name for fn in llvm.parse_bitcode(f.read()).functions if not fn.is_declaration}
+    assert device_library.FUNCTIONS <= kept
+    assert device_library.for_kernels.__wrapped__(whole) == cut  # cut once, then found in the cache
+
+
+def test_device_library_falls_back_to_the_whole_one(tmp_path, monkeypatch):
+    """A cut that fails (here: as with no llvmlite) leaves the whole library, with a warning that
+    says what to install; TRIDIST_DEVICE_LIBRARY=whole asks for it and skips the cut."""
+    from tridist.runtime import device_library
+
+    whole = _library()
+    monkeypatch.setattr("triton.knobs.cache.dir", str(tmp_path))
+
+    def no_llvmlite(*_):
+        raise ModuleNotFoundError("No module named 'llvmlite'")
+
+    monkeypatch.setattr(device_library, "cut", no_llvmlite)
+    with pytest.warns(UserWarning, match=r"whole device library.*No module named 'llvmlite'.*pip install llvmlite"):
+        assert device_library.for_kernels.__wrapped__(whole) == whole
+    monkeypatch.setenv("TRIDIST_DEVICE_LIBRARY", "whole")
+    assert device_library.for_kernels.__wrapped__(whole) == whole
+    monkeypatch.setenv("TRIDIST_DEVICE_LIBRARY", "small")
+    with pytest.raises(ValueError, match="TRIDIST_DEVICE_LIBRARY='small': expected cut or whole"):
+        device_library.for_kernels.__wrapped__(whole)
+
+
+def test_the_language_calls_only_listed_functions():
+    """Every NVSHMEM function named in the GPU lowering is one the cut library keeps."""
+    from tridist.runtime.device_library import FUNCTIONS
+
+    with open(os.path.join(ROOT, "tridist", "language", "_gpu.py")) as f:
+        named = set(re.findall(r'"(nvshmemx?_[a-z0-9_]+)"', f.read()))
+    assert named and named <= FUNCTIONS, sorted(named - FUNCTIONS)

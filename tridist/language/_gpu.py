@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.language import core
 
 from ..runtime import config
+from ..runtime.device_library import ATOMIC_TYPES, FUNCTIONS, RMA_TYPES
 from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SIGNAL_ADD, SIGNAL_SET
 
 DEBUG = tl.constexpr(config.debug())
@@ -23,6 +24,8 @@ TIMEOUT_NS = tl.constexpr(int(config.wait_timeout_s() * 1e9))
 
 # ---- NVSHMEM declarations --------------------------------------------------------------------------
 def _extern(symbol, args, arg_types, result, _semantic):
+    if symbol not in FUNCTIONS:  # what the cut device library keeps (runtime/device_library.py)
+        raise ValueError(f"{symbol} is not in tridist.runtime.device_library.FUNCTIONS: add it there")
     return core.extern_elementwise("", "", list(args),
                                    {tuple(core.dtype(t) for t in arg_types): (symbol, core.dtype(result))},
                                    is_pure=False, _semantic=_semantic)
@@ -66,15 +69,9 @@ def _no_arguments(symbol: tl.constexpr, _semantic=None):
     return _extern(core._unwrap_if_constexpr(symbol), [], (), "int32", _semantic)
 
 
-# NVSHMEM's type names: its RMA functions take fixed-width names, its atomics the C names.
-_RMA_TYPES = {"int32": "int32", "int64": "int64", "uint32": "uint32", "uint64": "uint64", "fp32": "float",
-              "fp64": "double"}
-_ATOMIC_TYPES = {"int32": "int", "int64": "long", "uint32": "uint", "uint64": "ulong"}
-
-
 def _typed(name, pointer):
     element = pointer.dtype.element_ty if pointer.dtype.is_ptr() else pointer.type.scalar.element_ty
-    types = _ATOMIC_TYPES if name.startswith("atomic_") else _RMA_TYPES
+    types = ATOMIC_TYPES if name.startswith("atomic_") else RMA_TYPES
     if element.name not in types:
         raise TypeError(f"shmem.{name} takes pointers to {', '.join(types)}, not {element.name}")
     return f"nvshmem_{types[element.name]}_{name}", element

@@ -97,6 +97,15 @@ def tune_cache_folder() -> str:
     return os.path.expanduser(os.environ.get("TRIDIST_TUNE_CACHE") or "~/.cache/tridist")
 
 
+def device_library() -> str:
+    """TRIDIST_DEVICE_LIBRARY: `cut` (default), NVSHMEM's device library cut to the functions tridist
+    calls before Triton links it, or `whole` (see `runtime/device_library.py`)."""
+    value = os.environ.get("TRIDIST_DEVICE_LIBRARY", "") or "cut"
+    if value not in ("cut", "whole"):
+        raise ValueError(f"TRIDIST_DEVICE_LIBRARY={value!r}: expected cut or whole")
+    return value
+
+
 def tune_verbose() -> bool:
     """TRIDIST_TUNE_VERBOSE=1: `tridist.tune` prints each configuration's time on rank 0."""
     return os.environ.get("TRIDIST_TUNE_VERBOSE", "0") not in ("", "0")
@@ -118,6 +127,8 @@ SETTINGS = {
     "TRIDIST_EMU_CORESIDENT": "programs of a co-resident launch the emulator runs at most, a thread each "
                               "(default 256)",
     "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
+    "TRIDIST_DEVICE_LIBRARY": "cut (default): Triton links NVSHMEM's device library cut to the functions tridist "
+                              "calls (needs llvmlite; kernels compile about ten times faster), or whole",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
     "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",
 }

@@ -12,6 +12,7 @@ import sysconfig
 import torch
 import torch.distributed as dist
 
+from . import device_library
 from .errors import TridistError
 
 # NVLink multicast must stay off on the machines we test on; these keep every library away from it.
@@ -56,7 +57,7 @@ class NvshmemTransport:
                  process_group: str = "nccl"):
         """`process_group`: torch.distributed's backend when this starts it, "nccl", or "gloo" where
         ranks share a GPU (`runtime/sharing.py`): NCCL refuses two ranks on one GPU."""
-        self.device_library = find_device_library()
+        self.device_library = device_library.for_kernels(find_device_library())
         for key, value in SAFE_ENVIRONMENT.items():
             os.environ[key] = value
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes + _HEAP_HEADROOM))
