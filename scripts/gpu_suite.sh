@@ -52,6 +52,7 @@ if [ -f "$TRIDIST_COMPILE_LOG" ] && { wants tests || wants stress; }; then
   fi
 fi
 gpus=$(nvidia-smi -L | wc -l)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(tr , '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
 if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
   export TRIDIST_RANKS_PER_GPU=$RANKS_PER_GPU
   mps=$(mktemp -d /tmp/tridist-mps-XXXXXX)
@@ -75,8 +76,10 @@ if wants tests; then
   # (2026-11-26: three phases ran out inside one test, slow or hung, not known)
   parallel=()
   if [ "${PARALLEL:-1}" != 1 ]; then  # a GPU per worker (tests/harness.py, pin_worker_gpu)
+    [ "${RANKS_PER_GPU:-1}" = 1 ] && { echo "PARALLEL needs RANKS_PER_GPU > 1: each worker has one GPU"; exit 2; }
     parallel=(-p xdist -n "$PARALLEL" --dist load)
-    export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}
+    # A client of MPS counts the GPUs its daemon sees (started above with this environment): 0, 1, ...
+    export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((gpus - 1)))
   fi
   timeout ${TESTS_TIMEOUT:-330} python -m pytest -v -o console_output_style=times --ignore=tests/test_gpu_compile.py \
     "${parallel[@]}" "${targets[@]}" 2>&1 | tee "$OUT/tests.log"

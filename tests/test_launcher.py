@@ -285,3 +285,23 @@ def test_emulator_ignores_gpu_sharing(capfd, monkeypatch):
     assert launcher.run(2, [script], backend="emulator", ranks_per_gpu=4, start_mps=True) == 0
     out, err = capfd.readouterr()
     assert out.count("last words") == 2 and "MPS" not in err
+
+
+def test_xdist_workers_take_a_gpu_each(monkeypatch):
+    """Under pytest-xdist on GPUs, worker i keeps the i-th GPU of CUDA_VISIBLE_DEVICES alone (two
+    workers' worlds on one GPU hung each other's co-resident kernels); too few GPUs is refused."""
+    from .harness import pin_worker_gpu
+
+    monkeypatch.setenv("TRIDIST_BACKEND", "nvshmem")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    pin_worker_gpu()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(RuntimeError, match="3 pytest-xdist workers need a GPU each"):
+        pin_worker_gpu()
+    monkeypatch.setenv("TRIDIST_BACKEND", "emulator")
+    pin_worker_gpu()  # the emulator has no GPUs to share out
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
