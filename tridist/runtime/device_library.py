@@ -14,8 +14,8 @@ the same code: tests/test_gpu_compile.py compares the PTX.
 
 The cut needs an LLVM that reads NVSHMEM's bitcode (clang 18's) and writes bitcode that Triton's
 LLVM reads: llvmlite (`pip install llvmlite`; the `gpu` and `test` extras bring it). The result is
-kept in Triton's cache folder under a name that hashes the library, `FUNCTIONS` and llvmlite's
-version, after Triton's own linker has read it back. Where any of that fails (no llvmlite, one whose
+kept in Triton's cache folder under a name that hashes the library, `FUNCTIONS` and the versions
+of llvmlite and Triton, after Triton's own linker has read it back. Where any of that fails (no llvmlite, one whose
 LLVM is newer than Triton's, an unusual library) the whole library is used, as before, with a
 warning: slower to compile, the same kernels. TRIDIST_DEVICE_LIBRARY=whole skips the cut.
 """
@@ -66,11 +66,13 @@ def _warn_once(message: str) -> None:  # for_kernels runs once per library and p
 
 def _cut_copy(whole: str) -> str:
     import llvmlite
+    import triton
     from triton import knobs
 
     with open(whole, "rb") as f:
         data = f.read()
-    key = hashlib.sha256(data + "\n".join(sorted(FUNCTIONS)).encode() + llvmlite.__version__.encode()).hexdigest()
+    versions = f"llvmlite {llvmlite.__version__} triton {triton.__version__}"  # the writer's LLVM, the reader's
+    key = hashlib.sha256(data + "\n".join(sorted(FUNCTIONS)).encode() + versions.encode()).hexdigest()
     folder = knobs.cache.dir
     path = os.path.join(folder, f"libnvshmem_device-cut-{key[:24]}.bc")
     if os.path.exists(path):
