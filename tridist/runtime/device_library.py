@@ -3,8 +3,8 @@
 Triton links `libnvshmem_device.bc` into every kernel that calls an NVSHMEM function, and nearly
 every tridist kernel does (`dl.rank()`, `dl.num_ranks()` and `dl.symm_at` are NVSHMEM calls). The
 file holds NVSHMEM's whole device API, 31 MB of bitcode, and Triton parses all of it for each kernel
-it compiles: 10.2 s of an 11.3 s compile on our 2-core CPU machines, about 3.5 s of a kernel's
-compile on the H100 machines (2026-11-26), where the GPU test suite compiles hundreds of kernels.
+it compiles: 10.2 s of an 11.3 s compile on our 2-core CPU machines (2026-11-26). On the H100
+machines a kernel took about 3.5 s to compile (2026-11-24), and the GPU test suite compiles hundreds.
 
 `for_kernels` gives Triton instead a copy that holds only `FUNCTIONS` (the NVSHMEM functions
 `tridist.language` emits, which checks that it emits no other) and what they call: about 90
@@ -15,9 +15,10 @@ the same code: tests/test_gpu_compile.py compares the PTX.
 The cut needs an LLVM that reads NVSHMEM's bitcode (clang 18's) and writes bitcode that Triton's
 LLVM reads: llvmlite (`pip install llvmlite`; the `gpu` and `test` extras bring it). The result is
 kept in Triton's cache folder under a name that hashes the library, `FUNCTIONS` and the versions
-of llvmlite and Triton, after Triton's own linker has read it back. Where any of that fails (no llvmlite, one whose
-LLVM is newer than Triton's, an unusual library) the whole library is used, as before, with a
-warning: slower to compile, the same kernels. TRIDIST_DEVICE_LIBRARY=whole skips the cut.
+of llvmlite and Triton, after Triton's own linker has read it back. Where any of that fails (no
+llvmlite, one whose LLVM is newer than Triton's, an unusual library) the whole library is used, as
+before, with a warning: slower to compile, the same kernels. TRIDIST_DEVICE_LIBRARY=whole skips
+the cut.
 """
 import functools
 import hashlib
