@@ -3,8 +3,9 @@
 Triton links `libnvshmem_device.bc` into every kernel that calls an NVSHMEM function, and nearly
 every tridist kernel does (`dl.rank()`, `dl.num_ranks()` and `dl.symm_at` are NVSHMEM calls). The
 file holds NVSHMEM's whole device API, 31 MB of bitcode, and Triton parses all of it for each kernel
-it compiles: 10.2 s of an 11.3 s compile on our 2-core CPU machines (2026-11-26). On the H100
-machines a kernel took about 3.5 s to compile (2026-11-24), and the GPU test suite compiles hundreds.
+it compiles: 6.65 s of a 7.73 s compile on our 2-core CPU machines (2026-11-26, benchmarks/results).
+On the H100 machines a kernel took about 3.5 s to compile (2026-11-24), and the GPU test suite
+compiles hundreds.
 
 `for_kernels` gives Triton instead a copy that holds only `FUNCTIONS` (the NVSHMEM functions
 `tridist.language` emits, which checks that it emits no other) and what they call: about 90
@@ -54,8 +55,8 @@ def for_kernels(whole: str) -> str:
     try:
         return _cut_copy(whole)
     except Exception as error:  # noqa: BLE001 - any failure leaves the whole library, which works
-        _warn_once(f"tridist: Triton links NVSHMEM's whole device library into each kernel (about 3 s more "
-                   f"per compile) because cutting it failed: {type(error).__name__}: {error}. With llvmlite "
+        _warn_once(f"tridist: Triton links NVSHMEM's whole device library into each kernel (parsing it takes "
+                   f"most of each compile) because cutting it failed: {type(error).__name__}: {error}. With llvmlite "
                    f"installed (`pip install llvmlite`) and an LLVM no newer than Triton's it is cut; "
                    "TRIDIST_DEVICE_LIBRARY=whole silences this.")
         return whole
