@@ -144,7 +144,10 @@ class WorldPool:
 
     def _start(self) -> None:
         env = {"TRIDIST_BACKEND": self.backend, "WORLD_SIZE": str(self.size), "LOCAL_WORLD_SIZE": str(self.size),
-               "TRIDIST_WAIT_TIMEOUT": os.environ.get("TRIDIST_WAIT_TIMEOUT", "60")}
+               "TRIDIST_WAIT_TIMEOUT": os.environ.get("TRIDIST_WAIT_TIMEOUT", "60"),
+               # The host's cores shared among the ranks, as `tridist run` does: ranks that each take
+               # every core for torch's CPU work (the tests' references) slow each other down.
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.size)))}
         if self.nnodes:
             env["TRIDIST_NNODES"] = str(self.nnodes)
         if self.backend == "emulator":

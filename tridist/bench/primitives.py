@@ -15,6 +15,8 @@ Latency, per operation, of one program issuing them back to back inside one kern
   before returned, so that none overlaps the next), and a remote `dl.shmem.atomic_fetch_add`;
 - `putmem_block` + `quiet` and `getmem_block` from 8 B to 1 MB, captured in a CUDA graph;
 - a signal round trip: a flag bounced between the pair, per round trip.
+Where the pair is on two (virtual) nodes, only NVSHMEM's own transfers run (putmem and the
+latencies): loads, stores, LL packets and the copy engine need a peer on this node.
 Each operation is checked before it is timed. At world 1 the rank's peer is itself: every figure
 is then of the local path only (no NVLink, no network), as the output and the JSON say.
 """
@@ -142,8 +144,16 @@ def peer_of(w) -> int:
 
 
 def path_of(w) -> str:
-    return ("local: a world of 1 rank, whose peer is itself (no NVLink, no network)" if w.world_size == 1
-            else "rank pairs 0<->1, 2<->3, ..., both directions at once")
+    if w.world_size == 1:
+        return "local: a world of 1 rank, whose peer is itself (no NVLink, no network)"
+    where = "on this node" if w.same_node(peer_of(w)) else "on two nodes: NVSHMEM transfers only"
+    return f"rank pairs 0<->1, 2<->3, ..., both directions at once, {where}"
+
+
+def payload(rank: int, n: int) -> torch.Tensor:
+    """The `n` random words rank `rank` sends, the same on every rank that asks."""
+    return torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(1000 * rank + n))
 
 
 def transfer_rows(sizes: list[int], programs: int, timed: bool = True) -> list[dict]:
@@ -161,17 +171,18 @@ def transfer_rows(sizes: list[int], programs: int, timed: bool = True) -> list[d
         n = nbytes // 4
         grid = (splits_for(n, BLOCK, programs),)
         calls = torch.zeros(1, dtype=torch.int64, device=w.device)  # the LL epochs of this grid
-        src[:n] = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=w.device)
-        tridist.barrier_all()
-        expected = tridist.peer_tensor(src, peer)[:n].clone()
-        tridist.barrier_all()
-        cases = {
-            "put": (lambda: put_kernel[grid](src, dst, peer, n, BLOCK=BLOCK), dst),
-            "get": (lambda: get_kernel[grid](src, dst, peer, n, BLOCK=BLOCK), dst),
-            "putmem": (lambda: putmem_kernel[grid](src, dst, peer, n), dst),
-            "LL": (lambda: ll_kernel[grid](src, packets, out, calls, peer, n, BLOCK=BLOCK), out),
-            "copy engine": (lambda: tridist.peer_tensor(dst, peer)[:n].copy_(src[:n]), dst),
-        }
+        # Each rank draws its data from a seed of its own, so it knows its peer's without reading it:
+        # the peer may be on another (virtual) node, where no load or store reaches.
+        src[:n] = payload(w.rank, n).to(w.device)
+        expected = payload(peer, n).to(w.device)
+        cases = {"putmem": (lambda: putmem_kernel[grid](src, dst, peer, n), dst)}
+        if w.same_node(peer):  # loads, stores and the copy engine reach only the GPUs of this node
+            cases.update({
+                "put": (lambda: put_kernel[grid](src, dst, peer, n, BLOCK=BLOCK), dst),
+                "get": (lambda: get_kernel[grid](src, dst, peer, n, BLOCK=BLOCK), dst),
+                "LL": (lambda: ll_kernel[grid](src, packets, out, calls, peer, n, BLOCK=BLOCK), out),
+                "copy engine": (lambda: tridist.peer_tensor(dst, peer)[:n].copy_(src[:n]), dst),
+            })
         row = {"bytes": nbytes}
         for name, (fn, result) in cases.items():
             result[:n].fill_(-1)
@@ -260,7 +271,8 @@ def round_trip_rows(rounds: int = 1000, timed: bool = True) -> list[dict]:
     peer = peer_of(w)
     flag = tridist.signals(1)
     rows = []
-    for scope, label in (("gpu", "st.release via symm_at"), ("inter_node", "nvshmem signal_op")):
+    scopes = (("gpu", "st.release via symm_at"), ("inter_node", "nvshmem signal_op"))
+    for scope, label in scopes if w.same_node(peer) else scopes[1:]:
         base = [0]
 
         def bounce():
