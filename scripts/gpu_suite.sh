@@ -8,8 +8,9 @@
 #     4 and 2x2 with peers: a CUDA MPS daemon is started for the run and quit however it ends; the
 #     benchmarks then check results only: see docs/guide/one-gpu.md)
 #   STRESS="2:10000 4:2000" bash scripts/gpu_suite.sh stress   (`tridist stress` runs of N ranks and C calls,
-#     one after the other, with TRIDIST_DEBUG=1 unless STRESS_DEBUG=0, each stopped after
-#     STRESS_TIME_LIMIT seconds (default 400); their figures go to benchmarks/results)
+#     with TRIDIST_DEBUG=1 unless STRESS_DEBUG=0, each stopped after STRESS_TIME_LIMIT seconds (default
+#     400); their figures go to benchmarks/results. With RANKS_PER_GPU > 1 and a GPU for each job, the
+#     jobs run at once, job i on GPU i with all its ranks; else one after the other)
 #   PARALLEL=4 RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 pytest-xdist workers, each with a GPU
 #     of its own whose ranks share it: the suite with peers on 4 GPUs at once, 4 kernels compiling at a time)
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
@@ -81,9 +82,27 @@ if wants tests; then
     # A client of MPS counts the GPUs its daemon sees (started above with this environment): 0, 1, ...
     export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((gpus - 1)))
   fi
-  timeout ${TESTS_TIMEOUT:-330} python -m pytest -v -o console_output_style=times --ignore=tests/test_gpu_compile.py \
-    "${parallel[@]}" "${targets[@]}" 2>&1 | tee "$OUT/tests.log"
-  status=$((status | ${PIPESTATUS[0]}))
+  # With ranks sharing GPUs, test_launcher.py runs alone afterwards: its jobs kill ranks and trap
+  # kernels on purpose, and a fault in one MPS client ends every client of that GPU (2026-11-26: the
+  # test workers' ranks on the same GPU died with it).
+  alone=() ignored=()
+  if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
+    ignored=(--ignore=tests/test_launcher.py)
+    [[ " ${targets[*]} " == *" tests "* || " ${targets[*]} " == *test_launcher* ]] && alone=(tests/test_launcher.py)
+    kept=(); for t in "${targets[@]}"; do [[ $t == *test_launcher* ]] || kept+=("$t"); done; targets=("${kept[@]}")
+  fi
+  if [ ${#targets[@]} -gt 0 ]; then
+    # SIGINT first: pytest then still prints the failures' tracebacks, which a kill loses.
+    timeout -s INT -k 30 ${TESTS_TIMEOUT:-330} python -m pytest -v -o console_output_style=times \
+      --ignore=tests/test_gpu_compile.py "${ignored[@]}" "${parallel[@]}" "${targets[@]}" 2>&1 \
+      | tee "$OUT/tests.log"
+    status=$((status | ${PIPESTATUS[0]}))
+  fi
+  if [ ${#alone[@]} -gt 0 ]; then
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout -s INT -k 30 ${LAUNCHER_TIMEOUT:-150} \
+      python -m pytest -v "${alone[@]}" 2>&1 | tee -a "$OUT/tests.log"
+    status=$((status | ${PIPESTATUS[0]}))
+  fi
 fi
 if wants bench; then
   benches=" ${BENCHES:-torch_fused primitives allgather reducescatter allreduce gemm ag_gemm gemm_rs gemm_ar} "
@@ -98,17 +117,30 @@ if wants bench; then
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
 fi
+stress_job() {  # ranks calls ranks_per_gpu
+  # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
+  PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
+    timeout $(( ${STRESS_TIME_LIMIT:-400} + 150 )) python -m tridist stress -n "$1" --calls "$2" --ranks-per-gpu "$3" \
+    --time-limit "${STRESS_TIME_LIMIT:-400}" --out benchmarks/results > "$OUT/stress-$1.log" 2>&1
+}
 if wants stress; then
-  for job in ${STRESS:-2:1000}; do
-    per_gpu=$(( (${job%%:*} + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the job needs
-    [ "${RANKS_PER_GPU:-1}" = 1 ] && per_gpu=1
-    # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
-    PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
-      timeout $(( ${STRESS_TIME_LIMIT:-400} + 150 )) python -m tridist stress -n "${job%%:*}" --calls "${job##*:}" \
-      --ranks-per-gpu "$per_gpu" \
-      --time-limit "${STRESS_TIME_LIMIT:-400}" --out benchmarks/results 2>&1 | tee "$OUT/stress-${job%%:*}.log" | grep -v '^\[rank'
-    status=$((status | ${PIPESTATUS[0]}))
-  done
+  stress_jobs=(${STRESS:-2:1000})
+  if [ "${RANKS_PER_GPU:-1}" != 1 ] && [ "$gpus" -ge ${#stress_jobs[@]} ]; then
+    # A GPU for each job, all of its ranks sharing it, the jobs at once (never two on one GPU).
+    pids=()
+    for i in "${!stress_jobs[@]}"; do
+      job=${stress_jobs[$i]}
+      CUDA_VISIBLE_DEVICES=$i stress_job "${job%%:*}" "${job##*:}" "${job%%:*}" & pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; status=$((status | $?)); done
+  else
+    for job in "${stress_jobs[@]}"; do
+      per_gpu=$(( (${job%%:*} + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the job needs
+      [ "${RANKS_PER_GPU:-1}" = 1 ] && per_gpu=1
+      stress_job "${job%%:*}" "${job##*:}" "$per_gpu"; status=$((status | $?))
+    done
+  fi
+  for job in "${stress_jobs[@]}"; do grep -v '^\[rank' "$OUT/stress-${job%%:*}.log" | tail -n 20; done
   tar czf "$OUT/stress-results.tar.gz" benchmarks/results/stress-*
 fi
 # A call carries at most 64 MiB: the entries of kernels no longer in the code go before the cache does.

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import tridist
 from tridist.bench import overlap, primitives, results, shared_gpu, torch_fused
+from tridist.runtime import config as settings
 
 from .harness import load_script
 
@@ -53,7 +54,8 @@ def _sleep_async(w):
     start.record()
     tridist.sleep_async(2000)
     end.record()
-    assert time.monotonic() - begun < 0.0015, "sleep_async must return before the GPU has slept"
+    if not settings.debug():  # which synchronises after every launch
+        assert time.monotonic() - begun < 0.0015, "sleep_async must return before the GPU has slept"
     end.synchronize()
     assert 1500 <= start.elapsed_time(end) * 1000 <= 20000
 

@@ -68,7 +68,9 @@ def test_rank_killed_in_a_collective_on_the_gpu(tmp_path):
     rank 1, and no rank process is left. Two ranks share one GPU where there is one (CUDA MPS)."""
     if backend() != "nvshmem":
         pytest.skip("on the GPU: the emulator's supervisor is checked by test_killed_rank_is_named_and_reaped")
-    sharing_flags = ["--ranks-per-gpu", "2", "--start-mps"] if gpus() < 2 else []
+    # A second MPS daemon for a GPU whose daemon is running (the suite's, with RANKS_PER_GPU) left
+    # that GPU's MPS server refusing clients ("not ready", 2026-11-26): use the running one.
+    sharing_flags = [] if gpus() >= 2 else ["--ranks-per-gpu", "2"] + ([] if mps.status().running else ["--start-mps"])
     result, elapsed = tridist_cli("run", "-n", "2", *sharing_flags, "tests/scripts/rank_killed_in_collective.py",
                                   env={"TRIDIST_WAIT_TIMEOUT": "600", "TRIDIST_TEST_PIDS": str(tmp_path)})
     assert result.returncode != 0
@@ -221,6 +223,7 @@ def test_mps_status_and_the_missing_daemon(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("TRIDIST_RANKS_PER_GPU", raising=False)  # set where the suite runs with sharing
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control
     assert mps.status() == mps.Status(False, False, mps.DEFAULT_PIPE_DIRECTORY)
     with pytest.raises(SystemExit, match="CUDA MPS is not installed here"):
@@ -248,6 +251,7 @@ def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("TRIDIST_RANKS_PER_GPU", raising=False)  # set where the suite runs with sharing
     monkeypatch.setenv("PATH", _fake_mps(tmp_path))
     show = tmp_path / "show.py"
     show.write_text("import json, os\nprint(json.dumps({k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', "
