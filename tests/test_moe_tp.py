@@ -4,6 +4,7 @@ with no host synchronisation, bad input refused before launch, shapes under torc
 example and the benchmarks' checks."""
 import pytest
 import torch
+import triton
 
 import tridist
 from tridist import ops
@@ -328,3 +329,55 @@ def test_moe_bench_layers():
     assert bench.parse_comm_programs("default, 16,33") == [None, 16, 33]
     with pytest.raises(Exception, match="a positive int or 'default'"):
         bench.parse_comm_programs("0")
+
+
+def _gemm_counts(w, config_index, one_program):
+    """moe_rs's GEMM raises done[slot, source] once per tile of source's rows, and its calls counter
+    once per program: after two calls each slot holds the tile count of its call. The shape is the
+    stress call that hung on 2 and 4 ranks sharing an H100 (2026-11-26): the peers' combine waited for
+    2 tiles and saw 4 (3 and 6 at 4 ranks), one tile per program, the default (FLATTEN) config."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tridist.ops._protocol import programs_for
+    from tridist.ops.gemm import grouped
+    from tridist.ops.moe import moe_reduce
+
+    tokens, topk, experts, k, n, dtype = 18, 2, 2, 48, 1256, torch.bfloat16
+    configs = grouped.configs(w.device, dtype)
+    if config_index >= len(configs):
+        return f"{len(configs)} configs here"
+    config, world = configs[config_index], w.world_size
+    router = tp_routing.Router(tokens, topk, experts)
+    g = _generator(7 + w.rank)
+    handle = router(_routing("random", tokens, topk, experts, 7 + w.rank).to(w.device))
+    h = torch.randn(world * tokens * topk, n, generator=g).to(dtype).to(w.device)
+    weights = torch.randn(experts, n, k, generator=g).to(dtype).to(w.device)
+    products = torch.empty(world * tokens * topk, k, dtype=dtype, device=w.device)
+    done = tridist.signals(2 * world)
+    calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+    counts = handle.padded_counts.view(world, handle.e_pad).cpu()
+    tiles = [int(((counts[s] + config["BLOCK_M"] - 1) // config["BLOCK_M"]).sum()) * -(-k // config["BLOCK_N"])
+             for s in range(world)]
+    grid = 1 if one_program else max(1, min(sum(tiles), programs_for(w.device)))
+    h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
+    for call in (1, 2):
+        moe_reduce.moe_rs_gemm_kernel[(grid,)](
+            h_desc, grouped.weight_descriptor(weights, config), products, handle.padded_counts, handle.padded_base,
+            done, calls, k, n, COUNT=True, W_PAD=triton.next_power_of_2(world), E_PAD=handle.e_pad,
+            **config)
+        slot = call % 2
+        assert done.view(2, world)[slot].tolist() == tiles, (call, config, grid, done.tolist())
+        assert calls.item() == call * grid, (call, config, grid, calls.item())
+    tridist.barrier_all()
+    router.free()
+    tridist.symm_free(done)
+    return None
+
+
+@pytest.mark.worlds("1", "2")
+@pytest.mark.parametrize("one_program", [False, True], ids=["a tile per program", "one program"])
+@pytest.mark.parametrize("config_index", range(8))
+def test_moe_rs_gemm_counts_each_tile_once(world, config_index, one_program):
+    skipped = world.run(_gemm_counts, config_index=config_index, one_program=one_program)[0]
+    if skipped:
+        pytest.skip(skipped)
