@@ -223,6 +223,12 @@ class AgMoeCases(_MoECases):
 class MoeRsCases(_MoECases):
     name = "moe_rs"
 
+    def draw(self, rng, world, limits):
+        fields = super().draw(rng, world, limits)
+        if fields["config"] and world.world_size > 1:  # with peers it refuses FLATTEN: the same tiles without
+            fields["config"] = {**fields["config"], "FLATTEN": False}
+        return fields
+
     def trial(self, call, world):
         return MoeRsTrial(call, world)
 

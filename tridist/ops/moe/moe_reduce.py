@@ -12,8 +12,10 @@ Protocol (slots and call epochs as in `_protocol.py`)
   of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs orders its tiles.
   Each tile's rows go to `products` (P x K, local, h's row order), and one tile late (so that the
   tile's stores have drained when the release is made) it adds 1 to done[slot, source], the
-  count of finished tiles of that source's rows (not at world size 1: nothing waits for it). Program 0 zeroes the other slot's counts for the
-  next call (this call's other kernels have finished with it: each call waits for the last).
+  count of finished tiles of that source's rows (not at world size 1: nothing waits for it; with
+  the counts the loop nest is never flattened, which Triton 3.6 miscompiles). Program 0 zeroes the
+  other slot's counts for the next call (this call's other kernels have finished with it: each call
+  waits for the last).
 - The combine for the peers (`moe_combine_kernel` with OWN=False), on a side stream beside the
   GEMM (a quarter of the SMs: `comm_programs`): program 0 first sends this rank's topk weights into row
   `rank` of every peer's `weights` and raises flag (slot, rank) there to the epoch. Then, for each
@@ -55,7 +57,9 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
                        COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
-    count per source rank, two slots, raised with COUNT (nothing waits for them at world size 1)."""
+    count per source rank, two slots, raised with COUNT (nothing waits for them at world size 1).
+    COUNT takes FLATTEN=False (see `MoEReduceScatter.__init__`)."""
+    tl.static_assert(not (COUNT and FLATTEN), "moe_rs_gemm_kernel: COUNT takes FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -199,11 +203,16 @@ class MoEReduceScatter:
         self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
         _protocol.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
+        # With peers the GEMM counts its tiles (COUNT). Flattened by Triton 3.6 the counts were wrong
+        # on an H100 (2026-11-26, `test_moe_rs_gemm_counts_each_tile_once`, every FLATTEN config):
+        # doubled with one tile per program, one too many for a source with all tiles in one program,
+        # as if a tile's count ran with the source it sets for the next; the peers' combine, waiting
+        # for the exact count, hung. Unflattened every count was exact.
         self.config = allgather_moe.moe_config(
             config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs),
             lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c)),
             lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
-            dtype)
+            dtype, flatten=w.world_size == 1)
         programs = _protocol.programs_for(w.device)
         # A quarter: of 8, 16, 33 and 66 programs on 2 x H100 (132 SMs), 33 was the fastest at each
         # layer of `tridist bench moe_rs` (deepseek 492 us, 803 at 8), and on 4 it beat 8 (614 us
