@@ -204,10 +204,10 @@ class MoEReduceScatter:
         self.pairs = w.world_size * tokens * topk
         _protocol.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
         # With peers the GEMM counts its tiles (COUNT). Flattened by Triton 3.6 the counts were wrong
-        # on an H100 (2026-11-26, `test_moe_rs_gemm_counts_each_tile_once`, every FLATTEN config):
-        # doubled with one tile per program, one too many for a source with all tiles in one program,
-        # as if a tile's count ran with the source it sets for the next; the peers' combine, waiting
-        # for the exact count, hung. Unflattened every count was exact.
+        # on an H100 (2026-11-26, every FLATTEN config): the fused loop hands `late = source` on at
+        # every K step, not after the last, so a tile's count used its own source (the sm_90 TTGIR
+        # shows it; tests/test_triton_loops.py). The peers' combine, waiting for the exact count,
+        # hung. Unflattened every count was exact.
         self.config = allgather_moe.moe_config(
             config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs),
             lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c)),
