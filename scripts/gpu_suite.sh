@@ -67,6 +67,11 @@ if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
   trap quit_mps EXIT
   trap 'exit 130' INT; trap 'exit 143' TERM; trap 'exit 129' HUP  # through the EXIT trap
   nvidia-cuda-mps-control -d || { echo "could not start the MPS control daemon"; exit 1; }
+  # One client first, alone, to start the MPS server. Twice on 2026-11-26 (4 test workers, a GPU
+  # each, TRIDIST_DEBUG=1) the first world on GPU 0 lost a rank in NVSHMEM's init (an illegal address
+  # in its barrier) and every later world there started; whether a new server was the cause is a guess.
+  python -c "import torch; [torch.ones(1, device=i).item() for i in range(torch.cuda.device_count())]" \
+    || echo "no CUDA client could start through the MPS daemon"
 fi
 nproc=${NPROC:-$((gpus * ${RANKS_PER_GPU:-1}))}
 python -m tridist info 2>&1 | tee "$OUT/info.txt"

@@ -84,8 +84,8 @@ def _flag_late(w, flatten, programs):
         if owner == 0:
             assert raised[tile] == -1, f"flatten={flatten}, {programs} programs: tile {tile} raised a flag"
         else:  # raised at a later step than its store: never before the data
-            assert raised[tile] == stored[tile] + 1, \
-                f"flatten={flatten}, {programs} programs: tile {tile} stored at step {stored[tile]}, raised at {raised[tile]}"
+            assert raised[tile] == stored[tile] + 1, (f"flatten={flatten}, {programs} programs: tile {tile} stored "
+                                                      f"at step {stored[tile]}, raised at {raised[tile]}")
 
 
 @pytest.mark.worlds("1")
