@@ -40,6 +40,24 @@ def count_late_kernel(x_ptr, source_ptr, counts_ptr, out_ptr, tiles, K, FLATTEN:
 
 
 @triton.jit
+def count_late_in_branch_kernel(x_ptr, source_ptr, counts_ptr, out_ptr, tiles, K, FLATTEN: tl.constexpr,
+                                BLOCK: tl.constexpr):
+    """`count_late_kernel` with `late` assigned inside a branch after the inner loop (always taken):
+    the fused loop then yields it from that branch only (its TTGIR read here), the way out for moe_rs."""
+    late = tl.cast(-1, tl.int32)
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
+        source = tl.load(source_ptr + tile)
+        acc = _inner_sum(x_ptr, K, BLOCK)
+        if late >= 0:
+            tl.atomic_add(counts_ptr + late, 1)
+        if source >= 0:
+            late = source
+        tl.store(out_ptr + tile * BLOCK + tl.arange(0, BLOCK), acc)
+    if late >= 0:
+        tl.atomic_add(counts_ptr + late, 1)
+
+
+@triton.jit
 def flag_late_kernel(x_ptr, owner_ptr, stored_ptr, raised_ptr, out_ptr, tiles, K, FLATTEN: tl.constexpr,
                      BLOCK: tl.constexpr):
     """gemm_rs's pattern: a tile for another owner raises its flag at the program's next tile (or
@@ -61,14 +79,14 @@ def flag_late_kernel(x_ptr, owner_ptr, stored_ptr, raised_ptr, out_ptr, tiles, K
         tl.store(raised_ptr + late, step)
 
 
-def _count_late(w, flatten, programs):
+def _count_late(w, flatten, programs, kernel):
     tiles, k = 12, 4 * BLOCK
     sources = torch.tensor([t * 3 // tiles for t in range(tiles)], dtype=torch.int32)  # 4 tiles each of 3
     x = torch.arange(k, dtype=torch.float32, device=w.device)
     counts = torch.zeros(3, dtype=torch.int32, device=w.device)
     out = torch.empty(tiles * BLOCK, device=w.device)
-    count_late_kernel[(programs,)](x, sources.to(w.device), counts, out, tiles, k, FLATTEN=flatten, BLOCK=BLOCK)
-    assert counts.tolist() == [4, 4, 4], f"flatten={flatten}, {programs} programs: counts {counts.tolist()}"
+    globals()[kernel][(programs,)](x, sources.to(w.device), counts, out, tiles, k, FLATTEN=flatten, BLOCK=BLOCK)
+    assert counts.tolist() == [4, 4, 4], f"{kernel}, flatten={flatten}, {programs} programs: counts {counts.tolist()}"
 
 
 def _flag_late(w, flatten, programs):
@@ -91,9 +109,13 @@ def _flag_late(w, flatten, programs):
 @pytest.mark.worlds("1")
 @pytest.mark.parametrize("programs", [1, 12], ids=["one program", "a tile per program"])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
-@pytest.mark.parametrize("pattern", ["count", "flag"])
+@pytest.mark.parametrize("pattern", ["count", "count in a branch", "flag"])
 def test_late_action_sees_the_previous_tile(world, pattern, flatten, programs, request):
     if world.backend == "nvshmem" and pattern == "count" and flatten:
         request.applymarker(pytest.mark.xfail(strict=True, reason="Triton 3.6 fuses this loop nest wrongly (see the "
                                                                   "module docstring); strict: a fix shows here"))
-    world.run(_count_late if pattern == "count" else _flag_late, flatten=flatten, programs=programs)
+    if pattern == "flag":
+        world.run(_flag_late, flatten=flatten, programs=programs)
+    else:
+        kernel = "count_late_kernel" if pattern == "count" else "count_late_in_branch_kernel"
+        world.run(_count_late, flatten=flatten, programs=programs, kernel=kernel)
