@@ -347,7 +347,8 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
         handle: the `MoEHandle` that `ag_moe` returned with h.
         topk_weights_shard: float32 T_r x topk, the weights of this rank's tokens' experts.
         out: T_r x K in h's dtype, or None for a new tensor.
-        config: a dict of `tridist.ops.gemm.grouped.configs`, None, or "tune".
+        config: a dict of `tridist.ops.gemm.grouped.configs` (with several ranks, with
+            FLATTEN=False), None, or "tune".
 
     Returns:
         y_shard, T_r x K: for each of this rank's tokens, sum over k of topk_weights[t, k] *
