@@ -106,7 +106,7 @@ def _flag_late(w, flatten, programs):
                                                       f"at step {stored[tile]}, raised at {raised[tile]}")
 
 
-@pytest.mark.worlds("1")
+@pytest.mark.worlds("1", "2")  # 2: where the GPU suite runs with ranks sharing GPUs, it has no world 1
 @pytest.mark.parametrize("programs", [1, 12], ids=["one program", "a tile per program"])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("pattern", ["count", "count in a branch", "flag"])
