@@ -25,32 +25,21 @@ def _inner_sum(x_ptr, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def count_late_kernel(x_ptr, source_ptr, counts_ptr, out_ptr, tiles, K, FLATTEN: tl.constexpr, BLOCK: tl.constexpr):
-    """moe_rs's pattern: a tile's source counted one tile late, the last after the loop."""
+def count_late_kernel(x_ptr, source_ptr, counts_ptr, out_ptr, tiles, K, FLATTEN: tl.constexpr, BLOCK: tl.constexpr,
+                      IN_BRANCH: tl.constexpr):
+    """moe_rs's pattern: a tile's source counted one tile late, the last after the loop. IN_BRANCH
+    assigns `late` inside a branch after the inner loop (always taken): the fused loop then yields it
+    from that branch only (its TTGIR read here), the way out for moe_rs."""
     late = tl.cast(-1, tl.int32)
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
         source = tl.load(source_ptr + tile)
         acc = _inner_sum(x_ptr, K, BLOCK)
         if late >= 0:
             tl.atomic_add(counts_ptr + late, 1)
-        late = source
-        tl.store(out_ptr + tile * BLOCK + tl.arange(0, BLOCK), acc)
-    if late >= 0:
-        tl.atomic_add(counts_ptr + late, 1)
-
-
-@triton.jit
-def count_late_in_branch_kernel(x_ptr, source_ptr, counts_ptr, out_ptr, tiles, K, FLATTEN: tl.constexpr,
-                                BLOCK: tl.constexpr):
-    """`count_late_kernel` with `late` assigned inside a branch after the inner loop (always taken):
-    the fused loop then yields it from that branch only (its TTGIR read here), the way out for moe_rs."""
-    late = tl.cast(-1, tl.int32)
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
-        source = tl.load(source_ptr + tile)
-        acc = _inner_sum(x_ptr, K, BLOCK)
-        if late >= 0:
-            tl.atomic_add(counts_ptr + late, 1)
-        if source >= 0:
+        if IN_BRANCH:
+            if source >= 0:
+                late = source
+        else:
             late = source
         tl.store(out_ptr + tile * BLOCK + tl.arange(0, BLOCK), acc)
     if late >= 0:
@@ -79,14 +68,16 @@ def flag_late_kernel(x_ptr, owner_ptr, stored_ptr, raised_ptr, out_ptr, tiles, K
         tl.store(raised_ptr + late, step)
 
 
-def _count_late(w, flatten, programs, kernel):
+def _count_late(w, flatten, programs, in_branch):
     tiles, k = 12, 4 * BLOCK
     sources = torch.tensor([t * 3 // tiles for t in range(tiles)], dtype=torch.int32)  # 4 tiles each of 3
     x = torch.arange(k, dtype=torch.float32, device=w.device)
     counts = torch.zeros(3, dtype=torch.int32, device=w.device)
     out = torch.empty(tiles * BLOCK, device=w.device)
-    globals()[kernel][(programs,)](x, sources.to(w.device), counts, out, tiles, k, FLATTEN=flatten, BLOCK=BLOCK)
-    assert counts.tolist() == [4, 4, 4], f"{kernel}, flatten={flatten}, {programs} programs: counts {counts.tolist()}"
+    count_late_kernel[(programs,)](x, sources.to(w.device), counts, out, tiles, k, FLATTEN=flatten, BLOCK=BLOCK,
+                                   IN_BRANCH=in_branch)
+    assert counts.tolist() == [4, 4, 4], \
+        f"in_branch={in_branch}, flatten={flatten}, {programs} programs: counts {counts.tolist()}"
 
 
 def _flag_late(w, flatten, programs):
@@ -117,5 +108,4 @@ def test_late_action_sees_the_previous_tile(world, pattern, flatten, programs, r
     if pattern == "flag":
         world.run(_flag_late, flatten=flatten, programs=programs)
     else:
-        kernel = "count_late_kernel" if pattern == "count" else "count_late_in_branch_kernel"
-        world.run(_count_late, flatten=flatten, programs=programs, kernel=kernel)
+        world.run(_count_late, flatten=flatten, programs=programs, in_branch=pattern == "count in a branch")

@@ -55,15 +55,12 @@ def for_kernels(whole: str) -> str:
     try:
         return _cut_copy(whole)
     except Exception as error:  # noqa: BLE001 - any failure leaves the whole library, which works
-        _warn_once(f"tridist: Triton links NVSHMEM's whole device library into each kernel (parsing it takes "
-                   f"most of each compile) because cutting it failed: {type(error).__name__}: {error}. With llvmlite "
-                   f"installed (`pip install llvmlite`) and an LLVM no newer than Triton's it is cut; "
-                   "TRIDIST_DEVICE_LIBRARY=whole silences this.")
+        # once per library and process: for_kernels is cached
+        warnings.warn(f"tridist: Triton links NVSHMEM's whole device library into each kernel (parsing it takes "
+                      f"most of each compile) because cutting it failed: {type(error).__name__}: {error}. With "
+                      f"llvmlite installed (`pip install llvmlite`) and an LLVM no newer than Triton's it is cut; "
+                      "TRIDIST_DEVICE_LIBRARY=whole silences this.", stacklevel=2)
         return whole
-
-
-def _warn_once(message: str) -> None:  # for_kernels runs once per library and process
-    warnings.warn(message, stacklevel=3)
 
 
 def _cut_copy(whole: str) -> str:

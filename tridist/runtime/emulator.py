@@ -103,7 +103,8 @@ def numpy_problem() -> str | None:
     import numpy
 
     if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        return f"numpy {numpy.__version__} breaks Triton's interpreter, which the emulator runs: pip install 'numpy<2.4'"
+        return (f"numpy {numpy.__version__} breaks Triton's interpreter, which the emulator runs: "
+                "pip install 'numpy<2.4'")
     return None
 
 

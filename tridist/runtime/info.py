@@ -47,8 +47,9 @@ def report() -> str:
                      "it runs any number of ranks (tridist run --ranks-per-gpu changes nothing there)")
         from .emulator import numpy_problem
 
-        if numpy_problem():
-            fixes.append(numpy_problem())
+        problem = numpy_problem()
+        if problem:
+            fixes.append(problem)
     lines.append("settings:")
     for name, meaning in config.SETTINGS.items():
         lines.append(f"  {name}={os.environ.get(name, '')!s:<10} {meaning}")
