@@ -8,6 +8,7 @@
 #     4 and 2x2 with peers: a CUDA MPS daemon is started for the run and quit however it ends; the
 #     benchmarks then check results only: see docs/guide/one-gpu.md)
 #   STRESS="2:10000 4:2000" bash scripts/gpu_suite.sh stress   (`tridist stress` runs of N ranks and C calls,
+#     and a seed other than 0 as N:C:S,
 #     with TRIDIST_DEBUG=1 unless STRESS_DEBUG=0, each stopped after STRESS_TIME_LIMIT seconds (default
 #     400); their figures go to benchmarks/results. With RANKS_PER_GPU > 1 and a GPU for each job, the
 #     jobs run at once, job i on GPU i with all its ranks; else one after the other)
@@ -122,11 +123,14 @@ if wants bench; then
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
 fi
-stress_job() {  # ranks calls ranks_per_gpu
+stress_job() {  # index ranks:calls[:seed] ranks_per_gpu
+  local ranks calls seed
+  IFS=: read -r ranks calls seed <<< "$2"
   # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
   PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
-    timeout $(( ${STRESS_TIME_LIMIT:-400} + 150 )) python -m tridist stress -n "$1" --calls "$2" --ranks-per-gpu "$3" \
-    --time-limit "${STRESS_TIME_LIMIT:-400}" --out benchmarks/results > "$OUT/stress-$1.log" 2>&1
+    timeout $(( ${STRESS_TIME_LIMIT:-400} + 150 )) python -m tridist stress -n "$ranks" --calls "$calls" \
+    --seed "${seed:-0}" --ranks-per-gpu "$3" --time-limit "${STRESS_TIME_LIMIT:-400}" --out benchmarks/results \
+    > "$OUT/stress-$1.log" 2>&1
 }
 if wants stress; then
   stress_jobs=(${STRESS:-2:1000})
@@ -135,17 +139,18 @@ if wants stress; then
     pids=()
     for i in "${!stress_jobs[@]}"; do
       job=${stress_jobs[$i]}
-      CUDA_VISIBLE_DEVICES=$i stress_job "${job%%:*}" "${job##*:}" "${job%%:*}" & pids+=($!)
+      CUDA_VISIBLE_DEVICES=$i stress_job "$i" "$job" "${job%%:*}" & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; status=$((status | $?)); done
   else
-    for job in "${stress_jobs[@]}"; do
+    for i in "${!stress_jobs[@]}"; do
+      job=${stress_jobs[$i]}
       per_gpu=$(( (${job%%:*} + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the job needs
       [ "${RANKS_PER_GPU:-1}" = 1 ] && per_gpu=1
-      stress_job "${job%%:*}" "${job##*:}" "$per_gpu"; status=$((status | $?))
+      stress_job "$i" "$job" "$per_gpu"; status=$((status | $?))
     done
   fi
-  for job in "${stress_jobs[@]}"; do grep -v '^\[rank' "$OUT/stress-${job%%:*}.log" | tail -n 20; done
+  for i in "${!stress_jobs[@]}"; do grep -v '^\[rank' "$OUT/stress-$i.log" | tail -n 20; done
   tar czf "$OUT/stress-results.tar.gz" benchmarks/results/stress-*
 fi
 # A call carries at most 64 MiB: the entries of kernels no longer in the code go before the cache does.

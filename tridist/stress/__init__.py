@@ -37,7 +37,7 @@ and the launcher stops the others.
 modules of `tridist.ops`), comma-separated; --time-limit stops starting new calls after that many
 seconds (kernels compile on first use: a first run on a GPU spends most of its time compiling);
 --out writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as
-the benchmarks' results are). Exit codes: 0 right, 1 wrong results, 3 a hang, 4 a call failed.
+the benchmarks' results are, `stress-seed<S>-...` for a seed other than 0). Exit codes: 0 right, 1 wrong results, 3 a hang, 4 a call failed.
 """
 import argparse
 import json
@@ -162,7 +162,9 @@ def _save(out: str, figures: dict) -> str:
     path = out
     if not out.endswith(".json"):
         os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, file_name("stress", environment or {"date": time.strftime("%Y-%m-%d")},
+        # Runs of several seeds on one day (a GPU each) keep a file each.
+        name = "stress" if figures["seed"] == 0 else f"stress-seed{figures['seed']}"
+        path = os.path.join(out, file_name(name, environment or {"date": time.strftime("%Y-%m-%d")},
                                            ranks=figures["world"]))
     with open(path, "w") as f:
         json.dump({"benchmark": "stress", **environment, **figures}, f, indent=1)
