@@ -6,6 +6,7 @@ import torch
 import triton.language as tl
 
 import tridist
+from tridist.runtime import sharing
 from tridist.runtime.tensors import check_tensor
 
 
@@ -212,8 +213,8 @@ def _occupancy_against_driver(w):
     sms, where = occupancy.available_sms(w.device)
     print(f"SMs this process may use: {sms} ({where})")
     assert 0 < sms <= torch.cuda.get_device_properties(w.device).multi_processor_count
-    driver = rows[0][6]
-    assert tridist.coresident_programs(occupancy_probe_kernel, x, x, BLOCK=128, DOT=False, num_warps=4) == driver * sms
+    per_sm = 1 if sharing.ranks_per_gpu_here() > 1 else rows[0][6]  # ranks sharing a GPU: one an SM
+    assert tridist.coresident_programs(occupancy_probe_kernel, x, x, BLOCK=128, DOT=False, num_warps=4) == per_sm * sms
 
 
 def test_occupancy_against_the_driver(world):

@@ -11,7 +11,8 @@ program never got an SM: the launch needs every program resident at once. The nu
   function, through libcuda) where it can be asked, else `blocks_per_sm`, the rules of CUDA's
   occupancy calculator for Hopper written out (`HOPPER`);
 - SMs: the device's count, which under CUDA MPS is already this client's share of the GPU
-  (`available_sms`), as when several ranks share one GPU.
+  (`available_sms`), as when several ranks share one GPU; there a co-resident launch takes one
+  program an SM (see `coresident_limit`).
 """
 import ctypes
 import dataclasses
@@ -19,6 +20,7 @@ import functools
 
 import torch
 
+from . import sharing
 
 @dataclasses.dataclass(frozen=True)
 class SMLimits:
@@ -145,6 +147,13 @@ def coresident_limit(compiled, device: torch.device) -> tuple[int, str]:
     driver = _driver_blocks_per_sm(compiled)
     if driver is not None:
         per_sm, limited_by = driver, f"the driver's answer; counted {counted}: {limited_by}"
+    if sharing.ranks_per_gpu_here() > 1:
+        # MPS caps how many SMs a client's blocks occupy, not which (as far as we can tell): another
+        # rank's blocks may hold part of each SM this rank's blocks land on, and the cap is reached
+        # with room for fewer than the grid. One program an SM fits whatever the others hold. Our
+        # reading of 2026-11-26 (one H100 each, 2 and 4 ranks, TRIDIST_DEBUG=1): fused Jacobi grids
+        # of several programs an SM hung in 3 of 4 stress runs, halo signals of a peer never set.
+        per_sm, limited_by = 1, f"one, as ranks share this GPU; {limited_by}"
     sms, where = available_sms(device)
     why = (f"{per_sm} program(s) an SM ({registers} registers a thread, {shared} bytes of shared memory, "
            f"{warps} warps; {limited_by}) x {sms} SMs ({where})")
