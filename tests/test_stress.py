@@ -124,6 +124,18 @@ def test_planted_wrong_result_is_found_in_every_op(world):
     world.run(_planted_wrong, seed=SEED)
 
 
+def _replayed_call(w, seed):
+    """--first-call: the plan is the seed's, the calls before the first are drawn and not made."""
+    report = rank.run(w, 4, seed, ops="collectives", plant_wrong=2, first_call=2)
+    assert report["calls"] == 2, report
+    assert {entry["call"] for entry in report["wrong"]} == ({2} if w.rank == w.world_size - 1 else set())
+
+
+@pytest.mark.worlds("2")
+def test_first_call_replays_the_plan_s_calls_from_there(world):
+    world.run(_replayed_call, seed=SEED)
+
+
 def test_planted_wrong_and_hang_are_counted(tmp_path):
     """A wrong result planted at call 2 on rank 1 is counted and the run goes on; rank 1 then never
     joins call 6, so rank 0's bounded wait expires there (the watchdog on GPUs without

@@ -1,7 +1,7 @@
 """`tridist stress`: a seeded random sequence of calls of every op, every result checked, no quiet hangs.
 
-    tridist stress -n N [--nnodes K] [--ranks-per-gpu K] [--calls C] [--seed S] [--watchdog SECONDS]
-                   [--ops LIST] [--time-limit SECONDS] [--out PATH]
+    tridist stress -n N [--nnodes K] [--ranks-per-gpu K] [--calls C] [--seed S] [--first-call I]
+                   [--watchdog SECONDS] [--ops LIST] [--time-limit SECONDS] [--out PATH]
 
 starts N ranks (as `tridist run` does) that make the same C calls, drawn from the seed by every rank
 alone: every op of `tridist.ops`, with every method (all_gather, reduce_scatter, all_reduce with
@@ -33,7 +33,9 @@ the emulator, TRIDIST_WAIT_TIMEOUT; on GPUs with TRIDIST_DEBUG=1, where the wait
 still running after --watchdog seconds (default 120): that rank prints which call hung and exits,
 and the launcher stops the others.
 
---ops takes op names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the
+--first-call I makes only calls I, I + 1, ... of the same plan (the calls before it are drawn, not
+made): `--seed S --first-call I --calls I+1` replays call I alone, on a fresh job. --ops takes op
+names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the
 modules of `tridist.ops`), comma-separated; --time-limit stops starting new calls after that many
 seconds (kernels compile on first use: a first run on a GPU spends most of its time compiling);
 --out writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as
@@ -60,6 +62,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every rank reads (`rank.main`)."""
     parser.add_argument("--calls", type=int, default=1000, help="calls to make (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the call sequence and the inputs (default 0)")
+    parser.add_argument("--first-call", type=int, default=0,
+                        help="make calls from this index of the plan on (default 0): to replay a call alone")
     parser.add_argument("--ops", default=None,
                         help="comma-separated ops or families to call (default all): e.g. all_reduce,gemm")
     parser.add_argument("--watchdog", type=float, default=120.0,
@@ -87,12 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Launch the ranks, then sum up their reports: print the summary line, write --out, exit."""
-    if args.calls < 0 or args.watchdog <= 0:
-        raise SystemExit("tridist stress: --calls must be 0 or more, and --watchdog above 0 seconds")
+    if args.calls < 0 or args.watchdog <= 0 or not 0 <= args.first_call <= args.calls:
+        raise SystemExit("tridist stress: --calls must be 0 or more, --first-call from 0 to --calls, and --watchdog "
+                         "above 0 seconds")
     from ..runtime.launcher import run as launch
 
     folder = tempfile.mkdtemp(prefix="tridist-stress-")
-    forwarded = ["--calls", str(args.calls), "--seed", str(args.seed), "--watchdog", str(args.watchdog)]
+    forwarded = ["--calls", str(args.calls), "--seed", str(args.seed), "--first-call", str(args.first_call),
+                 "--watchdog", str(args.watchdog)]
     for option, value in (("--ops", args.ops), ("--time-limit", args.time_limit), ("--plant-wrong", args.plant_wrong),
                           ("--plant-hang", args.plant_hang)):
         if value is not None:
@@ -112,8 +118,8 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     figures = summarise(reports, code)
     figures.update(wall_s=round(wall, 1), seed=args.seed, world=args.nproc, nnodes=args.nnodes or 1,
-                   ranks_per_gpu=args.ranks_per_gpu, requested_calls=args.calls, ops=args.ops or "all",
-                   watchdog_s=args.watchdog, debug=os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0"),
+                   ranks_per_gpu=args.ranks_per_gpu, requested_calls=args.calls - args.first_call,
+                   first_call=args.first_call, ops=args.ops or "all", watchdog_s=args.watchdog, debug=os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0"),
                    exit_code=code)
     if code and not (figures["wrong"] or figures["hangs"]):
         print(f"tridist stress: the job ended with code {code}, and no rank said why (see above)", flush=True)

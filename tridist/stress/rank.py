@@ -218,8 +218,10 @@ def _cuda_failure(error: BaseException) -> bool:
 
 
 def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 120.0, time_limit: float | None = None,
-        reports: str | None = None, plant_wrong: int | None = None, plant_hang: int | None = None) -> dict:
-    """Run `calls` calls of the plan for `seed` on this rank and return its report. Where a hang or
+        reports: str | None = None, plant_wrong: int | None = None, plant_hang: int | None = None,
+        first_call: int = 0) -> dict:
+    """Run calls `first_call` to `calls` - 1 of the plan for `seed` on this rank (the calls before
+    `first_call` are drawn, not made: to replay one) and return its report. Where a hang or
     a failure stops the run, writes the report into `reports` and ends the process (EXIT_HANG,
     EXIT_STOPPED); without `reports` (a world of the tests) it raises instead, but for the watchdog."""
     plan = cases.plan(seed, calls, world, cases.select(ops))
@@ -240,7 +242,7 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
                       loop_s=time.monotonic() - started)
         line = f"{what} {'hung' if kind == 'hang' else 'failed'}: {message}"
         if kind == "failed":
-            runner.wrong.append({"call": calls_run - 1, "line": line})
+            runner.wrong.append({"call": first_call + calls_run - 1, "line": line})
         if kind != "peer":
             runner.say(line)
         _write(reports, world.rank, report)
@@ -253,18 +255,18 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
                                                report["calls"], from_watchdog=True))
     dog.start()
     try:
-        for call in plan.calls:
+        for call in plan.calls[first_call:]:
             if time_limit is not None and time.monotonic() - started > time_limit:
                 report["stop"] = {"kind": "time limit", "what": f"call {call.index}",
                                   "message": f"--time-limit {time_limit:g} s"}
                 break
             what = f"call {call.index} {call.describe()}"
-            report["calls"] = call.index + 1  # calls started
+            report["calls"] = call.index + 1 - first_call  # calls started
             dog.watch(what)
             try:
                 runner.run(call)
             except Stop as error:
-                stop(error.kind, what, str(error), call.index + 1)
+                stop(error.kind, what, str(error), report["calls"])
             dog.done()
         dog.watch("the end of the run (a barrier, then freeing the instances the functions keep)")
         runner.finish()
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     world = tridist.init()
     run(world, args.calls, args.seed, args.ops, args.watchdog, args.time_limit, args.reports, args.plant_wrong,
-        args.plant_hang)
+        args.plant_hang, args.first_call)
     return 0
 
 
