@@ -11,8 +11,13 @@ program never got an SM: the launch needs every program resident at once. The nu
   function, through libcuda) where it can be asked, else `blocks_per_sm`, the rules of CUDA's
   occupancy calculator for Hopper written out (`HOPPER`);
 - SMs: the device's count, which under CUDA MPS is already this client's share of the GPU
-  (`available_sms`), as when several ranks share one GPU; there a co-resident launch takes one
-  program an SM (see `coresident_limit`).
+  (`available_sms`).
+
+Ranks sharing a GPU (CUDA MPS) need more: a rank's programs that wait for a peer's wait for
+programs of another client, which must find room too. MPS caps how many SMs a client's blocks use,
+but nothing we know of says the clients get different SMs. So there a rank counts its share
+divided by the ranks sharing the GPU (`available_sms`) and a co-resident launch takes one program
+an SM (`coresident_limit`): all the ranks' grids then fit even on the SMs of one share.
 """
 import ctypes
 import dataclasses
@@ -103,19 +108,30 @@ def _driver_sms() -> int | None:
 
 @functools.cache
 def available_sms(device: torch.device) -> tuple[int, str]:
-    """(SMs this process may run blocks on, where the number comes from): the smaller of the
-    device's SM count and what the driver reports for this context. Under CUDA MPS with a thread
-    percentage both already count this client's share: an H100 said 32 of its 132 SMs at 25%
-    (2026-11-24, four ranks sharing one; 33 rounded down to whole 2-SM TPCs). Should a driver ever
-    report the whole GPU there, the co-resident launch is also cooperative (see `runtime/jit.py`), so
-    the driver refuses a grid it cannot hold instead of leaving it to wait."""
+    """(SMs this process sizes its grids for, where the number comes from): the smaller of the
+    device's SM count and what the driver reports for this context, divided by the ranks sharing
+    the GPU. Under CUDA MPS with a thread percentage the driver already counts this client's share:
+    an H100 said 32 of its 132 SMs at 25% (2026-11-24, four ranks sharing one; 33 rounded down to
+    whole 2-SM TPCs). Should a driver ever report the whole GPU there, the co-resident launch is
+    also cooperative (see `runtime/jit.py`), so the driver refuses a grid it cannot hold instead of
+    leaving it to wait.
+
+    The division: on 2026-11-26 (one H100 per job, TRIDIST_DEBUG=1) gemm_rs hung in 3 of 4 stress
+    runs at 2 and 4 ranks with grids of one program an SM of each rank's share, the peer's whole
+    grid absent (it had sent none of its tiles), as if the ranks' blocks were given the same SMs.
+    Not proven: the division guards against it at the price of speed, which sharing a GPU does
+    not promise."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     torch.cuda.init()
     with torch.cuda.device(device):
         driver = _driver_sms()
+    sms, where = total, f"{total} on the device"
     if driver is not None and driver < total:
-        return driver, f"{total} on the device, {driver} for this context (cuCtxGetExecAffinity)"
-    return total, f"{total} on the device"
+        sms, where = driver, f"{total} on the device, {driver} for this context (cuCtxGetExecAffinity)"
+    ranks = sharing.ranks_per_gpu_here()
+    if ranks > 1:
+        sms, where = max(1, sms // ranks), f"{where}, / {ranks} ranks sharing the GPU"
+    return sms, where
 
 
 def _driver_blocks_per_sm(compiled) -> int | None:
@@ -148,11 +164,10 @@ def coresident_limit(compiled, device: torch.device) -> tuple[int, str]:
     if driver is not None:
         per_sm, limited_by = driver, f"the driver's answer; counted {counted}: {limited_by}"
     if sharing.ranks_per_gpu_here() > 1:
-        # MPS caps how many SMs a client's blocks occupy, not which (as far as we can tell): another
-        # rank's blocks may hold part of each SM this rank's blocks land on, and the cap is reached
-        # with room for fewer than the grid. One program an SM fits whatever the others hold. Our
-        # reading of 2026-11-26 (one H100 each, 2 and 4 ranks, TRIDIST_DEBUG=1): fused Jacobi grids
-        # of several programs an SM hung in 3 of 4 stress runs, halo signals of a peer never set.
+        # Another rank's blocks may hold part of each SM this rank's blocks land on (see the module
+        # docstring); one program an SM fits beside whatever they hold. 2026-11-26 (one H100 per
+        # job, 2 and 4 ranks, TRIDIST_DEBUG=1): fused Jacobi grids of several programs an SM hung in
+        # 3 of 4 stress runs, a peer's halo signals never set; one an SM, the same calls passed.
         per_sm, limited_by = 1, f"one, as ranks share this GPU; {limited_by}"
     sms, where = available_sms(device)
     why = (f"{per_sm} program(s) an SM ({registers} registers a thread, {shared} bytes of shared memory, "
