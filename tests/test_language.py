@@ -440,3 +440,32 @@ def _grid_barrier(w, rounds):
 @pytest.mark.worlds("1", "2")
 def test_grid_barrier(world):
     world.run(_grid_barrier, rounds=3)
+
+
+@tridist.jit
+def all_ranks_arrive_kernel(counter_ptr, total):
+    """Every program of every rank adds 1 to every rank's counter, then waits until its own holds
+    `total`: no program of any rank ends unless all the ranks' programs run at once."""
+    for peer in range(dl.num_ranks()):
+        dl.notify(counter_ptr, peer, signal=1, sig_op="add")
+    dl.wait(counter_ptr, 1, scope="sys", waitValue=total)
+
+
+def _all_ranks_resident(w):
+    """The largest co-resident grid of every rank runs at once with the others'. Where ranks share a
+    GPU (CUDA MPS) this is the assumption `occupancy` sizes grids for: gemm_rs and the fused Jacobi
+    solver hung on 2026-11-26 when a rank's grid did not get SMs beside the others' (one H100, 2
+    and 4 ranks); with GPUs of their own it holds by construction."""
+    counter = tridist.signals(1)
+    programs = tridist.coresident_programs(all_ranks_arrive_kernel, counter, 2) if w.backend == "nvshmem" else 4
+    total = int(tridist.ops.all_reduce(torch.tensor([float(programs)], device=w.device)).item())
+    for call in (1, 2):
+        all_ranks_arrive_kernel[(programs,)](counter, call * total, coresident=True)
+        tridist.barrier_all()  # no rank adds for call 2 before every rank has seen call 1's total
+    assert counter.item() == 2 * total, (counter.item(), total)
+    tridist.symm_free(counter)
+
+
+@pytest.mark.worlds("2", "4")
+def test_every_rank_s_largest_coresident_grid_runs_at_once(world):
+    world.run(_all_ranks_resident)
