@@ -58,11 +58,8 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
     count per source rank, two slots, raised with COUNT (nothing waits for them at world size 1).
-    `late` takes the tile's source inside a branch (always taken): flattened by Triton 3.6, a plain
-    assignment there was handed on at the tile's first K step instead of its last, so each count
-    went to the tile's own source (`MoEReduceScatter.__init__`); in the branch the fused loop hands
-    it on from the epilogue (the sm_90 TTGIR, read 2026-11-26), as tests/test_triton_loops.py's
-    "count in a branch" passed flattened on an H100."""
+    COUNT takes FLATTEN=False (see `MoEReduceScatter.__init__`)."""
+    tl.static_assert(not (COUNT and FLATTEN), "moe_rs_gemm_kernel: COUNT takes FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -81,8 +78,7 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
         if COUNT:
             if late >= 0:
                 dl.notify(done + late, me, signal=1, sig_op="add")
-            if source >= 0:  # always: see the docstring
-                late = source
+            late = source
         persistent.store_tile(products_ptr, acc, row, tn * BLOCK_N, end, N, BLOCK_M, BLOCK_N)
     if late >= 0:
         dl.notify(done + late, me, signal=1, sig_op="add")
@@ -211,9 +207,7 @@ class MoEReduceScatter:
         # on an H100 (2026-11-26, every FLATTEN config): the fused loop hands `late = source` on at
         # every K step, not after the last, so a tile's count used its own source (the sm_90 TTGIR
         # shows it; tests/test_triton_loops.py). The peers' combine, waiting for the exact count,
-        # hung. Unflattened every count was exact. The kernel now assigns it in a branch, which the
-        # fused loop gets right in its TTGIR; until test_moe_rs_gemm_counts_each_tile_once has passed
-        # flattened on a GPU, moe_rs with peers stays unflattened.
+        # hung. Unflattened every count was exact.
         self.config = allgather_moe.moe_config(
             config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs),
             lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c)),
