@@ -27,6 +27,7 @@ import torch
 
 from . import sharing
 
+
 @dataclasses.dataclass(frozen=True)
 class SMLimits:
     """What one SM holds, and how its resources are handed out (sm_90: H100, H200)."""

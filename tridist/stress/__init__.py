@@ -35,11 +35,12 @@ and the launcher stops the others.
 
 --first-call I makes only calls I, I + 1, ... of the same plan (the calls before it are drawn, not
 made): `--seed S --first-call I --calls I+1` replays call I alone, on a fresh job. --ops takes op
-names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the
-modules of `tridist.ops`), comma-separated; --time-limit stops starting new calls after that many
-seconds (kernels compile on first use: a first run on a GPU spends most of its time compiling);
---out writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as
-the benchmarks' results are, `stress-seed<S>-...` for a seed other than 0). Exit codes: 0 right, 1 wrong results, 3 a hang, 4 a call failed.
+names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the modules of
+`tridist.ops`), comma-separated; --time-limit stops starting new calls after that many seconds
+(kernels compile on first use: a first run on a GPU spends most of its time compiling); --out
+writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as the
+benchmarks' results are, `stress-seed<S>-...` for a seed other than 0). Exit codes: 0 right, 1
+wrong results, 3 a hang, 4 a call failed.
 """
 import argparse
 import json
@@ -119,8 +120,8 @@ def main(args: argparse.Namespace) -> int:
     figures = summarise(reports, code)
     figures.update(wall_s=round(wall, 1), seed=args.seed, world=args.nproc, nnodes=args.nnodes or 1,
                    ranks_per_gpu=args.ranks_per_gpu, requested_calls=args.calls - args.first_call,
-                   first_call=args.first_call, ops=args.ops or "all", watchdog_s=args.watchdog, debug=os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0"),
-                   exit_code=code)
+                   first_call=args.first_call, ops=args.ops or "all", watchdog_s=args.watchdog,
+                   debug=os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0"), exit_code=code)
     if code and not (figures["wrong"] or figures["hangs"]):
         print(f"tridist stress: the job ended with code {code}, and no rank said why (see above)", flush=True)
     if args.out:
