@@ -8,10 +8,11 @@
 #     4 and 2x2 with peers: a CUDA MPS daemon is started for the run and quit however it ends; the
 #     benchmarks then check results only: see docs/guide/one-gpu.md)
 #   STRESS="2:10000 4:2000" bash scripts/gpu_suite.sh stress   (`tridist stress` runs of N ranks and C calls,
-#     and a seed other than 0 as N:C:S,
-#     with TRIDIST_DEBUG=1 unless STRESS_DEBUG=0, each stopped after STRESS_TIME_LIMIT seconds (default
+#     N:C:S with a seed other than 0, N:C:S:F for calls F to C - 1 of the seed's plan (--first-call),
+#     with TRIDIST_DEBUG=1 unless STRESS_DEBUG=0, each job stopped after STRESS_TIME_LIMIT seconds (default
 #     400); their figures go to benchmarks/results. With RANKS_PER_GPU > 1 and a GPU for each job, the
-#     jobs run at once, job i on GPU i with all its ranks; else one after the other)
+#     jobs run at once, job i on GPU i with all its ranks; else one after the other. Runs joined by +
+#     (4:145:2:144+2:3000:3:1500) are one job: one after the other on its GPU)
 #   PARALLEL=4 RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 pytest-xdist workers, each with a GPU
 #     of its own whose ranks share it: the suite with peers on 4 GPUs at once, 4 kernels compiling at a time)
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
@@ -123,14 +124,23 @@ if wants bench; then
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
 fi
-stress_job() {  # index ranks:calls[:seed] ranks_per_gpu
-  local ranks calls seed
-  IFS=: read -r ranks calls seed <<< "$2"
-  # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
-  PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
-    timeout $(( ${STRESS_TIME_LIMIT:-400} + 150 )) python -m tridist stress -n "$ranks" --calls "$calls" \
-    --seed "${seed:-0}" --ranks-per-gpu "$3" --time-limit "${STRESS_TIME_LIMIT:-400}" --out benchmarks/results \
-    > "$OUT/stress-$1.log" 2>&1
+stress_job() {  # index ranks:calls[:seed[:first]][+ranks:calls...] [one-gpu: all of a run's ranks on one GPU]
+  local run ranks calls seed first per_gpu left code=0 deadline=$((SECONDS + ${STRESS_TIME_LIMIT:-400}))
+  for run in ${2//+/ }; do
+    IFS=: read -r ranks calls seed first <<< "$run"
+    if [ "${3:-}" = one-gpu ]; then per_gpu=$ranks
+    elif [ "${RANKS_PER_GPU:-1}" = 1 ]; then per_gpu=1
+    else per_gpu=$(( (ranks + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the run needs
+    fi
+    left=$((deadline - SECONDS)); [ "$left" -gt 0 ] || { echo "no time left for stress run $run" >> "$OUT/stress-$1.log"; break; }
+    # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
+    PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
+      timeout $((left + 150)) python -m tridist stress -n "$ranks" --calls "$calls" \
+      --seed "${seed:-0}" --first-call "${first:-0}" --ranks-per-gpu "$per_gpu" \
+      --time-limit "$left" --out benchmarks/results >> "$OUT/stress-$1.log" 2>&1
+    code=$((code | $?))
+  done
+  return $code
 }
 if wants stress; then
   stress_jobs=(${STRESS:-2:1000})
@@ -139,16 +149,11 @@ if wants stress; then
     pids=()
     for i in "${!stress_jobs[@]}"; do
       job=${stress_jobs[$i]}
-      CUDA_VISIBLE_DEVICES=$i stress_job "$i" "$job" "${job%%:*}" & pids+=($!)
+      CUDA_VISIBLE_DEVICES=$i stress_job "$i" "$job" one-gpu & pids+=($!)
     done
     for pid in "${pids[@]}"; do wait "$pid"; status=$((status | $?)); done
   else
-    for i in "${!stress_jobs[@]}"; do
-      job=${stress_jobs[$i]}
-      per_gpu=$(( (${job%%:*} + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the job needs
-      [ "${RANKS_PER_GPU:-1}" = 1 ] && per_gpu=1
-      stress_job "$i" "$job" "$per_gpu"; status=$((status | $?))
-    done
+    for i in "${!stress_jobs[@]}"; do stress_job "$i" "${stress_jobs[$i]}"; status=$((status | $?)); done
   fi
   for i in "${!stress_jobs[@]}"; do grep -v '^\[rank' "$OUT/stress-$i.log" | tail -n 20; done
   tar czf "$OUT/stress-results.tar.gz" benchmarks/results/stress-*

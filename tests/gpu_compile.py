@@ -176,13 +176,14 @@ def _moe_cases():
                            "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", **blocks},
                           {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
                            **config}, options))
-        cases.append((moe_reduce.moe_rs_gemm_kernel,
-                      {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
-                       "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
-                       "calls_ptr": "*i64", "N": "i32", "K": "i32", "COUNT": "constexpr", "W_PAD": "constexpr",
-                       "E_PAD": "constexpr", **blocks},
-                      # with peers (COUNT) moe_rs never flattens: tests/test_triton_loops.py says why
-                      {"COUNT": not config["FLATTEN"], "W_PAD": 8, "E_PAD": 256, **config}, options))
+        # With peers moe_rs counts its tiles (COUNT), flattened or not.
+        cases += [(moe_reduce.moe_rs_gemm_kernel,
+                   {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
+                    "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
+                    "calls_ptr": "*i64", "N": "i32", "K": "i32", "COUNT": "constexpr", "W_PAD": "constexpr",
+                    "E_PAD": "constexpr", **blocks},
+                   {"COUNT": count, "W_PAD": 8, "E_PAD": 256, **config}, options)
+                  for count in ((False, True) if config["FLATTEN"] else (True,))]
     combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
     combine.update(row_of_pair_ptr="*i32", counts_ptr="*i32", weights_ptr="*fp32", exchange_ptr="*fp32",
                    flags_ptr="*i64", done_ptr="*i64", calls_ptr="*i64")

@@ -406,7 +406,7 @@ def _placement(w, sources, w_pad):
 # On H100s, with a count matrix of 2 rows the receive wrote only the first 16 bytes of the second
 # source's rows (2026-11-25 and -26), and this placement alone, with no communication, put rows of
 # expert 2 wrong at W_PAD 2 (one H100, 2026-11-26): Triton 3.6 miscompiles the scan over an axis of
-# 2 (benchmarks/NOTES.md). The ops pad the matrix to `exchange.sources_pad(world)` rows, at least 4;
+# 2 (benchmarks/NOTES.md). The ops pad the matrix to `exchange.matrix_pad(world)` rows, at least 4;
 # if a Triton release makes the W_PAD 2 case pass on GPUs, that padding can shrink.
 _MISCOMPILED = pytest.mark.xfail(backend() == "nvshmem", strict=False,
                                  reason="Triton 3.6 miscompiles the count matrix's scan at 2 rows on sm_90")
@@ -415,5 +415,5 @@ _MISCOMPILED = pytest.mark.xfail(backend() == "nvshmem", strict=False,
 @pytest.mark.worlds("1")
 @pytest.mark.parametrize("sources, w_pad", [pytest.param(2, 2, marks=_MISCOMPILED), (2, 4), (3, 4), (4, 4)])
 def test_low_latency_placement(world, sources, w_pad):
-    assert exchange.sources_pad(sources) >= max(4, sources)
+    assert exchange.matrix_pad(sources) >= max(4, sources)
     world.run(_placement, sources=sources, w_pad=w_pad)

@@ -195,3 +195,9 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
         {"rank": 1, "calls": 3, "wrong": []}]))
     assert stress.main(args) == stress.EXIT_STOPPED, "a call that raised ends the run, counted wrong"
     assert re.fullmatch(r"stress: 3 calls, 1 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
+    part = parser.parse_args(["-n", "2", "--calls", "9", "--seed", "3", "--first-call", "4", "--out", str(tmp_path)])
+    monkeypatch.setattr(launcher, "run", fake_launch([
+        {"rank": r, "calls": 5, "wrong": [], "environment": {"date": "2026-11-24"}} for r in (0, 1)]))
+    assert stress.main(part) == 0
+    figures = json.loads((tmp_path / "stress-seed3-from4-cpux2-2026-11-24.json").read_text())
+    assert (figures["calls"], figures["first_call"], figures["requested_calls"]) == (5, 4, 5), "a part of a plan"

@@ -39,7 +39,9 @@ names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the mo
 `tridist.ops`), comma-separated; --time-limit stops starting new calls after that many seconds
 (kernels compile on first use: a first run on a GPU spends most of its time compiling); --out
 writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as the
-benchmarks' results are, `stress-seed<S>-...` for a seed other than 0). Exit codes: 0 right, 1
+benchmarks' results are, `stress-seed<S>-...` for a seed other than 0, `stress[-seed<S>]-from<I>-...`
+for a run from call I: a long plan split into runs of consecutive calls, a GPU each, keeps a file
+per run). Exit codes: 0 right, 1
 wrong results, 3 a hang, 4 a call failed.
 """
 import argparse
@@ -169,8 +171,10 @@ def _save(out: str, figures: dict) -> str:
     path = out
     if not out.endswith(".json"):
         os.makedirs(out, exist_ok=True)
-        # Runs of several seeds on one day (a GPU each) keep a file each.
+        # Runs of several seeds, or of parts of one plan, on one day (a GPU each) keep a file each.
         name = "stress" if figures["seed"] == 0 else f"stress-seed{figures['seed']}"
+        if figures["first_call"]:
+            name += f"-from{figures['first_call']}"
         path = os.path.join(out, file_name(name, environment or {"date": time.strftime("%Y-%m-%d")},
                                            ranks=figures["world"]))
     with open(path, "w") as f:

@@ -124,24 +124,13 @@ def check_build(op: str, tokens: int, topk: int, experts: int, k: int, n: int, d
 
 
 def moe_config(config, name: str, key, make_op, make_inputs, device: torch.device, pairs: int, experts: int, n: int,
-               dtype: torch.dtype, flatten: bool = True) -> dict:
+               dtype: torch.dtype) -> dict:
     """The GEMM config of an MoE op over `pairs` rows of h in world_size x experts segments (see
-    `persistent.resolve_config`; candidates `grouped.configs`). Without `flatten`, the configs with
-    FLATTEN are taken with FLATTEN=False, and one given with FLATTEN is refused."""
-    if isinstance(config, dict) and config.get("FLATTEN") and not flatten:
-        raise ValueError(f"{name} with several ranks takes configs with FLATTEN=False (Triton 3.6 miscompiles its "
-                         f"loop nest flattened); got {config}")
+    `persistent.resolve_config`; candidates `grouped.configs`)."""
     segments = tridist.world().world_size * experts
-    candidates = grouped.configs(device, dtype)
-    default = grouped.default_config(device, pairs, segments, n, dtype)
-    if not flatten:  # the same tiles, unflattened, each once
-        unique = {}
-        for c in candidates:
-            c = {**c, "FLATTEN": False}
-            unique.setdefault(tuple(sorted(c.items())), c)
-        candidates, default = list(unique.values()), {**default, "FLATTEN": False}
     return persistent.resolve_config(config, name, key, make_op, make_inputs, device, pairs, n, dtype=dtype,
-                                     candidates=candidates, default=default)
+                                     candidates=grouped.configs(device, dtype),
+                                     default=grouped.default_config(device, pairs, segments, n, dtype))
 
 
 def random_routing(tokens: int, topk: int, experts: int, device: torch.device) -> torch.Tensor:

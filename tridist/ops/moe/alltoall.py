@@ -181,8 +181,8 @@ class AllToAllV:
         self.rows, self.out_rows, self.row_shape, self.dtype = rows, out_rows, tuple(row_shape), dtype
         self.width = max(1, int(torch.Size(self.row_shape).numel()))
         self.experts, self.layout = experts_per_rank, layout
-        self.w_pad = exchange.sources_pad(w.world_size)
-        self.g_pad = triton.next_power_of_2(experts_per_rank)
+        self.w_pad = exchange.matrix_pad(w.world_size)
+        self.g_pad = exchange.matrix_pad(experts_per_rank)
         _protocol.check_offsets("all_to_all_v", w.world_size * rows * self.width)
         limit = _protocol.programs_limit(programs, w)
         self.splits = max(1, limit // w.world_size)  # programs per destination; fitted at the first call

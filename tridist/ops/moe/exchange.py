@@ -216,15 +216,19 @@ def positions_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, pe
     tl.store(counts_ptr + group, before, mask=real)
 
 
-def sources_pad(world_size: int) -> int:
-    """W_PAD, the rows of a receiver's count matrix (a row per source), at least 4. With 2 rows, the
-    low-latency receive, compiled with 16-byte copies, wrote only the first 16 bytes of each row of
-    the second source (2 x H100, 2026-11-25 and -26, deterministic, with one split per peer too);
-    with 4 rows (the same kernel at world 2, or worlds 4 and 2x2) and with rows of 65 words (no
-    16-byte copies) every row was exact. Suspected: the code Triton generates for `tl.cumsum` over
-    the 2-row matrix (`test_low_latency_placement` tells on a GPU). `all_to_all_v` places its rows
-    the same way, so it takes the same padding."""
-    return max(4, triton.next_power_of_2(world_size))
+def matrix_pad(length: int) -> int:
+    """W_PAD, E_PAD or G_PAD: a side of a receiver's count matrix (a row per source, a column per
+    local expert), a power of two and at least 4. Triton 3.6 gets a side of 2 wrong on sm_90, where
+    the matrix's layout holds 4 words a thread (16-byte copies elsewhere in the kernel):
+    - 2 rows: the low-latency receive wrote only the first 16 bytes of each row of the second source
+      (2 x H100, 2026-11-25 and -26, deterministic, with one split per peer too); with 4 rows, and
+      with rows of 65 words (no 16-byte copies), every row was exact. `test_low_latency_placement`
+      shows the scan over the 2-row matrix placing rows wrong on a GPU;
+    - 2 columns: compiling the low-latency receive with 2 local experts and 256-word copies stopped
+      in the scan's lowering (an assertion in ScanOpToLLVM.cpp: a stress call on an H100,
+      2026-11-26, fp8 tokens of 4096 columns); with 1 or 4 columns it compiles.
+    The padding costs a few words of counts; `all_to_all_v` places its rows the same way."""
+    return max(4, triton.next_power_of_2(length))
 
 
 def route(idx, positions, counts, groups: int, per_group: int, one_group: bool) -> None:

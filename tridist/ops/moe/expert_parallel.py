@@ -407,8 +407,8 @@ class EPBuffer:
             raise ValueError(f"EPBuffer takes {', '.join(str(d) for d in DTYPES)}; got {dtype}")
         self.num_experts, self.hidden, self.max_tokens, self.dtype = num_experts, hidden, max_tokens_per_rank, dtype
         self.experts_local = num_experts // w.world_size
-        self.w_pad = exchange.sources_pad(w.world_size)
-        self.e_pad = triton.next_power_of_2(self.experts_local)
+        self.w_pad = exchange.matrix_pad(w.world_size)
+        self.e_pad = exchange.matrix_pad(self.experts_local)
         self.splits = max(1, _protocol.programs_for(w.device) // w.world_size)
         self._exchanges: dict = {}
         self._hook_pending = False

@@ -12,10 +12,9 @@ Protocol (slots and call epochs as in `_protocol.py`)
   of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs orders its tiles.
   Each tile's rows go to `products` (P x K, local, h's row order), and one tile late (so that the
   tile's stores have drained when the release is made) it adds 1 to done[slot, source], the
-  count of finished tiles of that source's rows (not at world size 1: nothing waits for it; with
-  the counts the loop nest is never flattened, which Triton 3.6 miscompiles). Program 0 zeroes the
-  other slot's counts for the next call (this call's other kernels have finished with it: each call
-  waits for the last).
+  count of finished tiles of that source's rows (not at world size 1: nothing waits for it).
+  Program 0 zeroes the other slot's counts for the next call (this call's other kernels have
+  finished with it: each call waits for the last).
 - The combine for the peers (`moe_combine_kernel` with OWN=False), on a side stream beside the
   GEMM (a quarter of the SMs: `comm_programs`): program 0 first sends this rank's topk weights into row
   `rank` of every peer's `weights` and raises flag (slot, rank) there to the epoch. Then, for each
@@ -58,8 +57,11 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
     count per source rank, two slots, raised with COUNT (nothing waits for them at world size 1).
-    COUNT takes FLATTEN=False (see `MoEReduceScatter.__init__`)."""
-    tl.static_assert(not (COUNT and FLATTEN), "moe_rs_gemm_kernel: COUNT takes FLATTEN=False")
+    `late` takes the tile's source inside a branch (always taken): flattened by Triton 3.6, a plain
+    assignment there was handed on at the tile's first K step instead of its last, so each count
+    went to the tile's own source; in the branch the fused loop hands it on from the epilogue (the
+    sm_90 TTGIR, read 2026-11-26), and every config counted each tile once flattened on an H100
+    (test_moe_rs_gemm_counts_each_tile_once; tests/test_triton_loops.py's "count in a branch")."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -78,7 +80,8 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
         if COUNT:
             if late >= 0:
                 dl.notify(done + late, me, signal=1, sig_op="add")
-            late = source
+            if source >= 0:  # always: see the docstring
+                late = source
         persistent.store_tile(products_ptr, acc, row, tn * BLOCK_N, end, N, BLOCK_M, BLOCK_N)
     if late >= 0:
         dl.notify(done + late, me, signal=1, sig_op="add")
@@ -203,16 +206,15 @@ class MoEReduceScatter:
         self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
         _protocol.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
-        # With peers the GEMM counts its tiles (COUNT). Flattened by Triton 3.6 the counts were wrong
-        # on an H100 (2026-11-26, every FLATTEN config): the fused loop hands `late = source` on at
-        # every K step, not after the last, so a tile's count used its own source (the sm_90 TTGIR
-        # shows it; tests/test_triton_loops.py). The peers' combine, waiting for the exact count,
-        # hung. Unflattened every count was exact.
+        # With peers the GEMM counts its tiles (COUNT), `late` assigned in a branch: a plain assignment,
+        # flattened by Triton 3.6, gave every count to the tile's own source on an H100 and the peers'
+        # combine hung (2026-11-26; see moe_rs_gemm_kernel). In the branch every FLATTEN config counted
+        # each tile once at 1 and 2 ranks (test_moe_rs_gemm_counts_each_tile_once, one H100, 2026-11-26).
         self.config = allgather_moe.moe_config(
             config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs),
             lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c)),
             lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
-            dtype, flatten=w.world_size == 1)
+            dtype)
         programs = _protocol.programs_for(w.device)
         # A quarter: of 8, 16, 33 and 66 programs on 2 x H100 (132 SMs), 33 was the fastest at each
         # layer of `tridist bench moe_rs` (deepseek 492 us, 803 at 8), and on 4 it beat 8 (614 us
@@ -347,8 +349,7 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
         handle: the `MoEHandle` that `ag_moe` returned with h.
         topk_weights_shard: float32 T_r x topk, the weights of this rank's tokens' experts.
         out: T_r x K in h's dtype, or None for a new tensor.
-        config: a dict of `tridist.ops.gemm.grouped.configs` (with several ranks, with
-            FLATTEN=False), None, or "tune".
+        config: a dict of `tridist.ops.gemm.grouped.configs`, None, or "tune".
 
     Returns:
         y_shard, T_r x K: for each of this rank's tokens, sum over k of topk_weights[t, k] *
