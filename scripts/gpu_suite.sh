@@ -132,7 +132,8 @@ stress_job() {  # index ranks:calls[:seed[:first]][+ranks:calls...] [one-gpu: al
     elif [ "${RANKS_PER_GPU:-1}" = 1 ]; then per_gpu=1
     else per_gpu=$(( (ranks + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the run needs
     fi
-    left=$((deadline - SECONDS)); [ "$left" -gt 0 ] || { echo "no time left for stress run $run" >> "$OUT/stress-$1.log"; break; }
+    left=$((deadline - SECONDS))
+    [ "$left" -gt 0 ] || { echo "no time left for stress run $run" >> "$OUT/stress-$1.log"; break; }
     # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
     PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
       timeout $((left + 150)) python -m tridist stress -n "$ranks" --calls "$calls" \

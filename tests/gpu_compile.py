@@ -200,7 +200,11 @@ def _moe_cases():
 def _expert_parallel_cases():
     """The all-to-all-v kernel (the expert-major layout: every branch but the given offsets), the
     routing both ways, and EPBuffer's four kernels (the low-latency dispatch as one launch, which
-    holds both halves), at DeepSeek-like sizes: 8 ranks, 32 experts each, top-8, hidden 7168."""
+    holds both halves), at DeepSeek-like sizes: 8 ranks, 32 experts each, top-8, hidden 7168. And
+    the all-to-all-v with given offsets in int8 rows of one expert a rank: 16-element copies beside
+    the count matrix's narrowest side (`exchange.matrix_pad`), which Triton 3.6 failed to lower
+    at 8."""
+    w_pad, e_pad = exchange.matrix_pad(8), exchange.matrix_pad(32)
     i32 = {"width": "i32", "max_tokens": "i32", "experts_local": "i32", "topk": "i32", "slot_numel": "i32",
            "meta_slot": "i32", "local_world_size": "i32", "splits": "i32", "tokens": "i32", "hidden": "i32"}
     block_w = expert_parallel._block_w(7168 // 2)
@@ -219,19 +223,20 @@ def _expert_parallel_cases():
                                        "ONE_GROUP": "constexpr", "GROUPS": "constexpr", "BLOCK": "constexpr"},
            {"ONE_GROUP": one, "GROUPS": groups, "BLOCK": exchange.ROUTE_IDS // groups})
           for one, groups in ((True, 16), (False, 8))],
-        (alltoall.all_to_all_v_kernel,
-         {"x_ptr": "*i16", "splits_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": "*i16", "result_ptr": "*i64",
-          "staging_ptr": "*i16", "counts_ptr": "*i32", "flags_ptr": "*i64", "calls_ptr": "*i64", "width": "i32",
-          "region": "i32", "out_rows": "i32", "experts": "i32", "major_align": "i32", "slot_numel": "i32",
-          "local_world_size": "i32", "splits": "i32", "LAYOUT": "constexpr", "W_PAD": "constexpr",
-          "G_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"LAYOUT": 1, "W_PAD": 8, "G_PAD": 32, "BLOCK_R": alltoall.BLOCK_R,
-          "BLOCK_W": alltoall.TILE // alltoall.BLOCK_R}),
+        *[(alltoall.all_to_all_v_kernel,
+           {"x_ptr": word, "splits_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": word, "result_ptr": "*i64",
+            "staging_ptr": word, "counts_ptr": "*i32", "flags_ptr": "*i64", "calls_ptr": "*i64", "width": "i32",
+            "region": "i32", "out_rows": "i32", "experts": "i32", "major_align": "i32", "slot_numel": "i32",
+            "local_world_size": "i32", "splits": "i32", "LAYOUT": "constexpr", "W_PAD": "constexpr",
+            "G_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+           {"LAYOUT": layout, "W_PAD": w_pad, "G_PAD": g_pad, "BLOCK_R": alltoall.BLOCK_R,
+            "BLOCK_W": alltoall.TILE // alltoall.BLOCK_R})
+          for word, layout, g_pad in (("*i16", 1, e_pad), ("*i8", 2, exchange.matrix_pad(1)))],
         (expert_parallel.dispatch_kernel,
          {**dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "slot_numel",
                                               "meta_slot", "local_world_size", "splits")},
           "W_PAD": "constexpr", "E_PAD": "constexpr", "K_PAD": "constexpr", "BLOCK_R": "constexpr",
-          "BLOCK_W": "constexpr"}, {"W_PAD": 8, "E_PAD": 32, "K_PAD": 32, **blocks}),
+          "BLOCK_W": "constexpr"}, {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks}),
         (expert_parallel.combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
           "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
@@ -243,7 +248,7 @@ def _expert_parallel_cases():
                                                  "slot_numel", "meta_slot", "local_world_size", "splits")},
           "SEND": "constexpr", "RECEIVE": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
           "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"SEND": True, "RECEIVE": True, "W_PAD": 8, "E_PAD": 32, **blocks}),
+         {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, **blocks}),
         (expert_parallel.ll_combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
           "weights_ptr": "*fp32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64",
@@ -251,7 +256,8 @@ def _expert_parallel_cases():
           **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "topk", "slot_numel", "local_world_size",
                                  "splits")},
           "W_PAD": "constexpr", "E_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"W_PAD": 8, "E_PAD": 32, "BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel._block_w(7168)}),
+         {"W_PAD": w_pad, "E_PAD": e_pad, "BLOCK_R": expert_parallel.BLOCK_R,
+          "BLOCK_W": expert_parallel._block_w(7168)}),
     ]
 
 

@@ -151,6 +151,38 @@ def test_all_to_all_v_dtypes(world):
     world.run(_dtypes)
 
 
+def _wide_rows(w):
+    """Rows of 1024 elements in bf16 and int8 (copies of 512 elements a step, 8 and 16 a thread) with
+    1 to 4 experts a rank, every layout, there and back exact. Triton 3.6 failed to compile the kernel
+    for sm_90 at such widths where the count matrix was narrower than a thread's elements (a stress
+    call on an H100, 2026-11-26: `exchange.matrix_pad`)."""
+    for dtype in (torch.bfloat16, torch.int8):
+        for experts in (1, 3, 4):
+            bits = torch.randint(0, 255, (ROWS, 1024 * dtype.itemsize), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(w.rank))
+            x = bits.view(dtype).to(w.device)
+            splits = _splits("full", w.rank, w.world_size, experts, 0).to(w.device)
+            out = torch.zeros((w.world_size * ROWS + experts, 1024), dtype=dtype, device=w.device)
+            back = torch.zeros_like(x)
+            ops.all_to_all_v_2d_offset(out, ops.all_to_all_v_2d(x, splits, out), back)
+            what = f"{dtype}, {experts} experts a rank"
+            assert torch.equal(back.cpu().view(torch.uint8), bits), f"{what}: the round trip"
+            if experts == 1:
+                out.zero_()
+                ops.all_to_all_v(x, splits, out)
+                step = ROWS // w.world_size
+                every = [torch.randint(0, 255, (ROWS, 1024 * dtype.itemsize), dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(r)) for r in range(w.world_size)]
+                expected = torch.cat([every[q][w.rank * step:(w.rank + 1) * step] for q in range(w.world_size)])
+                assert torch.equal(out[:expected.shape[0]].cpu().view(torch.uint8), expected), what
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("2")
+def test_all_to_all_v_wide_rows(world):
+    world.run(_wide_rows)
+
+
 def _deterministic(w):
     """The same inputs give the same bits (a hash over three calls)."""
     x = _payload(w.rank, ROWS).to(w.device)

@@ -2,9 +2,10 @@
 without communication: a value carried from one tile to the next and acted on one tile late.
 
 moe_rs's GEMM counted its tiles wrongly flattened on an H100 (2026-11-26, `late = source` outside a
-branch; it now assigns `late` in one, as gemm_rs does). Its sm_90 TTGIR (Triton 3.6) shows why: `late = source`, with `source` loaded before the
-inner loop, became a yield of that value at every step of the fused loop, so the count after the
-inner loop's last step already saw this tile's source. `count_late_kernel` is that loop alone.
+branch; it now assigns `late` in one, as gemm_rs does). Its sm_90 TTGIR (Triton 3.6) shows why:
+`late = source`, with `source` loaded before the inner loop, became a yield of that value at every
+step of the fused loop, so the count after the inner loop's last step already saw this tile's
+source. `count_late_kernel` is that loop alone.
 gemm_rs raises its flags one tile late too, but assigns `late` inside a branch after the inner loop,
 which the fused loop yields only at the last step (`flag_late_kernel`; its TTGIR looks right)."""
 import pytest

@@ -218,17 +218,18 @@ def positions_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, pe
 
 def matrix_pad(length: int) -> int:
     """W_PAD, E_PAD or G_PAD: a side of a receiver's count matrix (a row per source, a column per
-    local expert), a power of two and at least 4. Triton 3.6 gets a side of 2 wrong on sm_90, where
-    the matrix's layout holds 4 words a thread (16-byte copies elsewhere in the kernel):
-    - 2 rows: the low-latency receive wrote only the first 16 bytes of each row of the second source
-      (2 x H100, 2026-11-25 and -26, deterministic, with one split per peer too); with 4 rows, and
-      with rows of 65 words (no 16-byte copies), every row was exact. `test_low_latency_placement`
-      shows the scan over the 2-row matrix placing rows wrong on a GPU;
-    - 2 columns: compiling the low-latency receive with 2 local experts and 256-word copies stopped
-      in the scan's lowering (an assertion in ScanOpToLLVM.cpp: a stress call on an H100,
-      2026-11-26, fp8 tokens of 4096 columns); with 1 or 4 columns it compiles.
-    The padding costs a few words of counts; `all_to_all_v` places its rows the same way."""
-    return max(4, triton.next_power_of_2(length))
+    local expert), a power of two and at least 16. Triton 3.6 (sm_90) lowers a scan over a side
+    shorter than the elements a thread holds in the kernel's 16-byte copies (4 int32, 8 int16,
+    16 int8: the matrix takes the copies' layout) wrongly or not at all:
+    - 2 rows, int32 copies: the low-latency receive wrote only the first 16 bytes of each row of
+      the second source (2 x H100, 2026-11-25 and -26; `test_low_latency_placement` shows the scan
+      placing rows wrong), exact with 4 rows;
+    - columns: 2 local experts in the low-latency receive (int32 copies of 256 words), and 4 and 8
+      experts per rank in `all_to_all_v` of bf16 and int8 rows (copies of 512 elements), stopped in
+      the scan's lowering (an assertion in ScanOpToLLVM.cpp; stress calls on an H100, 2026-11-26);
+      compiled for sm_90 here, every one of them compiles with 16.
+    16 covers every element size; the padding costs a few words of counts."""
+    return max(16, triton.next_power_of_2(length))
 
 
 def route(idx, positions, counts, groups: int, per_group: int, one_group: bool) -> None:
