@@ -47,12 +47,16 @@ export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
 #   gzip -9 -c .triton-cache/compile-log.jsonl > tests/gpu-compile-log.jsonl.gz
 gunzip -c tests/gpu-compile-log.jsonl.gz >> "$TRIDIST_COMPILE_LOG"  # precompile reads each entry once
 status=0
-if [ -f "$TRIDIST_COMPILE_LOG" ] && { wants tests || wants stress; }; then
-  # Before MPS starts: the compiling processes need no GPU share.
-  timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 | tail -n 20 | tee "$OUT/precompile.log"
-  if wants stress && [ "${STRESS_DEBUG:-1}" = 1 ] && [ "${TRIDIST_DEBUG:-0}" != 1 ]; then  # the stress runs' mode too
-    TRIDIST_DEBUG=1 timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 | tail -n 20 | tee -a "$OUT/precompile.log"
-  fi
+if [ -f "$TRIDIST_COMPILE_LOG" ]; then
+  # Before MPS starts: the compiling processes need no GPU share. Each mode the run needs, once:
+  # the tests' (TRIDIST_DEBUG as set) and the stress runs' (TRIDIST_DEBUG=STRESS_DEBUG).
+  modes=()
+  wants tests && modes+=("${TRIDIST_DEBUG:-0}")
+  wants stress && [[ " ${modes[*]} " != *" ${STRESS_DEBUG:-1} "* ]] && modes+=("${STRESS_DEBUG:-1}")
+  for mode in "${modes[@]}"; do
+    TRIDIST_DEBUG=$mode timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 \
+      | tail -n 20 | tee -a "$OUT/precompile.log"
+  done
 fi
 gpus=$(nvidia-smi -L | wc -l)
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(tr , '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
