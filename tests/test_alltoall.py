@@ -129,20 +129,27 @@ def test_all_to_all_v_2d_unaligned(world):
     world.run(_all_to_all, kinds=["random", "full"], experts=2, align=1)
 
 
+def _bits(rank, width, dtype):
+    """Rank `rank`'s x: ROWS rows of `width` random elements of `dtype` (random bytes), as uint8."""
+    return torch.randint(0, 255, (ROWS, width * dtype.itemsize), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(rank))
+
+
+def _check_even_split(w, out, width, dtype, what):
+    """out after `all_to_all_v` of every rank's `_bits` with ROWS // world rows to each rank."""
+    step = ROWS // w.world_size
+    expected = torch.cat([_bits(q, width, dtype)[w.rank * step:(w.rank + 1) * step] for q in range(w.world_size)])
+    assert torch.equal(out[:expected.shape[0]].cpu().view(torch.uint8), expected), what
+
+
 def _dtypes(w):
     """Every dtype the rows may hold moves bit for bit, whatever the bits mean."""
     splits = torch.full((w.world_size,), ROWS // w.world_size, dtype=torch.int64, device=w.device)
     for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int32, torch.uint8, torch.int64):
-        bits = torch.randint(0, 255, (ROWS, 4 * dtype.itemsize), dtype=torch.uint8,
-                             generator=torch.Generator().manual_seed(w.rank))
-        x = bits.view(dtype).to(w.device)
+        x = _bits(w.rank, 4, dtype).view(dtype).to(w.device)
         out = torch.zeros((w.world_size * ROWS, 4), dtype=dtype, device=w.device)
         ops.all_to_all_v(x, splits, out)
-        every = [torch.randint(0, 255, (ROWS, 4 * dtype.itemsize), dtype=torch.uint8,
-                               generator=torch.Generator().manual_seed(r)).view(dtype) for r in range(w.world_size)]
-        step = ROWS // w.world_size
-        expected = torch.cat([every[q][w.rank * step:(w.rank + 1) * step] for q in range(w.world_size)])
-        assert torch.equal(out[:expected.shape[0]].cpu().view(torch.uint8), expected.view(torch.uint8)), dtype
+        _check_even_split(w, out, 4, dtype, dtype)
     tridist.barrier_all()
 
 
@@ -158,8 +165,7 @@ def _wide_rows(w):
     call on an H100, 2026-11-26: `exchange.matrix_pad`)."""
     for dtype in (torch.bfloat16, torch.int8):
         for experts in (1, 3, 4):
-            bits = torch.randint(0, 255, (ROWS, 1024 * dtype.itemsize), dtype=torch.uint8,
-                                 generator=torch.Generator().manual_seed(w.rank))
+            bits = _bits(w.rank, 1024, dtype)
             x = bits.view(dtype).to(w.device)
             splits = _splits("full", w.rank, w.world_size, experts, 0).to(w.device)
             out = torch.zeros((w.world_size * ROWS + experts, 1024), dtype=dtype, device=w.device)
@@ -170,11 +176,7 @@ def _wide_rows(w):
             if experts == 1:
                 out.zero_()
                 ops.all_to_all_v(x, splits, out)
-                step = ROWS // w.world_size
-                every = [torch.randint(0, 255, (ROWS, 1024 * dtype.itemsize), dtype=torch.uint8,
-                                       generator=torch.Generator().manual_seed(r)) for r in range(w.world_size)]
-                expected = torch.cat([every[q][w.rank * step:(w.rank + 1) * step] for q in range(w.world_size)])
-                assert torch.equal(out[:expected.shape[0]].cpu().view(torch.uint8), expected), what
+                _check_even_split(w, out, 1024, dtype, what)
     tridist.barrier_all()
 
 

@@ -406,7 +406,7 @@ def _placement(w, sources, w_pad):
 # On H100s, with a count matrix of 2 rows the receive wrote only the first 16 bytes of the second
 # source's rows (2026-11-25 and -26), and this placement alone, with no communication, put rows of
 # expert 2 wrong at W_PAD 2 (one H100, 2026-11-26): Triton 3.6 miscompiles the scan over an axis of
-# 2 (benchmarks/NOTES.md). The ops pad the matrix to `exchange.matrix_pad(world)` rows, at least 4;
+# 2 (benchmarks/NOTES.md). The ops pad the matrix to `exchange.matrix_pad(world)` rows, at least 16;
 # if a Triton release makes the W_PAD 2 case pass on GPUs, that padding can shrink.
 _MISCOMPILED = pytest.mark.xfail(backend() == "nvshmem", strict=False,
                                  reason="Triton 3.6 miscompiles the count matrix's scan at 2 rows on sm_90")

@@ -224,10 +224,10 @@ def matrix_pad(length: int) -> int:
     - 2 rows, int32 copies: the low-latency receive wrote only the first 16 bytes of each row of
       the second source (2 x H100, 2026-11-25 and -26; `test_low_latency_placement` shows the scan
       placing rows wrong), exact with 4 rows;
-    - columns: 2 local experts in the low-latency receive (int32 copies of 256 words), and 4 and 8
-      experts per rank in `all_to_all_v` of bf16 and int8 rows (copies of 512 elements), stopped in
-      the scan's lowering (an assertion in ScanOpToLLVM.cpp; stress calls on an H100, 2026-11-26);
-      compiled for sm_90 here, every one of them compiles with 16.
+    - columns: 2 local experts in the low-latency receive (int32 copies of 256 words), and 3 or 4
+      experts per rank in `all_to_all_v` of bf16 and int8 rows (G_PAD 4; int8 also at 8; copies of
+      512 elements), stopped in the scan's lowering (an assertion in ScanOpToLLVM.cpp; stress calls
+      on an H100, 2026-11-26); compiled for sm_90 here, every one of them compiles with 16.
     16 covers every element size; the padding costs a few words of counts."""
     return max(16, triton.next_power_of_2(length))
 
