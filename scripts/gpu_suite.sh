@@ -18,13 +18,11 @@
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
 # gemm_rs is asked for: they read its JSON for their "torch fused us" column.
 # Runs from the repository without installing it (that machine has no network; its image has
-# torch, triton and the NVSHMEM wheel). Logs, results and the Triton cache (kernels with NVSHMEM
-# linked take seconds each to compile) are written to $OUT. The cache comes back as parts of 15 MB
-# (the device tool returns files of up to 16 MiB): copy $OUT/triton-cache.part-* into
-# .triton-cache-parts/ and carry that folder in the next call. The test ranks also log each kernel
-# they compile (.triton-cache/compile-log.jsonl, carried with the cache); the next run first compiles
-# those again on every core at once (tests/precompile.py), so kernels whose source changed since do
-# not compile one by one in the middle of the tests.
+# torch, triton and the NVSHMEM wheel). Logs and results are written to $OUT. Kernels with NVSHMEM
+# linked take seconds each to compile: the test and stress ranks log each kernel they compile
+# (.triton-cache/compile-log.jsonl), and a run first compiles the logged kernels on every core at once
+# (tests/precompile.py), so that they do not compile one by one in the middle of the tests. A Triton
+# cache in .triton-cache-parts/ (parts of an earlier run's tar, carried) is unpacked first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -163,10 +161,4 @@ if wants stress; then
   for i in "${!stress_jobs[@]}"; do grep -v '^\[rank' "$OUT/stress-$i.log" | tail -n 20; done
   tar czf "$OUT/stress-results.tar.gz" benchmarks/results/stress-*
 fi
-# A call carries at most 64 MiB: the entries of kernels no longer in the code go before the cache does.
-for dir in .triton-cache/*/; do
-  name=$(ls "$dir" | sed -n 's/^\([A-Za-z0-9_]*\)\.json$/\1/p' | grep -v '^__grp__' | head -n 1)
-  if [ -n "$name" ] && ! grep -rqw --include="*.py" "$name" tridist tests benchmarks examples tutorials; then rm -rf "$dir"; fi
-done
-tar cz .triton-cache 2>/dev/null | split -b 15M - "$OUT/triton-cache.part-"
 exit $status
