@@ -274,29 +274,32 @@ def _step_options(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> 
 
 
 def _attention_cases():
-    """The split-KV kernel for D 64 and 128, contiguous and paged, each way it finishes (GQA 4, the
-    default config, and GQA 32 on 8 warps: the most query rows it takes), and the combine."""
+    """The split-KV kernel for D 64 and 128, contiguous and paged (GQA 4 on the default config, and
+    GQA 32 on 8 warps: the most query rows it takes), and the combine at one rank and with the exchange,
+    at the shapes `combine_shape` gives for many and for few chunks."""
     kernel = split_kv.flash_decode_split_kernel
     signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "seqlens_ptr": "*i32", "table_ptr": "*i32",
-                 "out_ptr": "*bf16", "partials_ptr": "*fp32", "arrivals_ptr": "*i32", "staging_ptr": "*fp32",
-                 "flags_ptr": "*i64", "calls_ptr": "*i64", "sm_scale": "fp32", "seq_stride": "i32",
-                 "row_stride": "i32", "table_stride": "i32", "splits": "i32", "kv_heads": "i32", "slot_numel": "i32",
-                 "combine_programs": "i32", "local_world_size": "i32", "GROUP": "constexpr", "D": "constexpr",
-                 "BLOCK_N": "constexpr", "PAGE": "constexpr", "FINISH": "constexpr", "MERGE_ROWS": "constexpr"}
+                 "partials_ptr": "*fp32", "sm_scale": "fp32", "seq_stride": "i32", "row_stride": "i32",
+                 "table_stride": "i32", "splits": "i32", "kv_heads": "i32", "GROUP": "constexpr", "D": "constexpr",
+                 "BLOCK_N": "constexpr", "PAGE": "constexpr"}
     config = attention.configs(CUDA)[0]
     cases = []
-    for group, head_dim, page, finish, warps in [(4, 128, 0, "out", None), (4, 128, 16, "exchange", None),
-                                                  (4, 64, 0, "exchange", None), (4, 64, 16, "out", None),
-                                                  (4, 128, 64, "partials", None), (32, 128, 0, "exchange", 8)]:
-        warps = warps or config["num_warps"]
-        constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page, "FINISH": finish,
-                      "MERGE_ROWS": combine.merge_rows(group, head_dim, warps, 64) if finish != "partials" else 1}
+    for group, head_dim, page, warps in [(4, 128, 0, None), (4, 128, 16, None), (4, 64, 0, None), (4, 64, 16, None),
+                                         (32, 128, 0, 8)]:
+        constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page}
         stages = config["num_stages"] + (attention.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
-        cases.append((kernel, signature, constexprs, {"num_warps": warps, "num_stages": stages}))
-    cases.append((combine.flash_decode_combine_kernel,
-                  {"out_ptr": "*bf16", "staging_ptr": "*fp32", "flags_ptr": "*i64", "calls_ptr": "*i64", "units": "i32",
-                   "slot_numel": "i32", "GROUP": "constexpr", "D": "constexpr", "ROWS": "constexpr"},
-                  {"GROUP": 4, "D": 128, "ROWS": combine.merge_rows(4, 128, 4, 8)}))
+        cases.append((kernel, signature, constexprs, {"num_warps": warps or config["num_warps"], "num_stages": stages}))
+    for group, head_dim, splits, world, exchange in [(4, 128, 66, 1, False), (4, 128, 66, 2, True),
+                                                     (32, 128, 128, 4, True), (4, 64, 2, 8, True)]:
+        columns, rows, rank_rows = combine.combine_shape(group, head_dim, splits, world)
+        cases.append((combine.flash_decode_combine_kernel,
+                      {"partials_ptr": "*fp32", "out_ptr": "*bf16", "staging_ptr": "*fp32",
+                       "flags_ptr": "*i64" if exchange else "*i32", "calls_ptr": "*i64" if exchange else "*i32",
+                       "units": "i32", "splits": "i32", "slot_numel": "i32", "local_world_size": "i32",
+                       "GROUP": "constexpr", "D": "constexpr", "COLUMNS": "constexpr", "ROWS": "constexpr",
+                       "RANK_ROWS": "constexpr", "EXCHANGE": "constexpr"},
+                      {"GROUP": group, "D": head_dim, "COLUMNS": columns, "ROWS": rows, "RANK_ROWS": rank_rows,
+                       "EXCHANGE": exchange}, {"num_warps": combine.WARPS}))
     return cases
 
 

@@ -16,9 +16,10 @@ head): the merge costs nothing next to reading the cache.
 `tridist.ops.flash_decode(q, k_cache, v_cache, seqlens, block_table=None)` does this in two kernels
 and no host round trip. The first reads this rank's slice with every SM busy: each sequence is cut
 into chunks (a split-KV or "flash decoding" kernel), the query heads that share a KV head (grouped
-query attention) share a program so K and V are read once, and the last program to finish a
-(sequence, KV head) merges its chunks and sends the record to every rank. The second waits for every
-rank's record and merges them in rank order, so every rank ends with the same bits. This tutorial
+query attention) share a program so K and V are read once, and each chunk leaves its record. The
+second merges each (sequence, KV head)'s records, many programs to one (a block of output columns
+each, so that each loads every chunk at once), sends the merged piece to every rank, waits for
+every rank's and merges them in rank order, so every rank ends with the same bits. This tutorial
 checks the merge rule in plain PyTorch, then runs the op on a contiguous and on a paged cache.
 
 Run: `tridist run -n 2 tutorials/09-flash-decoding.py`

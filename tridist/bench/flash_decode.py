@@ -12,7 +12,7 @@ checked against SDPA in fp32 on the whole cache first. Then, on one rank, per sh
 - kernel: `FlashDecode.split_kv`, the split-KV kernel alone (every chunk's record left unmerged), on
   the contiguous cache [B, L, Hkv, D] and on paged caches (block sizes 16 and 64, blocks in random
   order): K and V bytes over its time, as a fraction of the copy's rate (`of copy`).
-- op: the whole op; at one rank the kernel with its last programs' merge (`op / kernel`).
+- op: the whole op: the kernel, then the combine kernel that merges its records (`op / kernel`).
 Targets (issue 25): contiguous >= 0.9 of the copy and no slower than SDPA; paged >= 0.85; op within
 1.05x of the kernel. With several ranks only the op is timed (and with several ranks sharing a GPU,
 TRIDIST_RANKS_PER_GPU > 1, nothing: correctness only), next to the kernel alone on the whole cache

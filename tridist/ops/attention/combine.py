@@ -1,27 +1,33 @@
-"""Records of partial attention, how they merge, and the exchange that merges them across ranks.
+"""Records of partial attention, how they merge, and the combine kernel that merges them, across
+the ranks too.
 
 A record is the attention of a group of query heads (the GROUP = Hq / Hkv heads of one KV head, of
 one sequence) over some set of positions: the GROUP output rows, already normalised, then their
 GROUP log-sum-exps (base 2: lse = log2 sum_i 2^(s_i), s_i = q . k_i * sm_scale * log2(e)), in fp32,
-`record_size(GROUP, D)` words padded to whole 64-byte lines. Records of disjoint position sets
+`record_size(GROUP, width)` words padded to whole 64-byte lines. Records of disjoint position sets
 merge exactly: with M the largest lse, o = sum_r 2^(lse_r - M) o_r / sum_r 2^(lse_r - M), and lse =
 M + log2 of that sum. An empty set has lse = -inf and o = 0 and weighs nothing; if every record
-is empty the merge gives o = 0 (softmax over no positions; SDPA would give NaN).
+is empty the merge gives o = 0 (softmax over no positions; SDPA would give NaN). A merge of some
+output columns needs only those columns and the lse: a piece is a record of COLUMNS of the D.
 
-The exchange (several ranks). A unit is a (sequence b, KV head h) pair, unit = b * Hkv + h. On each
-rank the split-KV kernel's last program of a unit merges that rank's records of it and sends the
-result to every rank, itself included (`send_record`): into row `rank` of the unit's records in
-slot e % 2 of each rank's staging (through `dl.symm_at` on this node, an NVSHMEM put on another),
-then raises flag (unit, rank) there to e, the call's epoch. Then the combine kernel, on every rank,
-waits for flags (unit, 0..world-1) and merges the world records of the unit in rank order, so every
-rank computes the same bits. Its programs wait only on split-KV kernels, which wait on nothing, so
-neither kernel needs its whole grid resident.
+The combine kernel. The split-KV kernel leaves a record of D columns per (unit, chunk) in
+`partials`, a unit being a (sequence b, KV head h) pair, unit = b * Hkv + h. The combine kernel's
+work items are (unit, column block): COLUMNS of the unit's D output columns, so that many programs
+share each unit's merge and each loads all of the unit's chunks at once, or in few rounds (one
+program a unit merging its chunks round after round of loads added 2 to 3 us a round to the op on
+an H100, 2026-11-24). Program t takes items t, t + programs, ...:
+- one rank: it merges each item's chunks, in chunk order, into its columns of `out`;
+- several ranks: it merges each item's chunks into a piece and sends it to every rank, this one
+  first: into row `rank` of the item's pieces in slot e % 2 of each rank's staging (through
+  `dl.symm_at` on this node, an NVSHMEM put on another), then raises flag (item, rank) there to e,
+  the call's epoch. Once all of its items are sent, it waits for each item's flags from every rank
+  and merges the world pieces, in rank order, into `out`: every rank computes the same bits. The
+  pieces it waits for are sent by the same program of every rank before that program waits, so
+  the launch is co-resident: those programs are running.
 
-Epochs and slots. The combine kernel counts its calls (`_protocol.call_epoch`); the split-KV kernel,
-queued before it on the same stream, reads the same counter: e = count // combine programs + 1.
-Two slots suffice: a rank that sends into slot e % 2 in call e has finished the combine of call
-e - 1, which waited for every rank's flag of call e - 1, raised after that rank had finished the
-combine of call e - 2, the last reader of slot e % 2.
+Epochs and slots are `_protocol`'s: the kernel counts its calls, and a rank sends into slot e % 2
+in call e only after its call e - 1 has seen every rank's flags of call e - 1, which each rank
+raised after its call e - 2, the last reader of that slot, had ended.
 """
 import triton
 import triton.language as tl
@@ -31,11 +37,15 @@ from tridist.runtime.jit import jit
 
 from .._protocol import after_flags, call_epoch, finish_call
 
+TILE = 4096  # fp32 values a combine program loads at once: 32 a thread of its 4 warps
+WARPS = 4
+MIN_COLUMNS = 8  # a piece's rows are at least 32 bytes, one sector of memory
+
 
 @triton.constexpr_function
-def record_size(group, head_dim):
-    """fp32 words of one record: group * head_dim outputs and group lse, padded to 16 words."""
-    return triton.cdiv(group * (head_dim + 1), 16) * 16
+def record_size(group, width):
+    """fp32 words of one record of `width` columns: group * width outputs and group lse, padded to 16."""
+    return triton.cdiv(group * (width + 1), 16) * 16
 
 
 @triton.constexpr_function
@@ -44,32 +54,35 @@ def group_rows(group):
     return triton.next_power_of_2(group)
 
 
-def merge_rows(group: int, head_dim: int, num_warps: int, count: int) -> int:
-    """Records a merge loads at once (of `count`): about 32 fp32 words a thread. The last program of
-    a unit merges `splits` records alone, one round of loads after another, so rounds should be few;
-    but the merge must not set the registers of the split-KV kernel's every program (and so how many
-    an SM holds): at 32 words it takes at most the 128 registers the paged loop over K and V takes
-    anyway (GQA 4 and 32, D 64 and 128, on sm_90), and 120 with the contiguous loop, which is held to
-    3 programs per SM by its shared memory."""
-    return max(1, min(triton.next_power_of_2(count), 32 * 32 * num_warps // (group_rows(group) * head_dim)))
+def combine_shape(group: int, head_dim: int, splits: int, world_size: int) -> tuple[int, int, int]:
+    """(COLUMNS, ROWS, RANK_ROWS) of the combine kernel: the output columns of an item, and how
+    many records (of `splits` chunks) and pieces (of `world_size` ranks) it loads at once. Columns
+    as few as let every chunk load at once within TILE, but not below MIN_COLUMNS."""
+    rows_of_group = triton.next_power_of_2(group)
+    columns = max(MIN_COLUMNS, min(head_dim, TILE // (triton.next_power_of_2(splits) * rows_of_group)))
+    per_round = max(1, TILE // (rows_of_group * columns))
+    return (columns, min(triton.next_power_of_2(splits), per_round),
+            min(triton.next_power_of_2(world_size), per_round))
 
 
 @triton.jit
-def merge_records(records, stride, count, GROUP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
-    """Merge `count` records `stride` words apart, ROWS at a time, in order. Returns (acc, m, l),
-    acc [group_rows, D] and m, l [group_rows, 1]: `finish_record` makes the merged record of them.
-    The loads skip L1 (`.cg`): other programs or ranks wrote the records, and this SM may hold
-    stale lines of them from an earlier call."""
+def merge_records(records, stride, count, width, first_column, GROUP: tl.constexpr, COLUMNS: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """Merge columns first_column ... + COLUMNS - 1 of `count` records of `width` columns, `stride`
+    words apart, ROWS at a time, in order. Returns (acc, m, l), acc [group_rows, COLUMNS] and m, l
+    [group_rows, 1]: `finish_record` makes the merged piece of them. The loads skip L1 (`.cg`):
+    other programs or ranks wrote the records, and this SM may hold stale lines of them from an
+    earlier call."""
     heads = tl.arange(0, group_rows(GROUP))[None, :, None]
-    outputs = heads * D + tl.arange(0, D)[None, None, :]
+    outputs = heads * width + first_column + tl.arange(0, COLUMNS)[None, None, :]
     rows = tl.arange(0, ROWS)[:, None, None]
     m = tl.full([group_rows(GROUP), 1], float("-inf"), tl.float32)
     l = tl.zeros([group_rows(GROUP), 1], tl.float32)  # noqa: E741 - the softmax denominator, as the papers name it
-    acc = tl.zeros([group_rows(GROUP), D], tl.float32)
+    acc = tl.zeros([group_rows(GROUP), COLUMNS], tl.float32)
     for first in range(0, count, ROWS):
         mask = (first + rows < count) & (heads < GROUP)
         base = records + (first + rows) * stride
-        lse = tl.load(base + GROUP * D + heads, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        lse = tl.load(base + GROUP * width + heads, mask=mask, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(base + outputs, mask=mask, other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing attended yet: all weights 0
@@ -91,58 +104,76 @@ def finish_record(acc, m, l):
 
 
 @triton.jit
-def store_record(record, o, lse, GROUP: tl.constexpr, D: tl.constexpr):
-    """Write a record of (output [rows, D], lse [rows, 1]) for the first GROUP rows."""
+def store_record(record, o, lse, GROUP: tl.constexpr, WIDTH: tl.constexpr):
+    """Write a record of (output [rows, WIDTH], lse [rows, 1]) for the first GROUP rows."""
     heads = tl.arange(0, o.shape[0])[:, None]
-    tl.store(record + heads * D + tl.arange(0, D)[None, :], o, mask=heads < GROUP)
-    tl.store(record + GROUP * D + heads, lse, mask=heads < GROUP)
+    tl.store(record + heads * WIDTH + tl.arange(0, WIDTH)[None, :], o, mask=heads < GROUP)
+    tl.store(record + GROUP * WIDTH + heads, lse, mask=heads < GROUP)
 
 
 @triton.jit
-def store_output(out_ptr, unit, o, GROUP: tl.constexpr, D: tl.constexpr):
-    """The first GROUP rows of o ([rows, D]) into rows unit * GROUP... of out ([B, Hq, D])."""
+def store_output(out_ptr, unit, first_column, o, GROUP: tl.constexpr, D: tl.constexpr):
+    """The first GROUP rows of o ([rows, columns]) into columns first_column... of rows
+    unit * GROUP... of out ([B, Hq, D])."""
     heads = tl.arange(0, o.shape[0])[:, None]
-    tl.store(out_ptr + (unit * GROUP + heads) * D + tl.arange(0, D)[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=heads < GROUP)
+    columns = first_column + tl.arange(0, o.shape[1])[None, :]
+    tl.store(out_ptr + (unit * GROUP + heads) * D + columns, o.to(out_ptr.dtype.element_ty), mask=heads < GROUP)
 
 
 @triton.jit
-def send_record(o, lse, unit, units, staging_ptr, flags_ptr, calls_ptr, slot_numel, combine_programs,
-                local_world_size, GROUP: tl.constexpr, D: tl.constexpr):
-    """This rank's merged record of `unit` to every rank (this one first), with flag (unit, rank)."""
-    epoch = dl.ld(calls_ptr, scope="gpu", semantic="relaxed") // combine_programs + 1
+def send_piece(o, lse, piece, flag, epoch, local_world_size, GROUP: tl.constexpr, COLUMNS: tl.constexpr):
+    """This rank's piece (o, lse) to every rank (this one first) at `piece`, with `flag` raised to
+    `epoch` (both this rank's addresses, of symmetric buffers)."""
     me = dl.rank()
     world = dl.num_ranks()
-    record = staging_ptr + (epoch % 2) * slot_numel + (me * units + unit) * record_size(GROUP, D)
-    flag = flags_ptr + (epoch % 2) * (units * world) + unit * world + me
-    # Every record first, then the flags: the first flag's release waits for all the stores at once,
+    # Every piece first, then the flags: the first flag's release waits for all the stores at once,
     # the later ones for nothing (one NVLink round trip, not one per peer).
     for step in range(world):
         peer = (me + step) % world
         if peer // local_world_size == me // local_world_size:
-            store_record(dl.symm_at(record, peer), o, lse, GROUP, D)
+            store_record(dl.symm_at(piece, peer), o, lse, GROUP, COLUMNS)
     for step in range(world):
         peer = (me + step) % world
         if peer // local_world_size == me // local_world_size:
             dl.notify(flag, peer, signal=epoch, sig_op="set")
         else:  # from this rank's copy, stored above and made visible by the first notify's barrier
-            dl.shmem.putmem_signal_nbi_block(record, record, record_size(GROUP, D) * 4, flag, epoch,
+            dl.shmem.putmem_signal_nbi_block(piece, piece, record_size(GROUP, COLUMNS) * 4, flag, epoch,
                                              dl.shmem.SIGNAL_SET, peer)
-    dl.shmem.quiet()
 
 
 @jit
-def flash_decode_combine_kernel(out_ptr, staging_ptr, flags_ptr, calls_ptr, units, slot_numel,
-                                GROUP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
-    """Program t merges units t, t + programs, ...: each unit's records from every rank, in rank
-    order, once their flags are up, into the GROUP rows of out ([B, Hq, D]) that belong to it."""
-    epoch = call_epoch(calls_ptr)
-    world = dl.num_ranks()
-    stage = staging_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * (units * world)
-    for unit in range(tl.program_id(0), units, tl.num_programs(0)):
-        records = after_flags(stage + unit * record_size(GROUP, D), flags + unit * world, world, epoch)
-        acc, m, l = merge_records(records, units * record_size(GROUP, D), world, GROUP, D, ROWS)
-        o, _ = finish_record(acc, m, l)
-        store_output(out_ptr, unit, o, GROUP, D)
-    finish_call(calls_ptr)
+def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, units, splits, slot_numel,
+                                local_world_size, GROUP: tl.constexpr, D: tl.constexpr, COLUMNS: tl.constexpr,
+                                ROWS: tl.constexpr, RANK_ROWS: tl.constexpr, EXCHANGE: tl.constexpr):
+    """Merges the split-KV kernel's records ([units, splits] of them in `partials`) into out ([B,
+    Hq, D]), and with EXCHANGE (several ranks) every rank's too; the module docstring says how.
+    Without EXCHANGE the staging, flags and calls are not used."""
+    blocks: tl.constexpr = D // COLUMNS
+    record: tl.constexpr = record_size(GROUP, D)
+    piece: tl.constexpr = record_size(GROUP, COLUMNS)
+    items = units * blocks
+    if EXCHANGE:
+        epoch = call_epoch(calls_ptr)
+        me = dl.rank()
+        world = dl.num_ranks()
+        stage = staging_ptr + (epoch % 2) * slot_numel
+        flags = flags_ptr + (epoch % 2) * (items * world)
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        unit = item // blocks
+        column = (item % blocks) * COLUMNS
+        acc, m, l = merge_records(partials_ptr + unit * splits * record, record, splits, D, column, GROUP, COLUMNS,
+                                  ROWS)
+        o, lse = finish_record(acc, m, l)
+        if EXCHANGE:
+            send_piece(o, lse, stage + (me * items + item) * piece, flags + item * world + me, epoch,
+                       local_world_size, GROUP, COLUMNS)
+        else:
+            store_output(out_ptr, unit, column, o, GROUP, D)
+    if EXCHANGE:
+        dl.shmem.quiet()
+        for item in range(tl.program_id(0), items, tl.num_programs(0)):
+            pieces = after_flags(stage + item * piece, flags + item * world, world, epoch)
+            acc, m, l = merge_records(pieces, items * piece, world, COLUMNS, 0, GROUP, COLUMNS, RANK_ROWS)
+            o, _ = finish_record(acc, m, l)
+            store_output(out_ptr, item // blocks, (item % blocks) * COLUMNS, o, GROUP, D)
+        finish_call(calls_ptr)

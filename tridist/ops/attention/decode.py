@@ -4,11 +4,11 @@ Each rank holds a slice of every sequence's cached positions (any slice: the ord
 not matter to softmax) and the same queries; every rank returns the attention of the queries over
 the union of the slices. Two kernels, queued on the current stream:
 1. `split_kv.flash_decode_split_kernel`: attention over this rank's slice, each sequence's positions
-   cut in chunks so that every SM has work; the last program of each (sequence, KV head) merges its
-   chunks' partial results. With one rank it writes `out` and nothing else runs.
-2. With several ranks, that last program sends the merged partial result to every rank and
-   `combine.flash_decode_combine_kernel` merges every rank's, in rank order (so every rank gets the
-   same bits), into `out` (the protocol: `combine`'s docstring).
+   cut in chunks so that every SM has work, a record of each chunk's result left in `partials`.
+2. `combine.flash_decode_combine_kernel`: many programs merge each (sequence, KV head)'s records,
+   a block of output columns each; with one rank into `out`, with several into a piece that goes to
+   every rank, whose pieces are then merged in rank order (so every rank gets the same bits) into
+   `out` (the protocol: `combine`'s docstring).
 No host synchronisation, no allocation but `out`: the op can be captured in a CUDA graph.
 
 Configs (dicts, `configs(device)`): BLOCK_N, positions per step of a program's loop; num_warps and
@@ -27,7 +27,7 @@ from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
 from .._protocol import Workspace, check_input, check_output
-from .combine import flash_decode_combine_kernel, merge_rows, record_size
+from .combine import WARPS, combine_shape, flash_decode_combine_kernel, record_size
 from .split_kv import flash_decode_split_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -105,15 +105,18 @@ class FlashDecode:
         self.sms = _protocol.programs_for(w.device)
         self.record = record_size(self.group, head_dim)
         self.max_splits = most_splits(self.config, self.units, self.sms)
+        # The combine's shape, fixed for the instance (its grid counts its calls), from the most splits.
+        self.columns, self.rows, self.rank_rows = combine_shape(self.group, head_dim, self.max_splits, w.world_size)
+        self.items = self.units * (head_dim // self.columns)
         _protocol.check_offsets("flash_decode", self.units * self.max_splits * self.record)
-        _protocol.check_offsets("flash_decode", w.world_size * self.units * self.record)
         self.partials = torch.empty(self.units * self.max_splits * self.record, dtype=torch.float32, device=w.device)
-        self.arrivals = torch.zeros(self.units, dtype=torch.int32, device=w.device)
         self.workspace = None
+        self.combine_programs = self.items  # several ranks: fewer if they cannot all be resident (first call)
+        self.fitted = w.world_size == 1
         if w.world_size > 1:
-            self.combine_programs = min(self.units, self.sms)
-            self.workspace = Workspace(w.world_size * self.units * self.record, torch.float32,
-                                       self.units * w.world_size)
+            piece = record_size(self.group, self.columns)
+            _protocol.check_offsets("flash_decode", w.world_size * self.items * piece)
+            self.workspace = Workspace(w.world_size * self.items * piece, torch.float32, self.items * w.world_size)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
                  block_table: torch.Tensor | None = None, sm_scale: float | None = None,
@@ -145,14 +148,18 @@ class FlashDecode:
         page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
         scale = _scale(sm_scale, self.head_dim)
         splits = self.splits_for(k_cache, block_table)
-        several = self.world.world_size > 1
-        self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits, out,
-                       "exchange" if several else "out")
-        if several:
-            ws = self.workspace
-            flash_decode_combine_kernel[(self.combine_programs,)](
-                out, ws.staging, ws.flags, ws.calls, self.units, ws.slot_numel, GROUP=self.group, D=self.head_dim,
-                ROWS=merge_rows(self.group, self.head_dim, 4, self.world.world_size), num_warps=4)
+        self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits)
+        ws = self.workspace
+        # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
+        staging, flags, calls = (ws.staging, ws.flags, ws.calls) if ws else (self.partials, seqlens, seqlens)
+        args = (self.partials, out, staging, flags, calls, self.units, splits, ws.slot_numel if ws else 0,
+                self.world.local_world_size)
+        meta = dict(GROUP=self.group, D=self.head_dim, COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows,
+                    EXCHANGE=ws is not None, num_warps=WARPS)
+        if not self.fitted:
+            self.combine_programs = _protocol.fit_coresident(flash_decode_combine_kernel, self.items, 1, *args, **meta)
+            self.fitted = True
+        flash_decode_combine_kernel[(self.combine_programs,)](*args, coresident=ws is not None, **meta)
         return out
 
     def split_kv(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
@@ -164,29 +171,20 @@ class FlashDecode:
         page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
         splits = self.splits_for(k_cache, block_table)
         self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, _scale(sm_scale, self.head_dim),
-                       splits, q, "partials")
+                       splits)
         return self.partials[:self.units * splits * self.record].view(self.units, splits, self.record)
 
     def splits_for(self, k_cache: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
         """Chunks per sequence of a call on this cache (`choose_splits`)."""
         return choose_splits(self.config, self.units, _capacity(k_cache, block_table), self.sms)
 
-    def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits, out, finish):
-        ws = self.workspace
-        # Where a FINISH does not use them, any tensor stands in for the table and the workspace.
-        table = seqlens if block_table is None else block_table
-        staging, flags, calls = (ws.staging, ws.flags, ws.calls) if ws else (self.partials, self.arrivals,
-                                                                               self.arrivals)
+    def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits):
+        table = seqlens if block_table is None else block_table  # (unused without a table: any tensor)
         c = self.config
         flash_decode_split_kernel[(self.units, splits)](
-            q, k_cache, v_cache, seqlens, table, out, self.partials, self.arrivals, staging, flags, calls, scale,
-            seq_stride, self.kv_heads * self.head_dim, table.shape[-1], splits, self.kv_heads,
-            ws.slot_numel if ws else 0, self.combine_programs if ws else 1, self.world.local_world_size,
-            GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page, FINISH=finish,
-            # (no merge without a FINISH that merges: one value, one compiled variant)
-            MERGE_ROWS=merge_rows(self.group, self.head_dim, c["num_warps"], splits) if finish != "partials" else 1,
-            num_warps=c["num_warps"],
-            num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
+            q, k_cache, v_cache, seqlens, table, self.partials, scale, seq_stride, self.kv_heads * self.head_dim,
+            table.shape[-1], splits, self.kv_heads, GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"],
+            PAGE=page, num_warps=c["num_warps"], num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
 
     def _checked_out(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         check_input(q, "q", DTYPES)

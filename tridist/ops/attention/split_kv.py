@@ -8,15 +8,9 @@ pair. Under grouped-query attention (GQA) the GROUP = Hq / Hkv query heads of KV
 program, so K and V are read once for all of them: the queries are the rows of a dot product
 padded to 16, the least a tensor-core dot takes.
 
-Program (unit, split) writes its chunk's record (`combine`: outputs and log-sum-exps) to
-`partials` row (unit * splits + split), then counts itself in `arrivals[unit]` (a release/acquire
-atomic); the program that arrives last merges the unit's records in split order and, by FINISH:
-- "out" (one rank): writes the GROUP output rows of `out`, so one kernel does the whole op;
-- "exchange" (several ranks): sends the merged record to every rank (`combine.send_record`), where
-  the combine kernel merges the ranks' records;
-- "partials": nothing; the records stay in `partials` (the benchmark's measure of the kernel alone).
-It also sets the count back to 0 for the next call. A program that is not last never waits, so the
-grid need not be resident at once.
+Program (unit, split) writes its chunk's record (`combine`: outputs and log-sum-exps) to `partials`
+row (unit * splits + split), and that is all: no program waits or counts, so the grid need not be
+resident at once. The combine kernel, queued after it, merges the records.
 """
 import triton
 import triton.language as tl
@@ -24,8 +18,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .._protocol import sync_program
-from .combine import finish_record, merge_records, record_size, send_record, store_output, store_record
+from .combine import finish_record, record_size, store_record
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is one instruction
 
@@ -51,16 +44,13 @@ def _row_offsets(positions, valid, b, h, seq_stride, row_stride, table_ptr, tabl
 
 
 @jit
-def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, out_ptr, partials_ptr, arrivals_ptr,
-                              staging_ptr, flags_ptr, calls_ptr, sm_scale, seq_stride, row_stride, table_stride,
-                              splits, kv_heads, slot_numel, combine_programs, local_world_size,
-                              GROUP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-                              FINISH: tl.constexpr, MERGE_ROWS: tl.constexpr):
-    """Program (unit, split); unit = b * kv_heads + h. q is [B, Hq, D] and out [B, Hq, D] (query
-    heads h * GROUP to h * GROUP + GROUP - 1 belong to KV head h); seqlens int32 [B]; K/V rows
-    `row_stride` (Hkv * D) elements apart, sequences `seq_stride` apart (contiguous) or gathered
-    through the block table (PAGE > 0, rows `table_stride` apart). The module docstring says what
-    the records hold and what the last program of a unit does."""
+def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, partials_ptr, sm_scale, seq_stride,
+                              row_stride, table_stride, splits, kv_heads, GROUP: tl.constexpr, D: tl.constexpr,
+                              BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Program (unit, split); unit = b * kv_heads + h. q is [B, Hq, D] (query heads h * GROUP to
+    h * GROUP + GROUP - 1 belong to KV head h); seqlens int32 [B]; K/V rows `row_stride` (Hkv * D)
+    elements apart, sequences `seq_stride` apart (contiguous) or gathered through the block table
+    (PAGE > 0, rows `table_stride` apart)."""
     unit = tl.program_id(0)
     split = tl.program_id(1)
     b = unit // kv_heads
@@ -94,16 +84,3 @@ def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, out_p
         m = m_new
     o, lse = finish_record(acc, m[:, None], l[:, None])
     store_record(partials_ptr + (unit * splits + split) * record_size(GROUP, D), o, lse, GROUP, D)
-    if FINISH != "partials":
-        sync_program()  # every thread's stores come before the release below
-        if dl.atomic_add(arrivals_ptr + unit, 1, scope="gpu", semantic="acq_rel") == splits - 1:
-            tl.store(arrivals_ptr + unit, 0)  # every program of the unit has counted itself: reset
-            # (new names: a variable keeps its shape across an if)
-            weighted, top, mass = merge_records(partials_ptr + unit * splits * record_size(GROUP, D),
-                                                record_size(GROUP, D), splits, GROUP, D, MERGE_ROWS)
-            merged, merged_lse = finish_record(weighted, top, mass)
-            if FINISH == "out":
-                store_output(out_ptr, unit, merged, GROUP, D)
-            else:
-                send_record(merged, merged_lse, unit, tl.num_programs(0), staging_ptr, flags_ptr, calls_ptr,
-                            slot_numel, combine_programs, local_world_size, GROUP, D)
