@@ -121,8 +121,10 @@ CASES = {  # kv_heads, GQA ratio, head_dim, dtype, paged block size, config, cal
     "contiguous gqa4 d64 bf16": (2, 4, 64, torch.bfloat16, None, _config(3), 2, None),
     # the default config (tridist.ops.flash_decode)
     "paged16 gqa1 d128 fp16": (2, 1, 128, torch.float16, 16, None, 1, None),
-    # more chunks than a step of the merge takes (4 records of 8 x 128 outputs); sharper scores
+    # a paged cache of small blocks; sharper scores
     "paged4 gqa8 d128 bf16": (1, 8, 128, torch.bfloat16, 4, _config(5), 1, 0.5),
+    # more chunks than the combine loads at once (16 records of 32 heads x 8 columns), most of them empty
+    "contiguous gqa32 d64 bf16": (1, 32, 64, torch.bfloat16, None, _config(20), 1, None),
 }
 
 
@@ -249,6 +251,19 @@ def test_bench_arguments():
                        ("BLOCK_N=sixty", bench.parse_config)):
         with pytest.raises(argparse.ArgumentTypeError, match="shape|config"):
             parse(bad)
+
+
+def test_split_counts_fill_one_wave():
+    """On an H100 (132 SMs) the default config's kernel fits 3 programs an SM: 396 at once. Where
+    every program fits at once, the chunks fill that one wave (1x131072: 49, not 66); where not
+    (512 units), about 4 an SM; never chunks shorter than 4 steps; fixed splits stay fixed."""
+    config = attention.configs(torch.device("cuda"))[0]
+    choose = attention.decode.choose_splits
+    units_and_splits = {(1, 8192): 32, (1, 32768): 49, (1, 131072): 49, (8, 32768): 6, (16, 16384): 3, (64, 8192): 2}
+    for (batch, length), splits in units_and_splits.items():
+        assert choose(config, batch * 8, length, 132, resident=396) == splits, (batch, length)
+    assert choose(config, 8, 131072, 132) == 66  # occupancy not known: about 4 an SM
+    assert choose({**config, "splits": 7}, 8, 131072, 132, resident=396) == 7
 
 
 def _tutorial(w):

@@ -13,8 +13,8 @@ No host synchronisation, no allocation but `out`: the op can be captured in a CU
 
 Configs (dicts, `configs(device)`): BLOCK_N, positions per step of a program's loop; num_warps and
 num_stages, as Triton takes them (a paged cache gets PAGED_EXTRA_STAGES more); programs_per_sm, how
-many programs of the split-KV kernel per SM the split count aims at (`choose_splits`), or splits, a
-fixed number of chunks per sequence.
+many programs of the split-KV kernel per SM the split count aims at (fewer where that fills one
+wave of what fits at once: `choose_splits`), or splits, a fixed number of chunks per sequence.
 """
 import math
 
@@ -64,13 +64,19 @@ def check_config(config: dict) -> None:
         raise ValueError(f"flash_decode config BLOCK_N must be a power of two of at least 16, got {config['BLOCK_N']}")
 
 
-def choose_splits(config: dict, units: int, capacity: int, sms: int) -> int:
-    """Chunks per sequence: `splits` if the config fixes them, else enough for about
-    programs_per_sm programs of (units x splits) per SM, each chunk at least MIN_STEPS_PER_SPLIT
-    steps of the longest sequence this cache can hold (`capacity` positions)."""
+def choose_splits(config: dict, units: int, capacity: int, sms: int, resident: int | None = None) -> int:
+    """Chunks per sequence: `splits` if the config fixes them; else enough for about
+    programs_per_sm programs of (units x splits) per SM, but where the kernel's programs can all be
+    resident at once (`resident` of them: `tridist.coresident_programs`), no more than fill that
+    one wave; each chunk at least MIN_STEPS_PER_SPLIT steps of the longest sequence this cache can
+    hold (`capacity` positions). A wave that ends in a tail of one program an SM is what costs: on
+    an H100 (2026-11-26, 3 programs an SM resident) 1x131072 took the kernel 187.4 us in 8 x 66
+    programs and 178.8 in 8 x 49, 16x16384 363.0 in 128 x 5 and 353.0 in 128 x 3."""
     if "splits" in config:
         return config["splits"]
-    wanted = triton.cdiv(config["programs_per_sm"] * sms, units)
+    wanted = most_splits(config, units, sms)
+    if resident is not None and units <= resident:
+        wanted = min(wanted, resident // units)
     return max(1, min(wanted, capacity // (MIN_STEPS_PER_SPLIT * config["BLOCK_N"])))
 
 
@@ -105,6 +111,7 @@ class FlashDecode:
         self.sms = _protocol.programs_for(w.device)
         self.record = record_size(self.group, head_dim)
         self.max_splits = most_splits(self.config, self.units, self.sms)
+        self.resident = {}  # block size (0: contiguous) -> programs of the split-KV kernel resident at once
         # The combine's shape, fixed for the instance (its grid counts its calls), from the most splits.
         self.columns, self.rows, self.rank_rows = combine_shape(self.group, head_dim, self.max_splits, w.world_size)
         self.items = self.units * (head_dim // self.columns)
@@ -146,9 +153,8 @@ class FlashDecode:
         """
         out = self._checked_out(q, out)
         page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
-        scale = _scale(sm_scale, self.head_dim)
-        splits = self.splits_for(k_cache, block_table)
-        self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits)
+        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride,
+                                _scale(sm_scale, self.head_dim))
         ws = self.workspace
         # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
         staging, flags, calls = (ws.staging, ws.flags, ws.calls) if ws else (self.partials, seqlens, seqlens)
@@ -169,22 +175,32 @@ class FlashDecode:
         alone". Returns `partials` viewed as [B * Hkv, splits, record words]."""
         self._checked_out(q, None)
         page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
-        splits = self.splits_for(k_cache, block_table)
-        self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, _scale(sm_scale, self.head_dim),
-                       splits)
+        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride,
+                                _scale(sm_scale, self.head_dim))
         return self.partials[:self.units * splits * self.record].view(self.units, splits, self.record)
 
     def splits_for(self, k_cache: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
-        """Chunks per sequence of a call on this cache (`choose_splits`)."""
-        return choose_splits(self.config, self.units, _capacity(k_cache, block_table), self.sms)
+        """Chunks per sequence of a call on this cache (`choose_splits`), once a call on a cache of
+        this layout (contiguous, or paged with this block size) has found how many of the kernel's
+        programs fit at once; before that, as if all of them did."""
+        page = 0 if block_table is None else k_cache.shape[1]
+        return choose_splits(self.config, self.units, _capacity(k_cache, block_table), self.sms,
+                             self.resident.get(page))
 
-    def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale, splits):
+    def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale) -> int:
+        """Queues the split-KV kernel; returns its chunks per sequence."""
         table = seqlens if block_table is None else block_table  # (unused without a table: any tensor)
         c = self.config
-        flash_decode_split_kernel[(self.units, splits)](
-            q, k_cache, v_cache, seqlens, table, self.partials, scale, seq_stride, self.kv_heads * self.head_dim,
-            table.shape[-1], splits, self.kv_heads, GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"],
-            PAGE=page, num_warps=c["num_warps"], num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
+        args = (q, k_cache, v_cache, seqlens, table, self.partials, scale, seq_stride, self.kv_heads * self.head_dim,
+                table.shape[-1])
+        meta = dict(GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page, num_warps=c["num_warps"],
+                    num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
+        if page not in self.resident:  # compiles the kernel (it would be, to launch) and asks its occupancy
+            self.resident[page] = tridist.coresident_programs(flash_decode_split_kernel, *args, self.max_splits,
+                                                              self.kv_heads, **meta)
+        splits = self.splits_for(k_cache, block_table)
+        flash_decode_split_kernel[(self.units, splits)](*args, splits, self.kv_heads, **meta)
+        return splits
 
     def _checked_out(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         check_input(q, "q", DTYPES)
