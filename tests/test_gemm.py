@@ -284,6 +284,8 @@ def _tune_and_check(w, folder):
 
 @pytest.mark.at_most_4_ranks
 def test_tuned_config(world, tmp_path):
+    if world.backend == "emulator" and world.name in ("3", "4"):
+        pytest.skip("in the emulator, the ranks' agreement on a config is checked at 2 and 2x2 (3 and 4 took CI 21 s)")
     world.run(_tuned, folder=str(tmp_path))
 
 

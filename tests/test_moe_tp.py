@@ -124,6 +124,8 @@ CALLS = {"random": ("ce", 2), "one expert": ("sm", 1), "topk 8": ("sm", 1)}
 
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")
 def test_ag_moe_and_moe_rs(world):
+    if world.backend == "emulator" and world.name == "4":
+        pytest.skip("in the emulator 2x2 covers 4 ranks (world 4 took CI 20 s more)")
     world.run(_moe, dtype=torch.bfloat16, calls=CALLS)
 
 
@@ -381,8 +383,9 @@ def _gemm_counts(w, config_index, one_program, flatten):
 @pytest.mark.parametrize("one_program", [False, True], ids=["a tile per program", "one program"])
 @pytest.mark.parametrize("config_index", range(8))
 def test_moe_rs_gemm_counts_each_tile_once(world, config_index, one_program, flatten):
-    if flatten and world.backend == "emulator":
-        pytest.skip("the emulator runs the loops as written: flattening is the compiler's")
+    if world.backend == "emulator" and (flatten or config_index):
+        pytest.skip("the emulator runs the loops as written (flattening is the compiler's), the same for every "
+                    "config: the first is enough there")
     skipped = world.run(_gemm_counts, config_index=config_index, one_program=one_program, flatten=flatten)[0]
     if skipped:
         pytest.skip(skipped)
