@@ -18,11 +18,12 @@
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
 # gemm_rs is asked for: they read its JSON for their "torch fused us" column.
 # Runs from the repository without installing it (that machine has no network; its image has
-# torch, triton and the NVSHMEM wheel). Logs and results are written to $OUT. Kernels with NVSHMEM
-# linked take seconds each to compile: the test and stress ranks log each kernel they compile
-# (.triton-cache/compile-log.jsonl), and a run first compiles the logged kernels on every core at once
-# (tests/precompile.py), so that they do not compile one by one in the middle of the tests. A Triton
-# cache in .triton-cache-parts/ (parts of an earlier run's tar, carried) is unpacked first.
+# torch, triton and the NVSHMEM wheel). Logs and results are written to $OUT (default out/: a dozen
+# files; under the device tool, which returns at most 8, give it another folder and copy back what
+# is needed). Kernels with NVSHMEM linked take seconds each to compile: the test and stress ranks log
+# each kernel they compile (.triton-cache/compile-log.jsonl), and a run first compiles the logged
+# kernels on every core at once (tests/precompile.py), so that they do not compile one by one in the
+# middle of the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -34,9 +35,6 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # the same values as SAFE_ENVIRONMENT in tridist/runtime/nvshmem.py (tests/test_bench.py checks).
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export TRITON_CACHE_DIR=$PWD/.triton-cache
-if compgen -G ".triton-cache-parts/triton-cache.part-*" >/dev/null; then
-  cat .triton-cache-parts/triton-cache.part-* | tar xz
-fi
 mkdir -p .triton-cache
 export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
 # The kernels the suite and the stress runs compiled on 2026-11-26 (one H100 and 4 x H100, worlds 2
