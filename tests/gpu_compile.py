@@ -299,7 +299,7 @@ def _attention_cases():
                        "GROUP": "constexpr", "D": "constexpr", "COLUMNS": "constexpr", "ROWS": "constexpr",
                        "RANK_ROWS": "constexpr", "EXCHANGE": "constexpr"},
                       {"GROUP": group, "D": head_dim, "COLUMNS": columns, "ROWS": rows, "RANK_ROWS": rank_rows,
-                       "EXCHANGE": exchange}, {"num_warps": combine.WARPS}))
+                       "EXCHANGE": exchange}, {"num_warps": combine.WARPS, "launch_pdl": True}))
     return cases
 
 

@@ -18,6 +18,7 @@ documented here (the `TYPE_CHECKING` block at the end of this file) are those of
 | checks | `check(condition, message, observed, limit)`: an error naming the rank and kernel (emulator, `TRIDIST_DEBUG=1`) |
 | compute | `dot(a, b, acc)` |
 | programs of one launch | `grid_barrier(counter_ptr)`, in a co-resident launch (`kernel[grid](..., coresident=True)`) |
+| kernels of one stream | `launch_dependents()`, `wait_prior_kernel()`: programmatic dependent launch (`kernel[grid](..., launch_pdl=True)`) |
 | [`dl.shmem`][tridist.language.shmem] | puts, gets, puts with signal (plain, `_nbi`, `_warp`, `_block` forms), `signal_op`, `signal_wait_until`, `quiet`, `fence`, barriers, typed `p`/`g`, remote atomics, `CMP_*`, `SIGNAL_*` |
 | [`dl.ll`][tridist.language.ll] | low-latency packets: `pack`, `unpack`, `send`, `recv` |
 
@@ -39,16 +40,18 @@ from ..runtime.backend import is_emulator
 
 if is_emulator():
     from ._emulated import (atomic_add, atomic_cas, atomic_xchg, check, consume_token, dot, fence, fence_async_proxy,
-                            global_time_ns, grid_barrier, ld, notify, num_ranks, rank, st, symm_at, wait)
+                            global_time_ns, grid_barrier, launch_dependents, ld, notify, num_ranks, rank, st, symm_at,
+                            wait, wait_prior_kernel)
 else:
     from ._gpu import (atomic_add, atomic_cas, atomic_xchg, check, consume_token, dot, fence, fence_async_proxy,
-                       global_time_ns, grid_barrier, ld, notify, num_ranks, rank, st, symm_at, wait)
+                       global_time_ns, grid_barrier, launch_dependents, ld, notify, num_ranks, rank, st, symm_at,
+                       wait, wait_prior_kernel)
 
 from . import ll, shmem
 
 __all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "ld", "st", "atomic_add",
            "atomic_cas", "atomic_xchg", "check", "fence", "fence_async_proxy", "dot", "global_time_ns", "grid_barrier",
-           "shmem", "ll"]
+           "launch_dependents", "wait_prior_kernel", "shmem", "ll"]
 
 if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, for readers, IDEs and the API reference
     import triton.language as tl
@@ -218,3 +221,16 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
         grid size; it counts arrivals and is never reset, so repeated barriers and back-to-back
         launches need nothing from the host. Bounded under TRIDIST_DEBUG=1 and in the emulator, as
         every wait. Returns a token for `consume_token`."""
+
+    def launch_dependents() -> None:
+        """Let the next kernel on this stream start, if it was launched with `launch_pdl=True`
+        (programmatic dependent launch, sm_90): it starts once every program of this kernel has
+        called this or ended, and so takes SMs as this kernel's last programs free them, instead
+        of launching only after this kernel has ended. A hint: it orders no memory. Does nothing
+        in the emulator, which runs one launch at a time."""
+
+    def wait_prior_kernel() -> None:
+        """Wait until the kernel before this one on the stream has ended and its writes are
+        visible: the first thing a kernel launched with `launch_pdl=True` does before it reads
+        anything that kernel wrote (or writes what it reads). Returns at once without
+        `launch_pdl`, and in the emulator."""

@@ -246,6 +246,16 @@ def grid_barrier(counter_ptr):
     return _scalar(observed[0], _element(counter_ptr))
 
 
+# ---- kernels of one stream -----------------------------------------------------------------------
+# The emulator runs one launch at a time: the kernel before this one has ended when it starts.
+def launch_dependents():
+    pass
+
+
+def wait_prior_kernel():
+    pass
+
+
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------
 def my_pe():
     return rank()

@@ -345,6 +345,23 @@ def grid_barrier(counter_ptr):
     return _spin(counter_ptr, CMP_GE, (arrived // programs + 1) * programs, "gpu", "acquire")
 
 
+# ---- kernels of one stream -----------------------------------------------------------------------
+# Programmatic dependent launch (sm_90): a kernel launched with `launch_pdl=True` may start while the
+# kernel before it on the stream still runs, once every program of that one has called
+# `launch_dependents` (or ended); `wait_prior_kernel` holds it until that kernel has ended and its
+# writes are visible. Without `launch_pdl` both instructions do nothing.
+@triton.jit
+def launch_dependents():
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_prior_kernel():
+    tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------
 # On GPUs NVSHMEM's own answers are ours; nvshmem_ptr already returns null for unreachable peers.
 my_pe = rank

@@ -26,6 +26,10 @@ t + programs, ...:
   pieces it waits for are sent by the same program of every rank before that program waits, so
   the launch is co-resident: those programs are running.
 
+The combine is launched as the split-KV kernel's programmatic dependent (`launch_pdl`, sm_90): its
+programs start on the SMs the split-KV kernel's last wave leaves free, and wait there
+(`dl.wait_prior_kernel`) for that kernel to end, so that the second launch's latency is hidden.
+
 Epochs and slots are `_protocol`'s: the kernel counts its calls, and a rank sends into slot e % 2
 in call e only after its call e - 1 has seen every rank's flags of call e - 1, which each rank
 raised after its call e - 2, the last reader of that slot, had ended.
@@ -153,6 +157,7 @@ def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, flags_ptr, c
     record: tl.constexpr = record_size(GROUP, D)
     piece: tl.constexpr = record_size(GROUP, COLUMNS)
     items = units * blocks
+    dl.wait_prior_kernel()  # the split-KV kernel's records, and the end of this rank's last call
     if EXCHANGE:
         epoch = call_epoch(calls_ptr)
         me = dl.rank()

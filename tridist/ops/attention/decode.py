@@ -8,7 +8,8 @@ the union of the slices. Two kernels, queued on the current stream:
 2. `combine.flash_decode_combine_kernel`: many programs merge each (sequence, KV head)'s records,
    a block of output columns each; with one rank into `out`, with several into a piece that goes to
    every rank, whose pieces are then merged in rank order (so every rank gets the same bits) into
-   `out` (the protocol: `combine`'s docstring).
+   `out` (the protocol: `combine`'s docstring). A programmatic dependent launch: it starts on the
+   SMs the first kernel's last programs leave, and waits there for that kernel to end.
 No host synchronisation, no allocation but `out`: the op can be captured in a CUDA graph.
 
 Configs (dicts, `configs(device)`): BLOCK_N, positions per step of a program's loop; num_warps and
@@ -161,7 +162,7 @@ class FlashDecode:
         args = (self.partials, out, staging, flags, calls, self.units, splits, ws.slot_numel if ws else 0,
                 self.world.local_world_size)
         meta = dict(GROUP=self.group, D=self.head_dim, COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows,
-                    EXCHANGE=ws is not None, num_warps=WARPS)
+                    EXCHANGE=ws is not None, num_warps=WARPS, launch_pdl=True)
         if not self.fitted:
             self.combine_programs = _protocol.fit_coresident(flash_decode_combine_kernel, self.items, 1, *args, **meta)
             self.fitted = True

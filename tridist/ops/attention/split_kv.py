@@ -10,7 +10,8 @@ padded to 16, the least a tensor-core dot takes.
 
 Program (unit, split) writes its chunk's record (`combine`: outputs and log-sum-exps) to `partials`
 row (unit * splits + split), and that is all: no program waits or counts, so the grid need not be
-resident at once. The combine kernel, queued after it, merges the records.
+resident at once. The combine kernel, queued after it, merges the records; launched as this kernel's
+programmatic dependent (`dl.launch_dependents`), it starts while this kernel's last programs run.
 """
 import triton
 import triton.language as tl
@@ -51,6 +52,9 @@ def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, parti
     h * GROUP + GROUP - 1 belong to KV head h); seqlens int32 [B]; K/V rows `row_stride` (Hkv * D)
     elements apart, sequences `seq_stride` apart (contiguous) or gathered through the block table
     (PAGE > 0, rows `table_stride` apart)."""
+    # The combine kernel may take the SMs this launch's last programs leave (its programs wait for
+    # this kernel to end before they read a record).
+    dl.launch_dependents()
     unit = tl.program_id(0)
     split = tl.program_id(1)
     b = unit // kv_heads
