@@ -155,8 +155,8 @@ def _grouped_cases():
 
 def _moe_cases():
     """The tensor-parallel MoE kernels: the routing, ag_moe's GEMM (at the configs of `_shipped`,
-    with the copy-engine flags, and at the first with the epoch flags of comm="sm"), moe_rs's GEMM
-    and its two combines."""
+    with the copy-engine flags in both tile orders, and at the first with the epoch flags of
+    comm="sm"), moe_rs's GEMM (in both orders) and its two combines."""
     cases = [(tp_routing.route_kernel, {"idx_ptr": "*i64", "exchange_ptr": "*i32", "flags_ptr": "*i64",
                                         "calls_ptr": "*i64", "layout_ptr": "*i32", "pairs": "i32", "E": "i32",
                                         "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
@@ -167,33 +167,37 @@ def _moe_cases():
         options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
         blocks = {name: "constexpr" for name in config}
         w_desc = f"tensordesc<bf16[1, {config['BLOCK_K']}, {config['BLOCK_N']}]>"
-        for flags, per_shard, epochs in (("*i32", 1, False), ("*i64", 4, True))[:2 if index == 0 else 1]:
+        for flags, per_shard, epochs, by_expert in (("*i32", 1, False, False), ("*i32", 1, False, True),
+                                                    ("*i64", 4, True, False))[:3 if index == 0 else 2]:
             cases.append((allgather_moe.ag_moe_kernel,
                           {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16",
                            "pair_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32", "flags_ptr": flags,
                            "calls_ptr": "*i64", "tokens": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
                            "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
-                           "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", **blocks},
+                           "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", "BY_EXPERT": "constexpr",
+                           **blocks},
                           {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
-                           **config}, options))
-        # With peers moe_rs counts its tiles (COUNT), flattened or not.
+                           "BY_EXPERT": by_expert, **config}, options))
+        # With peers moe_rs counts its tiles (COUNT), flattened or not, in both orders.
         cases += [(moe_reduce.moe_rs_gemm_kernel,
                    {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
                     "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
                     "calls_ptr": "*i64", "N": "i32", "K": "i32", "COUNT": "constexpr", "W_PAD": "constexpr",
-                    "E_PAD": "constexpr", **blocks},
-                   {"COUNT": count, "W_PAD": 8, "E_PAD": 256, **config}, options)
-                  for count in ((False, True) if config["FLATTEN"] else (True,))]
+                    "E_PAD": "constexpr", "BY_EXPERT": "constexpr", **blocks},
+                   {"COUNT": count, "W_PAD": 8, "E_PAD": 256, "BY_EXPERT": by_expert, **config}, options)
+                  for count, by_expert in ((False, False), (True, False), (True, True))
+                  if count or config["FLATTEN"]]
     combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
     combine.update(row_of_pair_ptr="*i32", counts_ptr="*i32", weights_ptr="*fp32", exchange_ptr="*fp32",
                    flags_ptr="*i64", done_ptr="*i64", calls_ptr="*i64")
     combine.update({name: "i32" for name in ("tokens", "K", "weights_row", "slot_numel", "local_world_size",
                                              "spans", "span", "gemm_tiles_n")})
-    combine.update({name: "constexpr" for name in ("TOPK", "GEMM_BLOCK_M", "OWN", "W_PAD", "E_PAD", "CHUNK",
-                                                   "BLOCK_C")})
+    combine.update({name: "constexpr" for name in ("TOPK", "GEMM_BLOCK_M", "OWN", "W_PAD", "E_PAD", "BY_EXPERT",
+                                                   "CHUNK", "BLOCK_C")})
     cases += [(moe_reduce.moe_combine_kernel, dict(combine),
-               {"TOPK": 8, "GEMM_BLOCK_M": 128, "OWN": own, "W_PAD": 8, "E_PAD": 32, "CHUNK": moe_reduce.CHUNK["cuda"],
-                "BLOCK_C": moe_reduce.BLOCK_C["cuda"]}) for own in (False, True)]
+               {"TOPK": 8, "GEMM_BLOCK_M": 128, "OWN": own, "W_PAD": 8, "E_PAD": 32, "BY_EXPERT": by_expert,
+                "CHUNK": moe_reduce.CHUNK["cuda"], "BLOCK_C": moe_reduce.BLOCK_C["cuda"]})
+              for own, by_expert in ((False, False), (False, True), (True, False))]
     return cases
 
 

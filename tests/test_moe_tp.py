@@ -92,8 +92,9 @@ def _check_handle(handle, layer, w):
 
 
 def _moe(w, dtype, calls):
-    """`calls`: case -> (comm, calls of it back to back); comm "ce" runs as "sm" across nodes."""
-    for case, (comm, count) in calls.items():
+    """`calls`: case -> (comm, calls of it back to back, tile order); comm "ce" runs as "sm" across
+    nodes."""
+    for case, (comm, count, order) in calls.items():
         if comm == "ce" and w.nnodes > 1:
             comm = "sm"
         layers = [Layer(w, case, dtype, call) for call in range(count)]
@@ -105,10 +106,10 @@ def _moe(w, dtype, calls):
         ys = [torch.full((tokens, out_k), float("nan"), dtype=dtype, device=w.device) for _ in layers]
         handles = []
         for call, (x, idx, w1, h, w2, weights) in enumerate(inputs):  # back to back
-            handles.append(ops.ag_moe(x, idx, w1, out=hs[call], comm=comm)[1])
-            ops.moe_rs(h, w2, handles[-1], weights, out=ys[call])
+            handles.append(ops.ag_moe(x, idx, w1, out=hs[call], comm=comm, tile_order=order)[1])
+            ops.moe_rs(h, w2, handles[-1], weights, out=ys[call], tile_order=order)
         for call, (layer, h, y, handle) in enumerate(zip(layers, hs, ys, handles)):
-            what = f"{case}, {dtype}, comm {comm}, call {call}"
+            what = f"{case}, {dtype}, comm {comm}, tiles by {order}, call {call}"
             _check_handle(handle, layer, w)
             error = relative_error(h, layer.expected_h(w.rank))
             assert error <= TOLERANCE[dtype], f"h, {what}: relative error {error:.2e}"
@@ -118,8 +119,9 @@ def _moe(w, dtype, calls):
 
 
 # Random routing back to back through the copy engines (on one node), the edge cases once each
-# through SM pushes (the path that works across nodes).
-CALLS = {"random": ("ce", 2), "one expert": ("sm", 1), "topk 8": ("sm", 1)}
+# through SM pushes (the path that works across nodes); both tile orders ("auto" takes "expert" at
+# these sizes, with peers).
+CALLS = {"random": ("ce", 2, "source"), "one expert": ("sm", 1, "expert"), "topk 8": ("sm", 1, "auto")}
 
 
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")
@@ -131,7 +133,7 @@ def test_ag_moe_and_moe_rs(world):
 
 @pytest.mark.worlds("2")
 def test_ag_moe_and_moe_rs_fp16(world):
-    world.run(_moe, dtype=torch.float16, calls={"random": ("sm", 1)})
+    world.run(_moe, dtype=torch.float16, calls={"random": ("sm", 1, "expert")})
 
 
 def _bad_input(w):
@@ -158,6 +160,8 @@ def _bad_input(w):
             ops.ag_moe(*args)
     with pytest.raises(ValueError, match="unknown method"):
         ops.ag_moe(x, idx, w1, comm="nccl")
+    with pytest.raises(ValueError, match="tile_order must be one of 'auto', 'source', 'expert'; got 'rows'"):
+        ops.ag_moe(x, idx, w1, tile_order="rows")
     h, handle = ops.ag_moe(x, idx, w1)
     w2 = torch.zeros((experts, n, k), dtype=dtype, device=w.device)
     weights = torch.ones((tokens, topk), device=w.device)
@@ -329,11 +333,14 @@ def test_moe_bench_layers():
     with pytest.raises(Exception, match="five positive integers"):
         bench.parse_layers("8x1024")
     assert bench.parse_comm_programs("default, 16,33") == [None, 16, 33]
+    assert bench.parse_tile_orders("source,expert") == ["source", "expert"]
+    with pytest.raises(Exception, match="one of auto, source, expert"):
+        bench.parse_tile_orders("rows")
     with pytest.raises(Exception, match="a positive int or 'default'"):
         bench.parse_comm_programs("0")
 
 
-def _gemm_counts(w, config_index, one_program, flatten):
+def _gemm_counts(w, config_index, one_program, flatten, by_expert):
     """moe_rs's GEMM raises done[slot, source] once per tile of source's rows, and its calls counter
     once per program: after two calls each slot holds the tile count of its call. Each config's tiles,
     nested and flattened. The shape is the stress call that hung on 2 and 4 ranks sharing an H100
@@ -360,15 +367,21 @@ def _gemm_counts(w, config_index, one_program, flatten):
     done = tridist.signals(2 * world)
     calls = torch.zeros(1, dtype=torch.int64, device=w.device)
     counts = handle.padded_counts.view(world, handle.e_pad).cpu()
-    tiles = [int(((counts[s] + config["BLOCK_M"] - 1) // config["BLOCK_M"]).sum()) * -(-k // config["BLOCK_N"])
-             for s in range(world)]
+
+    def tiles_of(rows):  # GEMM tiles of segments of these rows
+        return int(((rows + config["BLOCK_M"] - 1) // config["BLOCK_M"]).sum()) * -(-k // config["BLOCK_N"])
+
+    if by_expert:  # every tile counted at the rank after this one
+        tiles = [tiles_of(counts.sum(0)) if s == (w.rank + 1) % world else 0 for s in range(world)]
+    else:
+        tiles = [tiles_of(counts[s]) for s in range(world)]
     grid = 1 if one_program else max(1, min(sum(tiles), programs_for(w.device)))
     h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
     for call in (1, 2):
         moe_reduce.moe_rs_gemm_kernel[(grid,)](
             h_desc, grouped.weight_descriptor(weights, config), products, handle.padded_counts, handle.padded_base,
             done, calls, k, n, COUNT=True, W_PAD=triton.next_power_of_2(world), E_PAD=handle.e_pad,
-            **config)
+            BY_EXPERT=by_expert, **config)
         slot = call % 2
         assert done.view(2, world)[slot].tolist() == tiles, (call, config, grid, done.tolist())
         assert calls.item() == call * grid, (call, config, grid, calls.item())
@@ -382,10 +395,12 @@ def _gemm_counts(w, config_index, one_program, flatten):
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("one_program", [False, True], ids=["a tile per program", "one program"])
 @pytest.mark.parametrize("config_index", range(8))
-def test_moe_rs_gemm_counts_each_tile_once(world, config_index, one_program, flatten):
+@pytest.mark.parametrize("by_expert", [False, True], ids=["by source", "by expert"])
+def test_moe_rs_gemm_counts_each_tile_once(world, config_index, one_program, flatten, by_expert):
     if world.backend == "emulator" and (flatten or config_index):
         pytest.skip("the emulator runs the loops as written (flattening is the compiler's), the same for every "
                     "config: the first is enough there")
-    skipped = world.run(_gemm_counts, config_index=config_index, one_program=one_program, flatten=flatten)[0]
+    skipped = world.run(_gemm_counts, config_index=config_index, one_program=one_program, flatten=flatten,
+                        by_expert=by_expert)[0]
     if skipped:
         pytest.skip(skipped)

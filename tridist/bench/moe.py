@@ -20,6 +20,7 @@ no routing, no communication) and the sequential path (NCCL all-gather of tokens
 gather, torch._grouped_mm). moe_rs: the down projection (h x N/world, w experts x N/world x K),
 against the grouped GEMM alone and the sequential path (torch._grouped_mm, the top-k weighted sum,
 NCCL reduce-scatter). Target on one GPU at one rank: within 1.05x of the grouped GEMM alone.
+`--tile-orders source,expert` times both walks of the MoE ops' tiles (`tp_routing`) in one run.
 With TRIDIST_RANKS_PER_GPU > 1 (ranks sharing a GPU) only the checks run.
 """
 import argparse
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import tridist
 from tridist import ops
 from tridist.ops.gemm import grouped
+from tridist.ops.moe import tp_routing
 
 from .results import relative_error, save, table
 from .timing import kernel_us, op_us, slowest
@@ -205,24 +207,35 @@ def parse_comm_programs(text: str) -> list[int | None]:
     return values
 
 
-def moe_rows(op_name: str, layers, timed: bool = True, comm_programs=(None,), kernels: bool = False) -> list[dict]:
-    """A row per layer (moe_rs: per layer and each of `comm_programs`, None for the op's default)."""
+def parse_tile_orders(text: str) -> list[str]:
+    orders = [order.strip() for order in text.split(",")]
+    for order in orders:
+        if order not in tp_routing.TILE_ORDERS:
+            raise argparse.ArgumentTypeError(f"--tile-orders {order!r}: one of {', '.join(tp_routing.TILE_ORDERS)}")
+    return orders
+
+
+def moe_rows(op_name: str, layers, timed: bool = True, comm_programs=(None,), kernels: bool = False,
+             tile_orders=("auto",)) -> list[dict]:
+    """A row per layer and tile order (moe_rs: and each of `comm_programs`, None for the op's default)."""
     rows = []
     for layer_spec in layers:
-        for programs in comm_programs if op_name == "moe_rs" else (None,):
-            row = _moe_layer(op_name, *layer_spec, timed, programs, kernels)
-            rows += [row] if row else []
+        for order in tile_orders:
+            for programs in comm_programs if op_name == "moe_rs" else (None,):
+                row = _moe_layer(op_name, *layer_spec, timed, programs, kernels, order)
+                rows += [row] if row else []
     return rows
 
 
-def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_programs, kernels) -> dict | None:
+def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_programs, kernels,
+               tile_order) -> dict | None:
     """One layer checked and (if `timed`) timed: its row; with `kernels`, the op's GPU time per
     kernel printed as well."""
     w = tridist.world()
     row = None
     layer = _Layer(experts, per_expert, k, n, topk, w, w.device)
     up = layer.up(w.rank)
-    ag = ops.AllGatherMoE(layer.tokens, k, layer.n, experts, topk, torch.bfloat16)
+    ag = ops.AllGatherMoE(layer.tokens, k, layer.n, experts, topk, torch.bfloat16, tile_order=tile_order)
     h, handle = ag(layer.x_shard, layer.idx_shard, up)
     if op_name == "ag_moe":
         _check(f"ag_moe {name}", h, _reference_grouped(layer.sorted_tokens(), up, layer.offs))
@@ -230,12 +243,13 @@ def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_progr
         alone = (layer.sorted_tokens(), up)
     else:
         down, h = layer.down(w.rank), layer.h(w.rank)
-        op = ops.MoEReduceScatter(layer.tokens, layer.n, k, experts, topk, torch.bfloat16, comm_programs)
+        op = ops.MoEReduceScatter(layer.tokens, layer.n, k, experts, topk, torch.bfloat16, comm_programs,
+                                  tile_order=tile_order)
         args = (h, down, handle, layer.weights_shard)
         _check(f"moe_rs {name}", op(*args), layer.expected_y())
         alone = (h, down)
     if timed:
-        row = {"layer": name, "config": _config_name(op.config)}
+        row = {"layer": name, "config": _config_name(op.config), "tiles by": "expert" if op.by_expert else "source"}
         if op_name == "moe_rs":
             row["comm programs"] = op.comm_programs
         row[f"{op_name} us"] = op_us(lambda: op(*args))
@@ -306,6 +320,9 @@ def main(argv=None) -> int:
     parser.add_argument("--comm-programs", type=parse_comm_programs, default=[None],
                         help="moe_rs: the programs of the peers' combine, comma separated, 'default' for the op's "
                              "(default: default)")
+    parser.add_argument("--tile-orders", type=parse_tile_orders, default=["auto"],
+                        help="ag_moe, moe_rs: tile orders to time, comma separated: auto, source, expert "
+                             "(default: auto)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     w = tridist.init()
@@ -317,7 +334,7 @@ def main(argv=None) -> int:
     else:
         if args.dtype != "bfloat16":
             raise SystemExit("ag_moe and moe_rs take bf16 and fp16; --dtype is for grouped_gemm")
-        rows = moe_rows(args.op, args.layers, timed, args.comm_programs, args.kernels)
+        rows = moe_rows(args.op, args.layers, timed, args.comm_programs, args.kernels, args.tile_orders)
     if w.rank == 0:
         if not timed:
             print(f"{args.op}: every layer checked (ranks share a GPU: TRIDIST_RANKS_PER_GPU > 1, nothing timed)")

@@ -13,12 +13,13 @@ Protocol
    flags.
 2. The routing (`tp_routing.Router`): a one-program kernel sorts this rank's pairs by expert,
    exchanges them with every peer and lays out h, on the device.
-3. The GEMM (`ag_moe_kernel`), one persistent kernel over the tiles of every segment, phase by
-   phase: first the rows of this rank's own tokens, read straight from x_shard (no wait), then of
-   rank+1, rank+2, ...: the order in which the tokens arrive. Before its first tile of rank s's
-   rows a program waits for s's flags. A tile's rows of A are tokens picked through pair_of_row,
-   loaded row by row (not by TMA, which reads blocks of consecutive rows); w_shard[expert] comes
-   through a TMA descriptor.
+3. The GEMM (`ag_moe_kernel`), one persistent kernel over the tiles of h (`tp_routing`'s walks).
+   By source: first the rows of this rank's own tokens, then of rank+1, rank+2, ...: the order in
+   which the tokens arrive; before its first tile of rank s's rows a program waits for s's flags.
+   By expert: before its first tile a program waits for every peer's flags. A tile's rows of A
+   are tokens picked through pair_of_row, own tokens read straight from x_shard, loaded row by row
+   (not by TMA, which reads blocks of consecutive rows); w_shard[expert] comes through a TMA
+   descriptor.
 """
 import torch
 import triton
@@ -59,8 +60,9 @@ def gathered_product(a_rows, row_mask, w_desc, expert, col, K, BLOCK_M: tl.const
 @jit
 def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, base_ptr, flags_ptr, calls_ptr, tokens,
                   N, K, slot_rows, TOPK: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                  FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                  FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BY_EXPERT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  FLATTEN: tl.constexpr):
     """x_ptr: this rank's tokens; gathered_ptr: `ShardGather.gathered` (slots of `slot_rows` rows
     of K); out_ptr: h; pair_ptr, counts_ptr, base_ptr: the call's `MoEHandle`. Flags as ag_gemm's
     (EPOCH_FLAGS: raised to the call epoch in slot epoch % 2; else slot 0's, raised to 1)."""
@@ -72,26 +74,33 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
     if EPOCH_FLAGS:
         slot = epoch % 2
         expected = epoch
-    row_tiles, phase_ends = tp_routing.phases(counts_ptr, me, world, W_PAD, E_PAD, BLOCK_M)
+    row_tiles, phase_ends = tp_routing.phases(counts_ptr, me, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
     tiles_n = tl.cdiv(N, BLOCK_N)
     # Own tokens are read where they are; a peer's from its rows of this call's slot of `gathered`.
     own = x_ptr - me * tokens * K
     peers = gathered_ptr + slot * slot_rows * K
-    arrived = me  # the last source whose flags this program has seen
+    flags = flags_ptr + slot * world * FLAGS_PER_SHARD
+    arrived = me  # the last source whose flags this program has seen (-1: every peer's)
     rows = tl.arange(0, BLOCK_M)
     for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
         source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, me, world, counts_ptr,
-                                                           base_ptr, tiles_n, E_PAD, BLOCK_M, GROUP_M)
+                                                           base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
+                                                           BY_EXPERT)
         # The wait's token goes into an offset, not a pointer: a pointer chosen after a wait stopped
         # Triton from pipelining the loads computed from it (2026-11-25, tests/gpu_compile.py).
         offset = source * 0
-        if source != arrived:
-            offset = after_flags(offset, flags_ptr + (slot * world + source) * FLAGS_PER_SHARD, FLAGS_PER_SHARD,
-                                 expected)
+        if BY_EXPERT:
+            if arrived == me:
+                for step in range(1, world):
+                    offset = after_flags(offset, flags + ((me + step) % world) * FLAGS_PER_SHARD, FLAGS_PER_SHARD,
+                                         expected)
+                arrived = -1
+        elif source != arrived:
+            offset = after_flags(offset, flags + source * FLAGS_PER_SHARD, FLAGS_PER_SHARD, expected)
             arrived = source
         row_mask = row + rows < end
         token = tl.load(pair_ptr + row + rows, mask=row_mask, other=0) // TOPK
-        a_rows = tl.where(source == me, own, peers) + (offset + token).to(tl.int64) * K
+        a_rows = tl.where(token // tokens == me, own, peers) + (offset + token).to(tl.int64) * K
         acc = gathered_product(a_rows, row_mask, w_desc, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         persistent.store_tile(out_ptr, acc, row, tn * BLOCK_N, end, N, BLOCK_M, BLOCK_N)
     finish_call(calls_ptr)
@@ -142,13 +151,17 @@ class AllGatherMoE:
     """`ag_moe` for `tokens` tokens of k features per rank, `topk` of `experts` experts each, and
     weights split to n columns per rank, with its buffers allocated once; one instance per stream.
     `comm`: "ce", "sm" or "auto" as for `AllGatherGEMM`; `config`: a dict of
-    `tridist.ops.gemm.grouped.configs`, None for the default, or "tune" (a collective)."""
+    `tridist.ops.gemm.grouped.configs`, None for the default, or "tune" (a collective);
+    `tile_order`: "source", "expert" or "auto" (`tp_routing.choose_tile_order`): how the GEMM walks
+    its tiles (`tp_routing`'s docstring)."""
 
     def __init__(self, tokens: int, k: int, n: int, experts: int, topk: int, dtype: torch.dtype, comm: str = "auto",
-                 comm_programs: int | None = None, config: dict | str | None = None):
+                 comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
         if comm not in COMMS:
             raise _protocol.method_error("ag_moe comm", comm, COMMS)
         check_build("ag_moe", tokens, topk, experts, k, n, dtype)
+        self.by_expert = tp_routing.choose_tile_order(tile_order, tridist.world().world_size * tokens * topk,
+                                                      experts)
         if comm_programs is not None:
             _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the tokens with comm='sm'")
         self.world = w = tridist.world()
@@ -159,8 +172,8 @@ class AllGatherMoE:
         self.pairs = w.world_size * tokens * topk
         _protocol.check_offsets("ag_moe", max(self.pairs * n, 2 * w.world_size * tokens * k))
         self.config = moe_config(
-            config, "ag_moe", (tokens, k, n, experts, topk, str(dtype), self.comm, comm_programs),
-            lambda c: AllGatherMoE(tokens, k, n, experts, topk, dtype, self.comm, comm_programs, c),
+            config, "ag_moe", (tokens, k, n, experts, topk, str(dtype), self.comm, comm_programs, self.by_expert),
+            lambda c: AllGatherMoE(tokens, k, n, experts, topk, dtype, self.comm, comm_programs, c, tile_order),
             lambda: (torch.randn(tokens, k, device=w.device).to(dtype),
                      random_routing(tokens, topk, experts, w.device),
                      torch.randn(experts, k, n, device=w.device).to(dtype)),
@@ -194,7 +207,8 @@ class AllGatherMoE:
             x_shard, self.gather.gathered, grouped.weight_descriptor(w_shard, config), out, handle.pair_of_row,
             handle.padded_counts, handle.padded_base, self.gather.flags, self.calls, self.tokens, self.n, self.k,
             self.gather.slot_rows, TOPK=self.topk, W_PAD=triton.next_power_of_2(w.world_size), E_PAD=handle.e_pad,
-            FLAGS_PER_SHARD=self.gather.flags_per_shard, EPOCH_FLAGS=self.gather.epoch_flags, **config)
+            FLAGS_PER_SHARD=self.gather.flags_per_shard, EPOCH_FLAGS=self.gather.epoch_flags, BY_EXPERT=self.by_expert,
+            **config)
         self.gather.finish()
         return out, handle
 
@@ -205,7 +219,8 @@ class AllGatherMoE:
 
 
 def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor, out: torch.Tensor | None = None,
-           comm: str = "auto", config: dict | str | None = None) -> tuple[torch.Tensor, MoEHandle]:
+           comm: str = "auto", config: dict | str | None = None,
+           tile_order: str = "auto") -> tuple[torch.Tensor, MoEHandle]:
     """The up projection of a tensor-parallel MoE layer, the all-gather of the tokens overlapped with
     the grouped GEMM. A collective: every rank calls it with the same shapes.
 
@@ -218,6 +233,11 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
         out: h, or None for a new tensor.
         comm: "ce" (copy engines, one node), "sm" (any topology) or "auto" (ce on one node).
         config: a dict of `tridist.ops.gemm.grouped.configs`, None, or "tune".
+        tile_order: "source" (the tiles of each rank's tokens in the order they arrive: the
+            all-gather hidden, each expert's weights read once per rank), "expert" (each expert's
+            rows of every rank together: its weights read once, the all-gather waited for before the
+            first tile), or "auto": by expert where the (rank, expert) segments are small enough
+            for the weights' reads to be what the GEMM waits on (`tp_routing.choose_tile_order`).
 
     Returns:
         (h, handle): h is (world_size * T_r * topk) x N/world, a row for every (token, k) pair of
@@ -235,8 +255,9 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
         raise ValueError(f"x_shard and topk_idx_shard must be matrices (tokens x K, tokens x topk); got shapes "
                          f"{tuple(x_shard.shape)} and {tuple(topk_idx_shard.shape)}")
     (tokens, k), topk, (experts, _, n) = x_shard.shape, topk_idx_shard.shape[1], w_shard.shape
-    op = _protocol.instance(lambda: AllGatherMoE(tokens, k, n, experts, topk, x_shard.dtype, comm, config=config),
-                            AllGatherMoE, tokens, k, n, experts, topk, x_shard.dtype, comm, repr(config),
+    op = _protocol.instance(lambda: AllGatherMoE(tokens, k, n, experts, topk, x_shard.dtype, comm, config=config,
+                                                 tile_order=tile_order),
+                            AllGatherMoE, tokens, k, n, experts, topk, x_shard.dtype, comm, repr(config), tile_order,
                             device=x_shard.device)
     return op(x_shard, topk_idx_shard, w_shard, out)
 

@@ -8,15 +8,17 @@ y_shard (T_r x K): for each of its tokens t, sum over k of topk_weights[t, k] * 
 w[expert]), summed over the ranks (each holds a part of the N columns).
 
 Protocol (slots and call epochs as in `_protocol.py`)
-- The GEMM (`moe_rs_gemm_kernel`) walks the segments of h phase by phase (`tp_routing`): the rows
-  of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs orders its tiles.
-  Each tile's rows go to `products` (P x K, local, h's row order), and one tile late (so that the
-  tile's stores have drained when the release is made) it adds 1 to done[slot, source], the
-  count of finished tiles of that source's rows (not at world size 1: nothing waits for it).
+- The GEMM (`moe_rs_gemm_kernel`) walks the tiles of h (`tp_routing`'s walks). By source, phase by
+  phase: the rows of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs
+  orders its tiles. Each tile's rows go to `products` (P x K, local, h's row order), and one tile
+  late (so that the tile's stores have drained when the release is made) it adds 1 to done[slot,
+  source], the count of finished tiles of that source's rows (not at world size 1: nothing waits
+  for it). By expert, every tile counts at done[slot, rank+1], the phase's source.
   Program 0 zeroes the other slot's counts for the next call (this call's other kernels have
   finished with it: each call waits for the last).
-- The combine for the peers (`moe_combine_kernel` with OWN=False), on a side stream beside the
-  GEMM (a quarter of the SMs: `comm_programs`): program 0 first sends this rank's topk weights into row
+- The combine for the peers (`moe_combine_kernel` with OWN=False), by source on a side stream
+  beside the GEMM (a quarter of the SMs: `comm_programs`), by expert after it (every rank's sums
+  are done only near the GEMM's end), with every SM: program 0 first sends this rank's topk weights into row
   `rank` of every peer's `weights` and raises flag (slot, rank) there to the epoch. Then, for each
   peer s in the GEMM's order, once done[slot, s] has reached the tile count of s's rows (computed
   from `counts`) and s's weights are here, piece after piece (CHUNK of s's tokens by a span of
@@ -53,8 +55,9 @@ WEIGHTS_BLOCK = tl.constexpr(1024)  # weights moved per step of their exchange
 
 @jit
 def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_ptr, calls_ptr, N, K,
-                       COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                       COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       FLATTEN: tl.constexpr):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
     count per source rank, two slots, raised with COUNT (nothing waits for them at world size 1).
     `late` takes the tile's source inside a branch (always taken): flattened by Triton 3.6, a plain
@@ -70,12 +73,13 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
         tl.store(done_ptr + ((epoch + 1) % 2) * world + sources, 0, mask=sources < world)
     done = done_ptr + (epoch % 2) * world
     first = (me + 1) % world
-    row_tiles, phase_ends = tp_routing.phases(counts_ptr, first, world, W_PAD, E_PAD, BLOCK_M)
+    row_tiles, phase_ends = tp_routing.phases(counts_ptr, first, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
     tiles_n = tl.cdiv(N, BLOCK_N)
     late = tl.cast(-1, tl.int32)  # the source of the tile stored last, whose count is still to raise
     for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
         source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
-                                                           base_ptr, tiles_n, E_PAD, BLOCK_M, GROUP_M)
+                                                           base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
+                                                           BY_EXPERT)
         acc = grouped.group_product(h_desc, w_desc, row, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         if COUNT:
             if late >= 0:
@@ -118,8 +122,8 @@ def _piece_offsets(col, span, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
 def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, exchange_ptr, partials_ptr, send_ptr,
                        flags_ptr, done_ptr, calls_ptr, out_ptr, tokens, K, weights_row, slot_numel,
                        local_world_size, spans, span, gemm_tiles_n, TOPK: tl.constexpr, GEMM_BLOCK_M: tl.constexpr,
-                       OWN: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
+                       OWN: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
+                       CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     """OWN=False: the combine for the peers; OWN=True: of this rank's own tokens (see the module
     docstring). The work comes in pieces: CHUNK tokens by `span` columns (`spans` of them across K),
     piece p = chunk * spans + j. exchange: the weights, rows `weights_row` apart; partials: a slot of
@@ -143,11 +147,16 @@ def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, e
             for step in range(1, world):
                 push_slice(exchange + me * weights_row, exchange + me * weights_row, 0, tokens * TOPK,
                            weights_flags + me, epoch, (me + step) % world, local_world_size, WEIGHTS_BLOCK)
-        row_tiles, phase_ends = tp_routing.phases(counts_ptr, me + 1, world, W_PAD, E_PAD, GEMM_BLOCK_M)
+        first = (me + 1) % world
+        row_tiles, phase_ends = tp_routing.phases(counts_ptr, first, world, W_PAD, E_PAD, GEMM_BLOCK_M, BY_EXPERT)
         for j in range(world - 1):
-            source = (me + 1 + j) % world
-            products = after_flags(products_ptr, done_ptr + slot * world + source, 1,
-                                   grouped.pick(row_tiles, j) * gemm_tiles_n)
+            source = (first + j) % world
+            if BY_EXPERT:  # one phase, its tiles counted at `first`
+                products = after_flags(products_ptr, done_ptr + slot * world + first, 1,
+                                       grouped.pick(row_tiles, 0) * gemm_tiles_n)
+            else:
+                products = after_flags(products_ptr, done_ptr + slot * world + source, 1,
+                                       grouped.pick(row_tiles, j) * gemm_tiles_n)
             weights = after_flags(exchange + source * weights_row, weights_flags + source, 1, epoch)
             same_node = source // local_world_size == me // local_world_size
             for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
@@ -195,10 +204,11 @@ class MoEReduceScatter:
     """`moe_rs` for h of `n` columns (N/world), `experts` x n x k down weights, and `tokens` tokens
     of `topk` experts per rank, with its buffers allocated once; one instance per stream.
     `comm_programs`: the programs of the peers' combine, beside the GEMM (default a quarter of the
-    SMs); `config`: as for `AllGatherMoE`."""
+    SMs; by expert it runs after the GEMM, on every SM); `config`, `tile_order`: as for
+    `AllGatherMoE`."""
 
     def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype,
-                 comm_programs: int | None = None, config: dict | str | None = None):
+                 comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
         allgather_moe.check_build("moe_rs", tokens, topk, experts, n, k, dtype)
         if comm_programs is not None:
             _protocol.check_programs(comm_programs, "comm_programs", "the programs of the peers' combine")
@@ -206,13 +216,14 @@ class MoEReduceScatter:
         self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
         _protocol.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
+        self.by_expert = tp_routing.choose_tile_order(tile_order, self.pairs, experts)
         # With peers the GEMM counts its tiles (COUNT), `late` assigned in a branch: a plain assignment,
         # flattened by Triton 3.6, gave every count to the tile's own source on an H100 and the peers'
         # combine hung (2026-11-26; see moe_rs_gemm_kernel). In the branch every FLATTEN config counted
         # each tile once at 1 and 2 ranks (test_moe_rs_gemm_counts_each_tile_once, one H100, 2026-11-26).
         self.config = allgather_moe.moe_config(
-            config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs),
-            lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c)),
+            config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs, self.by_expert),
+            lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c, tile_order)),
             lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
             dtype)
         programs = _protocol.programs_for(w.device)
@@ -220,7 +231,8 @@ class MoEReduceScatter:
         # layer of `tridist bench moe_rs` (deepseek 492 us, 803 at 8), and on 4 it beat 8 (614 us
         # against 1207), 2026-11-26.
         self.comm_programs = comm_programs or max(1, programs // 4)
-        self.overlap = w.world_size > 1  # the peers' combine runs beside the GEMM
+        self.count = w.world_size > 1  # the GEMM counts its tiles for the peers' combine
+        self.overlap = self.count and not self.by_expert  # the peers' combine runs beside the GEMM
         self.gemm_programs = max(1, programs - self.comm_programs) if self.overlap else programs
         self.programs = programs
         kind = w.device.type
@@ -270,19 +282,21 @@ class MoEReduceScatter:
         w_pad, e_pad = triton.next_power_of_2(w.world_size), handle.e_pad
         moe_rs_gemm_kernel[(min(bound, self.gemm_programs),)](
             h_desc, grouped.weight_descriptor(w_shard, config), self.products, handle.padded_counts,
-            handle.padded_base, self.done, self.gemm_calls, self.k, self.n, COUNT=self.overlap, W_PAD=w_pad,
-            E_PAD=e_pad, **config)
+            handle.padded_base, self.done, self.gemm_calls, self.k, self.n, COUNT=self.count, W_PAD=w_pad,
+            E_PAD=e_pad, BY_EXPERT=self.by_expert, **config)
         ws = self.workspace
         args = (self.products, handle.row_of_pair, handle.padded_counts, topk_weights_shard, self.exchange, ws.staging,
                 self.send if self.send is not None else ws.staging, ws.flags, self.done)
         sizes = (out, self.tokens, self.k, self.weights_row, ws.slot_numel, w.local_world_size, self.spans,
                  self.span, triton.cdiv(self.k, config["BLOCK_N"]))
-        blocks = dict(TOPK=self.topk, GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad, CHUNK=self.chunk,
-                      BLOCK_C=self.block_c)
+        blocks = dict(TOPK=self.topk, GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad,
+                      BY_EXPERT=self.by_expert, CHUNK=self.chunk, BLOCK_C=self.block_c)
         if self.overlap:
             with self.side.fork():
                 moe_combine_kernel[(min(self.comm_programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False,
                                                                             **blocks)
+        elif self.count:
+            moe_combine_kernel[(min(self.programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False, **blocks)
         moe_combine_kernel[(min(self.programs, self.pieces),)](*args, ws.calls, *sizes, OWN=True, **blocks)
         if self.overlap:
             self.side.join()
@@ -338,7 +352,7 @@ def check_handle(handle, world_size: int, tokens: int, topk: int, experts: int, 
 
 
 def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
-           out: torch.Tensor | None = None, config: dict | str | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, config: dict | str | None = None, tile_order: str = "auto") -> torch.Tensor:
     """The down projection of a tensor-parallel MoE layer: the grouped GEMM, the top-k weighted sum
     and the reduce-scatter to the tokens' owners, overlapped. A collective.
 
@@ -350,6 +364,10 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
         topk_weights_shard: float32 T_r x topk, the weights of this rank's tokens' experts.
         out: T_r x K in h's dtype, or None for a new tensor.
         config: a dict of `tridist.ops.gemm.grouped.configs`, None, or "tune".
+        tile_order: "source" (the tiles of each rank's tokens in turn, their sums sent while the
+            GEMM goes on; each expert's weights read once per rank), "expert" (each expert's rows of
+            every rank together, its weights read once; the sums sent after the GEMM), or "auto"
+            (`tp_routing.choose_tile_order`), as for `ag_moe`.
 
     Returns:
         y_shard, T_r x K: for each of this rank's tokens, sum over k of topk_weights[t, k] *
@@ -366,8 +384,10 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
         raise ValueError(f"h and topk_weights_shard must be matrices; got shapes {tuple(h.shape)} and "
                          f"{tuple(topk_weights_shard.shape)}")
     (tokens, topk), (experts, n, k) = topk_weights_shard.shape, w_shard.shape
-    op = _protocol.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config),
-                            MoEReduceScatter, tokens, n, k, experts, topk, h.dtype, repr(config), device=h.device)
+    op = _protocol.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config,
+                                                     tile_order=tile_order),
+                            MoEReduceScatter, tokens, n, k, experts, topk, h.dtype, repr(config), tile_order,
+                            device=h.device)
     return op(h, w_shard, handle, topk_weights_shard, out)
 
 

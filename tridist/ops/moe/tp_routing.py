@@ -16,10 +16,17 @@ Protocol (`route_kernel`, one program per rank and call; epochs and slots as in 
    for every peer's flag. Every call waits for every peer, so two slots need no handshake.
 3. From all the rows every rank computes the same layout into the call's `MoEHandle`.
 
-The GEMMs' tiles. Phase j of a rank's GEMM covers the segments of one source rank, (first + j) %
-world; within it the row tiles (BLOCK_M rows, never spanning two segments) come expert after
-expert, and the tiles GROUP_M row tiles at a time (`persistent.tile_coords`). `phases` counts the
-row tiles of every phase from `counts` before the tile loop, and `moe_tile` places a tile.
+The GEMMs' tiles, in one of two orders (`tile_order`):
+- by source: phase j of a rank's GEMM covers the segments of one source rank, (first + j) % world;
+  within it the row tiles (BLOCK_M rows, never spanning two segments) come expert after expert.
+  A tile then needs the tokens (ag_moe) or feeds the sums (moe_rs) of one rank only, so the
+  transfers overlap the GEMM; but each expert's weights are read once per source rank, and each
+  segment's last tile is partly empty.
+- by expert: one phase, row tiles over each expert's rows of every source at once (never spanning
+  two experts), as `grouped_gemm` walks them: each expert's weights are read once, but a tile may
+  need every rank's tokens, and every rank's sums are done only near the end of the GEMM.
+Either way the tiles come GROUP_M row tiles at a time (`persistent.tile_coords`). `phases` counts
+the row tiles of every phase from `counts` before the tile loop, and `moe_tile` places a tile.
 """
 import dataclasses
 
@@ -212,6 +219,26 @@ class Router:
         self.workspace.free()
 
 
+TILE_ORDERS = ("auto", "source", "expert")
+# Rows of one (source, expert) segment below which "auto" walks the tiles by expert: a segment's
+# tiles read each weight once per about 2 x rows flops, and an H100 does about 230 flops per byte of
+# HBM read (~760 TFLOP/s over ~3.3 TB/s), so smaller segments leave the GEMM waiting on weights
+# that the by-source walk reads once per rank.
+SOURCE_ORDER_ROWS = 256
+
+
+def choose_tile_order(tile_order: str, pairs: int, experts: int) -> bool:
+    """Whether an op of `pairs` rows of h over `experts` walks its tiles by expert: with several
+    ranks, where `tile_order` is "expert", or "auto" and the segments average fewer than
+    SOURCE_ORDER_ROWS rows (at one rank both walks are one). Raises ValueError for another order."""
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"tile_order must be one of {', '.join(map(repr, TILE_ORDERS))}; got {tile_order!r}")
+    world_size = tridist.world().world_size
+    if world_size == 1 or tile_order == "source":
+        return False
+    return tile_order == "expert" or pairs < SOURCE_ORDER_ROWS * world_size * experts
+
+
 def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
     """Expert ids in [0, experts), checked where reading them costs no synchronisation (on the CPU:
     the emulator) or where it is asked for (TRIDIST_DEBUG=1), but not while a CUDA graph is captured
@@ -224,29 +251,50 @@ def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
 
 
 @triton.jit
-def phases(counts_ptr, first, world, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def _rows_per_expert(counts_ptr, source, world, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr):
+    """The rows per expert a phase covers: source's segments, or (BY_EXPERT) every rank's."""
+    if BY_EXPERT:
+        ranks = tl.arange(0, W_PAD)
+        return tl.sum(tl.load(counts_ptr + ranks[:, None] * E_PAD + tl.arange(0, E_PAD)[None, :],
+                              mask=(ranks < world)[:, None], other=0), 0)
+    else:
+        return tl.load(counts_ptr + source * E_PAD + tl.arange(0, E_PAD))
+
+
+@triton.jit
+def phases(counts_ptr, first, world, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+           BY_EXPERT: tl.constexpr):
     """(row tiles of phase j, their cumulative ends): vectors over the phases j < world, phase j
-    taking the segments of source rank (first + j) % world."""
+    taking the segments of source rank (first + j) % world; BY_EXPERT, phase 0 takes every row
+    and the others none."""
     j = tl.arange(0, W_PAD)
-    source = (first + j) % world
-    counts = tl.load(counts_ptr + source[:, None] * E_PAD + tl.arange(0, E_PAD)[None, :], mask=(j < world)[:, None],
-                     other=0)
-    row_tiles = tl.sum(tl.cdiv(counts, BLOCK_M), 1)
+    if BY_EXPERT:
+        row_tiles = tl.where(j == 0, tl.sum(tl.cdiv(_rows_per_expert(counts_ptr, first, world, W_PAD, E_PAD, True),
+                                                     BLOCK_M), 0), 0)
+    else:
+        source = (first + j) % world
+        counts = tl.load(counts_ptr + source[:, None] * E_PAD + tl.arange(0, E_PAD)[None, :],
+                         mask=(j < world)[:, None], other=0)
+        row_tiles = tl.sum(tl.cdiv(counts, BLOCK_M), 1)
     return row_tiles, tl.cumsum(row_tiles, 0)
 
 
 @triton.jit
-def moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr, base_ptr, tiles_n, E_PAD: tl.constexpr,
-             BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """Tile `tile` of the walk `phases` counted -> (source rank, expert, first row of h, the
-    segment's end row, column tile)."""
+def moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr, base_ptr, tiles_n, W_PAD: tl.constexpr,
+             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, BY_EXPERT: tl.constexpr):
+    """Tile `tile` of the walk `phases` counted -> (its phase's source rank, expert, first row of h,
+    the end row of the expert's rows in that phase, column tile). BY_EXPERT, the source is `first`
+    for every tile, whose rows may be any rank's."""
     phase = tl.sum((phase_ends * tiles_n <= tile).to(tl.int32), 0)
     source = (first + phase) % world
     phase_tiles = grouped.pick(row_tiles, phase)
     start = (grouped.pick(phase_ends, phase) - phase_tiles) * tiles_n
     tm, tn = persistent.tile_coords(tile - start, phase_tiles, tiles_n, GROUP_M)
-    counts = tl.load(counts_ptr + source * E_PAD + tl.arange(0, E_PAD))
+    counts = _rows_per_expert(counts_ptr, source, world, W_PAD, E_PAD, BY_EXPERT)
     expert, first_tile = grouped.locate(tm, tl.cdiv(counts, BLOCK_M))
-    base = tl.load(base_ptr + source * E_PAD + expert)
+    at = source
+    if BY_EXPERT:
+        at = 0  # every rank's rows of an expert start where rank 0's do
+    base = tl.load(base_ptr + at * E_PAD + expert)
     end = base + grouped.pick(counts, expert)
     return source, expert, base + (tm - first_tile) * BLOCK_M, end, tn
