@@ -80,7 +80,14 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
     own = x_ptr - me * tokens * K
     peers = gathered_ptr + slot * slot_rows * K
     flags = flags_ptr + slot * world * FLAGS_PER_SHARD
-    arrived = me  # the last source whose flags this program has seen (-1: every peer's)
+    ready = me * 0  # a zero that the rows' addresses take in, to keep their loads after the waits
+    if BY_EXPERT:
+        # Nearly every tile reads every rank's tokens: wait for them all before the first. (Waited
+        # inside the tile loop, Triton 3.6 no longer pipelined the flattened loop's loads of A, and
+        # ag_moe by expert took 2.4x the grouped GEMM alone at mixtral on 2 x H100, 2026-11-26.)
+        for step in range(1, world):
+            ready = after_flags(ready, flags + ((me + step) % world) * FLAGS_PER_SHARD, FLAGS_PER_SHARD, expected)
+    arrived = me  # the last source whose flags this program has seen
     rows = tl.arange(0, BLOCK_M)
     for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
         source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, me, world, counts_ptr,
@@ -88,14 +95,8 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
                                                            BY_EXPERT)
         # The wait's token goes into an offset, not a pointer: a pointer chosen after a wait stopped
         # Triton from pipelining the loads computed from it (2026-11-25, tests/gpu_compile.py).
-        offset = source * 0
-        if BY_EXPERT:
-            if arrived == me:
-                for step in range(1, world):
-                    offset = after_flags(offset, flags + ((me + step) % world) * FLAGS_PER_SHARD, FLAGS_PER_SHARD,
-                                         expected)
-                arrived = -1
-        elif source != arrived:
+        offset = ready
+        if source != arrived:  # by source only: by expert every tile's phase is this rank's
             offset = after_flags(offset, flags + source * FLAGS_PER_SHARD, FLAGS_PER_SHARD, expected)
             arrived = source
         row_mask = row + rows < end
