@@ -297,8 +297,8 @@ def _attention_cases():
                                                      (32, 128, 128, 4, True), (4, 64, 2, 8, True)]:
         columns, rows, rank_rows = combine.combine_shape(group, head_dim, splits, world)
         cases.append((combine.flash_decode_combine_kernel,
-                      {"partials_ptr": "*fp32", "out_ptr": "*bf16", "staging_ptr": "*fp32",
-                       "flags_ptr": "*i64" if exchange else "*i32", "calls_ptr": "*i64" if exchange else "*i32",
+                      {"partials_ptr": "*fp32", "out_ptr": "*bf16", "staging_ptr": "*i64" if exchange else "*fp32",
+                       "calls_ptr": "*i64" if exchange else "*i32",
                        "units": "i32", "splits": "i32", "slot_numel": "i32", "local_world_size": "i32",
                        "GROUP": "constexpr", "D": "constexpr", "COLUMNS": "constexpr", "ROWS": "constexpr",
                        "RANK_ROWS": "constexpr", "EXCHANGE": "constexpr"},

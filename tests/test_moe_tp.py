@@ -190,6 +190,21 @@ def _bad_input(w):
     tridist.barrier_all()
 
 
+def _tile_orders(w):
+    choose = tp_routing.choose_tile_order
+    mixtral, deepseek = (8 * 1024, 8), (32 * 128, 32)  # (pairs, experts) of the bench's layers
+    if w.world_size == 1:  # one walk
+        return [choose(order, *mixtral, rows) for order in ("expert", "auto") for rows in (None, 256)]
+    return [choose("auto", *mixtral, tp_routing.AG_MOE_SOURCE_ROWS), choose("auto", *deepseek, 256),
+            choose("auto", *mixtral, None), choose("source", *deepseek, None), choose("expert", *mixtral, 256)]
+
+
+@pytest.mark.worlds("1", "2")
+def test_tile_order_choice(world):
+    expected = [False] * 4 if world.name == "1" else [False, True, True, False, True]
+    assert world.run(_tile_orders)[0] == expected
+
+
 @pytest.mark.worlds("1")
 def test_moe_bad_input(world):
     world.run(_bad_input)

@@ -18,21 +18,24 @@ one program a unit merging its 66 chunks in 9 rounds of loads, the op took 1.50x
 at 1x32768 on an H100, 2026-11-24; this way 1.07x, 2026-11-26). Program t takes items t,
 t + programs, ...:
 - one rank: it merges each item's chunks, in chunk order, into its columns of `out`;
-- several ranks: it merges each item's chunks into a piece and sends it to every rank, this one
-  first: into row `rank` of the item's pieces in slot e % 2 of each rank's staging (through
-  `dl.symm_at` on this node, an NVSHMEM put on another), then raises flag (item, rank) there to e,
-  the call's epoch. Once all of its items are sent, it waits for each item's flags from every rank
-  and merges the world pieces, in rank order, into `out`: every rank computes the same bits. The
-  pieces it waits for are sent by the same program of every rank before that program waits, so
-  the launch is co-resident: those programs are running.
+- several ranks: it merges each item's chunks into a piece and sends it to every rank as LL
+  packets (`dl.ll`: each word with e, the call's epoch, as its flag), this one first: into row
+  `rank` of the item's pieces in slot e % 2 of each rank's staging (through `dl.symm_at` on this
+  node; to another, an NVSHMEM put of its own row's packets). Once all of its items are sent, it
+  waits for each item's packets from every rank and merges the world pieces, in rank order, into
+  `out`: every rank computes the same bits. The pieces it waits for are sent by the same program
+  of every rank before that program waits, so the launch is co-resident: those programs are
+  running. Packets need no fence and no separate flag, whose round trips cost most of the
+  exchange: with put-with-signal (a piece, a system-scope release, a flag) the op took 11.3 us
+  more than with no exchange at 2 ranks on 2 x H100 (2026-11-26), at 1x8192 and at 1x131072.
 
 The combine is launched as the split-KV kernel's programmatic dependent (`launch_pdl`, sm_90): its
 programs start on the SMs the split-KV kernel's last wave leaves free, and wait there
 (`dl.wait_prior_kernel`) for that kernel to end, so that the second launch's latency is hidden.
 
 Epochs and slots are `_protocol`'s: the kernel counts its calls, and a rank sends into slot e % 2
-in call e only after its call e - 1 has seen every rank's flags of call e - 1, which each rank
-raised after its call e - 2, the last reader of that slot, had ended.
+in call e only after its call e - 1 has seen every rank's packets of call e - 1, which each rank
+sent after its call e - 2, the last reader of that slot, had ended.
 """
 import triton
 import triton.language as tl
@@ -40,7 +43,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .._protocol import after_flags, call_epoch, finish_call
+from .._protocol import call_epoch, finish_call, sync_program
 
 TILE = 4096  # fp32 values a combine program loads at once: 32 a thread of its 4 warps
 WARPS = 4
@@ -71,13 +74,13 @@ def combine_shape(group: int, head_dim: int, splits: int, world_size: int) -> tu
 
 
 @triton.jit
-def merge_records(records, stride, count, width, first_column, GROUP: tl.constexpr, COLUMNS: tl.constexpr,
-                  ROWS: tl.constexpr):
+def merge_records(records, stride, count, width, first_column, flag, GROUP: tl.constexpr, COLUMNS: tl.constexpr,
+                  ROWS: tl.constexpr, PACKETS: tl.constexpr):
     """Merge columns first_column ... + COLUMNS - 1 of `count` records of `width` columns, `stride`
     words apart, ROWS at a time, in order. Returns (acc, m, l), acc [group_rows, COLUMNS] and m, l
     [group_rows, 1]: `finish_record` makes the merged piece of them. The loads skip L1 (`.cg`):
     other programs or ranks wrote the records, and this SM may hold stale lines of them from an
-    earlier call."""
+    earlier call. PACKETS: the records are LL packets, waited for until they carry `flag`."""
     heads = tl.arange(0, group_rows(GROUP))[None, :, None]
     outputs = heads * width + first_column + tl.arange(0, COLUMNS)[None, None, :]
     rows = tl.arange(0, ROWS)[:, None, None]
@@ -87,8 +90,13 @@ def merge_records(records, stride, count, width, first_column, GROUP: tl.constex
     for first in range(0, count, ROWS):
         mask = (first + rows < count) & (heads < GROUP)
         base = records + (first + rows) * stride
-        lse = tl.load(base + GROUP * width + heads, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(base + outputs, mask=mask, other=0.0, cache_modifier=".cg")
+        if PACKETS:
+            lse = tl.where(mask, dl.ll.recv(base + GROUP * width + heads, flag, mask).to(tl.float32, bitcast=True),
+                           float("-inf"))
+            o = dl.ll.recv(base + outputs, flag, mask).to(tl.float32, bitcast=True)
+        else:
+            lse = tl.load(base + GROUP * width + heads, mask=mask, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(base + outputs, mask=mask, other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         pivot = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing attended yet: all weights 0
         scale = tl.exp2(m - pivot)
@@ -126,33 +134,35 @@ def store_output(out_ptr, unit, first_column, o, GROUP: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def send_piece(o, lse, piece, flag, epoch, local_world_size, GROUP: tl.constexpr, COLUMNS: tl.constexpr):
-    """This rank's piece (o, lse) to every rank (this one first) at `piece`, with `flag` raised to
-    `epoch` (both this rank's addresses, of symmetric buffers)."""
+def send_piece(o, lse, piece, epoch, local_world_size, GROUP: tl.constexpr, COLUMNS: tl.constexpr):
+    """This rank's piece (o, lse) as LL packets flagged `epoch` to every rank (this one first) at
+    `piece`, this rank's address in a symmetric packet buffer, laid out as `store_record` lays out
+    a record."""
     me = dl.rank()
     world = dl.num_ranks()
-    # Every piece first, then the flags: the first flag's release waits for all the stores at once,
-    # the later ones for nothing (one NVLink round trip, not one per peer).
+    heads = tl.arange(0, o.shape[0])[:, None]
+    mask = heads < GROUP
+    outputs = heads * COLUMNS + tl.arange(0, COLUMNS)[None, :]
     for step in range(world):
         peer = (me + step) % world
         if peer // local_world_size == me // local_world_size:
-            store_record(dl.symm_at(piece, peer), o, lse, GROUP, COLUMNS)
-    for step in range(world):
-        peer = (me + step) % world
-        if peer // local_world_size == me // local_world_size:
-            dl.notify(flag, peer, signal=epoch, sig_op="set")
-        else:  # from this rank's copy, stored above and made visible by the first notify's barrier
-            dl.shmem.putmem_signal_nbi_block(piece, piece, record_size(GROUP, COLUMNS) * 4, flag, epoch,
-                                             dl.shmem.SIGNAL_SET, peer)
+            to = dl.symm_at(piece, peer)
+            dl.ll.send(to + outputs, o.to(tl.int32, bitcast=True), epoch, mask)
+            dl.ll.send(to + GROUP * COLUMNS + heads, lse.to(tl.int32, bitcast=True), epoch, mask)
+        else:  # this rank's own packets, sent at step 0, once every thread's are stored and visible
+            sync_program()
+            dl.fence("sys")
+            dl.shmem.putmem_nbi_block(piece, piece, record_size(GROUP, COLUMNS) * 8, peer)
 
 
 @jit
-def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, units, splits, slot_numel,
+def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, calls_ptr, units, splits, slot_numel,
                                 local_world_size, GROUP: tl.constexpr, D: tl.constexpr, COLUMNS: tl.constexpr,
                                 ROWS: tl.constexpr, RANK_ROWS: tl.constexpr, EXCHANGE: tl.constexpr):
     """Merges the split-KV kernel's records ([units, splits] of them in `partials`) into out ([B,
     Hq, D]), and with EXCHANGE (several ranks) every rank's too; the module docstring says how.
-    Without EXCHANGE the staging, flags and calls are not used."""
+    staging: int64 LL packets, two slots of `slot_numel`. Without EXCHANGE the staging and calls
+    are not used."""
     blocks: tl.constexpr = D // COLUMNS
     record: tl.constexpr = record_size(GROUP, D)
     piece: tl.constexpr = record_size(GROUP, COLUMNS)
@@ -163,23 +173,22 @@ def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, flags_ptr, c
         me = dl.rank()
         world = dl.num_ranks()
         stage = staging_ptr + (epoch % 2) * slot_numel
-        flags = flags_ptr + (epoch % 2) * (items * world)
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         unit = item // blocks
         column = (item % blocks) * COLUMNS
-        acc, m, l = merge_records(partials_ptr + unit * splits * record, record, splits, D, column, GROUP, COLUMNS,
-                                  ROWS)
+        acc, m, l = merge_records(partials_ptr + unit * splits * record, record, splits, D, column, 0, GROUP, COLUMNS,
+                                  ROWS, False)
         o, lse = finish_record(acc, m, l)
         if EXCHANGE:
-            send_piece(o, lse, stage + (me * items + item) * piece, flags + item * world + me, epoch,
-                       local_world_size, GROUP, COLUMNS)
+            send_piece(o, lse, stage + (me * items + item) * piece, epoch, local_world_size, GROUP, COLUMNS)
         else:
             store_output(out_ptr, unit, column, o, GROUP, D)
     if EXCHANGE:
-        dl.shmem.quiet()
         for item in range(tl.program_id(0), items, tl.num_programs(0)):
-            pieces = after_flags(stage + item * piece, flags + item * world, world, epoch)
-            acc, m, l = merge_records(pieces, items * piece, world, COLUMNS, 0, GROUP, COLUMNS, RANK_ROWS)
+            acc, m, l = merge_records(stage + item * piece, items * piece, world, COLUMNS, 0, epoch, GROUP, COLUMNS,
+                                      RANK_ROWS, True)
             o, _ = finish_record(acc, m, l)
             store_output(out_ptr, item // blocks, (item % blocks) * COLUMNS, o, GROUP, D)
+        if world > local_world_size:  # puts to other nodes complete before the kernel ends
+            dl.shmem.quiet()
         finish_call(calls_ptr)

@@ -124,7 +124,7 @@ class FlashDecode:
         if w.world_size > 1:
             piece = record_size(self.group, self.columns)
             _protocol.check_offsets("flash_decode", w.world_size * self.items * piece)
-            self.workspace = Workspace(w.world_size * self.items * piece, torch.float32, self.items * w.world_size)
+            self.workspace = Workspace(w.world_size * self.items * piece, torch.int64, 1)  # LL packets
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
                  block_table: torch.Tensor | None = None, sm_scale: float | None = None,
@@ -158,8 +158,8 @@ class FlashDecode:
                                 _scale(sm_scale, self.head_dim))
         ws = self.workspace
         # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
-        staging, flags, calls = (ws.staging, ws.flags, ws.calls) if ws else (self.partials, seqlens, seqlens)
-        args = (self.partials, out, staging, flags, calls, self.units, splits, ws.slot_numel if ws else 0,
+        staging, calls = (ws.staging, ws.calls) if ws else (self.partials, seqlens)
+        args = (self.partials, out, staging, calls, self.units, splits, ws.slot_numel if ws else 0,
                 self.world.local_world_size)
         meta = dict(GROUP=self.group, D=self.head_dim, COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows,
                     EXCHANGE=ws is not None, num_warps=WARPS, launch_pdl=True)

@@ -162,7 +162,7 @@ class AllGatherMoE:
             raise _protocol.method_error("ag_moe comm", comm, COMMS)
         check_build("ag_moe", tokens, topk, experts, k, n, dtype)
         self.by_expert = tp_routing.choose_tile_order(tile_order, tridist.world().world_size * tokens * topk,
-                                                      experts)
+                                                      experts, tp_routing.AG_MOE_SOURCE_ROWS)
         if comm_programs is not None:
             _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the tokens with comm='sm'")
         self.world = w = tridist.world()
@@ -238,7 +238,7 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
             all-gather hidden, each expert's weights read once per rank), "expert" (each expert's
             rows of every rank together: its weights read once, the all-gather waited for before the
             first tile), or "auto": by expert where the (rank, expert) segments are small enough
-            for the weights' reads to be what the GEMM waits on (`tp_routing.choose_tile_order`).
+            for the weights' reads to be what the GEMM waits on (`tp_routing.AG_MOE_SOURCE_ROWS`).
 
     Returns:
         (h, handle): h is (world_size * T_r * topk) x N/world, a row for every (token, k) pair of

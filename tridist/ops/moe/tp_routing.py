@@ -220,23 +220,28 @@ class Router:
 
 
 TILE_ORDERS = ("auto", "source", "expert")
-# Rows of one (source, expert) segment below which "auto" walks the tiles by expert: a segment's
-# tiles read each weight once per about 2 x rows flops, and an H100 does about 230 flops per byte of
-# HBM read (~760 TFLOP/s over ~3.3 TB/s), so smaller segments leave the GEMM waiting on weights
-# that the by-source walk reads once per rank.
-SOURCE_ORDER_ROWS = 256
+# ag_moe's "auto" walks by source where the (source, expert) segments average at least this many
+# rows. A segment's tiles read each weight once per about 2 x rows flops, and an H100 does about
+# 230 flops per byte of HBM read (~760 TFLOP/s over ~3.3 TB/s): below that the GEMM waits on the
+# weights, which the walk by source reads once per rank. On 2 x H100 (2026-11-26) ag_moe by source
+# / by expert took 805 / 885 us at mixtral (512 rows a segment), 373 / 235 at deepseek (64) and
+# 334 / 186 at decode (8). moe_rs's "auto" always walks by expert: by source its peers' combine
+# holds a quarter of the SMs through the GEMM, and by expert was the faster at all three layers
+# there (833 / 1033, 303 / 501, 201 / 373 us).
+AG_MOE_SOURCE_ROWS = 256
 
 
-def choose_tile_order(tile_order: str, pairs: int, experts: int) -> bool:
+def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: int | None) -> bool:
     """Whether an op of `pairs` rows of h over `experts` walks its tiles by expert: with several
     ranks, where `tile_order` is "expert", or "auto" and the segments average fewer than
-    SOURCE_ORDER_ROWS rows (at one rank both walks are one). Raises ValueError for another order."""
+    `source_rows` rows (None: any number). At one rank both walks are one. Raises ValueError for
+    another order."""
     if tile_order not in TILE_ORDERS:
         raise ValueError(f"tile_order must be one of {', '.join(map(repr, TILE_ORDERS))}; got {tile_order!r}")
     world_size = tridist.world().world_size
     if world_size == 1 or tile_order == "source":
         return False
-    return tile_order == "expert" or pairs < SOURCE_ORDER_ROWS * world_size * experts
+    return tile_order == "expert" or source_rows is None or pairs < source_rows * world_size * experts
 
 
 def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
