@@ -443,6 +443,39 @@ def test_grid_barrier(world):
 
 
 @tridist.jit
+def produce_kernel(x_ptr, value, BLOCK: tl.constexpr):
+    dl.launch_dependents()
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, offsets + value)
+
+
+@tridist.jit
+def consume_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    dl.wait_prior_kernel()
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets) + 1)
+
+
+def _dependent_launch(w):
+    """A kernel launched as its predecessor's programmatic dependent reads what that one wrote,
+    call after call with no host synchronisation (on GPUs the dependent's programs start while the
+    first kernel's still run)."""
+    block, programs = 1024, 64
+    xs = [torch.full((programs * block,), -1, dtype=torch.int32, device=w.device) for _ in range(3)]
+    ys = [torch.full_like(x, -1) for x in xs]
+    for value, (x, y) in enumerate(zip(xs, ys)):
+        produce_kernel[(programs,)](x, value, BLOCK=block)
+        consume_kernel[(programs,)](x, y, BLOCK=block, launch_pdl=True)
+    for value, y in enumerate(ys):
+        assert torch.equal(y.cpu(), torch.arange(programs * block, dtype=torch.int32) + value + 1)
+
+
+@pytest.mark.worlds("1")
+def test_programmatic_dependent_launch(world):
+    world.run(_dependent_launch)
+
+
+@tridist.jit
 def all_ranks_arrive_kernel(counter_ptr, total):
     """Every program of every rank adds 1 to every rank's counter, then waits until its own holds
     `total`: no program of any rank ends unless all the ranks' programs run at once."""
