@@ -14,12 +14,12 @@ from .harness import backend
 from .test_launcher import gpus, tridist_cli
 
 # Calls per world. In the emulator every op, mode and form comes up in CI's time (3 ranks cost twice
-# what 2 do on two cores): seed 154 draws each of the 14 ops at least twice at each size (ag_moe,
-# moe_rs, grouped_gemm: 3 to 4). On GPUs, where each new kernel variant takes seconds to compile,
-# its first 8 calls cover the graph and stream modes and both forms; the long GPU runs are
-# `tridist stress`'s own.
+# what 2 do on two cores): seed 972 draws each of the 14 ops at least twice at each size (ag_moe,
+# moe_rs, grouped_gemm: 2 to 5; the only such seed below 5000 since the MoE ops draw a tile order).
+# On GPUs, where each new kernel variant takes seconds to compile, its first 8 calls cover the
+# graph and stream modes and both forms; the long GPU runs are `tridist stress`'s own.
 CALLS = {"2": 100, "3": 60} if backend() == "emulator" else {"2": 8, "3": 8}
-SEED = 154
+SEED = 972
 
 
 def _stress(w, calls, seed):
@@ -52,7 +52,7 @@ def test_plan_is_the_seed_s_and_valid_for_the_world():
     assert first.calls == again.calls and first.skipped == again.skipped
     assert any("one node only" in reason for reason in first.skipped), first.skipped
     for call in first.calls:
-        assert call.method not in ("pull", "ll", "ce"), call.describe()
+        assert (call.method or "").split("/")[0] not in ("pull", "ll", "ce"), call.describe()  # ag_moe: comm/order
         assert call.mode != "graph", "CUDA graphs need GPUs"
     one_node = cases.plan(3, 300, _world(2, 1), cases.select("collectives")).calls
     ll = [c for c in one_node if c.method == "ll" and c.op != "gemm_ar"]

@@ -6,7 +6,8 @@ MoE ops built on it (`tridist.ops.moe`, family "moe"): grouped_gemm, ag_moe and 
   in one group, none in any, rows past the last group. Every group's product within
   `gemm_tolerance`; the rows past the last group, which the op must leave alone, exact (they hold a
   random pattern, the others NaN, before the call).
-- ag_moe (every comm) and moe_rs, bf16 and fp16, 1 to 8 experts, topk from 1 to every expert, the
+- ag_moe (every comm) and moe_rs, each in every tile order (`method`: "comm/order" for ag_moe, the
+  order for moe_rs), bf16 and fp16, 1 to 8 experts, topk from 1 to every expert, the
   tokens of every rank routed per call (and per graph replay): to all experts, to a random few (the
   others get no rows), or every token to the same topk (with topk 1, all to one expert). ag_moe:
   h within `gemm_tolerance` (poisoned with NaN first) and its handle (the rows' pairs, the gathered
@@ -210,18 +211,23 @@ class _MoECases(OpCases):
 
 
 class AgMoeCases(_MoECases):
-    """method: the comm."""
+    """method: the comm and the tile order, "comm/order"."""
     name = "ag_moe"
 
     def method(self, rng, world):
-        return draw_method(rng, self.name, allgather_gemm.COMMS, world, ("ce",), "comm")
+        comm = draw_method(rng, self.name, allgather_gemm.COMMS, world, ("ce",), "comm")
+        return f"{comm}/{rng.choice(tp_routing.TILE_ORDERS)}"
 
     def trial(self, call, world):
         return AgMoeTrial(call, world)
 
 
 class MoeRsCases(_MoECases):
+    """method: the tile order."""
     name = "moe_rs"
+
+    def method(self, rng, world):
+        return rng.choice(tp_routing.TILE_ORDERS)
 
     def draw(self, rng, world, limits):
         fields = super().draw(rng, world, limits)
@@ -265,12 +271,15 @@ class AgMoeTrial(Trial):
 
     def build(self):
         c = self.spec
-        return ops.AllGatherMoE(*c.shape, c.dtype, c.method, config=c.config)
+        comm, order = c.method.split("/")
+        return ops.AllGatherMoE(*c.shape, c.dtype, comm, config=c.config, tile_order=order)
 
     def call(self, op):
         c = self.spec
         if op is None:
-            h, handle = ops.ag_moe(self.x, self.topk_idx, self.w, self.out, comm=c.method, config=c.config)
+            comm, order = c.method.split("/")
+            h, handle = ops.ag_moe(self.x, self.topk_idx, self.w, self.out, comm=comm, config=c.config,
+                                   tile_order=order)
         else:
             h, handle = op(self.x, self.topk_idx, self.w, self.out)
         return torch.cat([h.double().reshape(-1), handle_parts(handle)])
@@ -361,11 +370,13 @@ class MoeRsTrial(Trial):
 
     def build(self):
         tokens, k, n, experts, topk = self.spec.shape
-        return ops.MoEReduceScatter(tokens, n, k, experts, topk, self.spec.dtype, config=self.spec.config)
+        return ops.MoEReduceScatter(tokens, n, k, experts, topk, self.spec.dtype, config=self.spec.config,
+                                    tile_order=self.spec.method)
 
     def call(self, op):
         if op is None:
-            return ops.moe_rs(self.h, self.w, self.handle, self.weights, self.out, config=self.spec.config)
+            return ops.moe_rs(self.h, self.w, self.handle, self.weights, self.out, config=self.spec.config,
+                              tile_order=self.spec.method)
         return op(self.h, self.w, self.handle, self.weights, self.out)
 
     def free(self):
