@@ -443,14 +443,14 @@ def test_grid_barrier(world):
 
 
 @tridist.jit
-def produce_kernel(x_ptr, value, BLOCK: tl.constexpr):
+def first_kernel(x_ptr, value, BLOCK: tl.constexpr):
     dl.launch_dependents()
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offsets, offsets + value)
 
 
 @tridist.jit
-def consume_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+def dependent_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
     dl.wait_prior_kernel()
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(y_ptr + offsets, tl.load(x_ptr + offsets) + 1)
@@ -464,8 +464,8 @@ def _dependent_launch(w):
     xs = [torch.full((programs * block,), -1, dtype=torch.int32, device=w.device) for _ in range(3)]
     ys = [torch.full_like(x, -1) for x in xs]
     for value, (x, y) in enumerate(zip(xs, ys)):
-        produce_kernel[(programs,)](x, value, BLOCK=block)
-        consume_kernel[(programs,)](x, y, BLOCK=block, launch_pdl=True)
+        first_kernel[(programs,)](x, value, BLOCK=block)
+        dependent_kernel[(programs,)](x, y, BLOCK=block, launch_pdl=True)
     for value, y in enumerate(ys):
         assert torch.equal(y.cpu(), torch.arange(programs * block, dtype=torch.int32) + value + 1)
 
