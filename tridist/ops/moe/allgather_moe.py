@@ -161,8 +161,6 @@ class AllGatherMoE:
         if comm not in COMMS:
             raise _protocol.method_error("ag_moe comm", comm, COMMS)
         check_build("ag_moe", tokens, topk, experts, k, n, dtype)
-        self.by_expert = tp_routing.choose_tile_order(tile_order, tridist.world().world_size * tokens * topk,
-                                                      experts, tp_routing.AG_MOE_SOURCE_ROWS)
         if comm_programs is not None:
             _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the tokens with comm='sm'")
         self.world = w = tridist.world()
@@ -172,6 +170,7 @@ class AllGatherMoE:
         self.tokens, self.k, self.n, self.experts, self.topk, self.dtype = tokens, k, n, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
         _protocol.check_offsets("ag_moe", max(self.pairs * n, 2 * w.world_size * tokens * k))
+        self.by_expert = tp_routing.choose_tile_order(tile_order, self.pairs, experts, tp_routing.AG_MOE_SOURCE_ROWS)
         self.config = moe_config(
             config, "ag_moe", (tokens, k, n, experts, topk, str(dtype), self.comm, comm_programs, self.by_expert),
             lambda c: AllGatherMoE(tokens, k, n, experts, topk, dtype, self.comm, comm_programs, c, tile_order),

@@ -31,6 +31,8 @@ Protocol (slots and call epochs as in `_protocol.py`)
 Nothing waits on a kernel that waits back: the GEMM waits for nothing, the peers' combine for the
 GEMM and the peers' weights (sent before anything else), the own combine for the peers' combines.
 """
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -291,12 +293,10 @@ class MoEReduceScatter:
                  self.span, triton.cdiv(self.k, config["BLOCK_N"]))
         blocks = dict(TOPK=self.topk, GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad,
                       BY_EXPERT=self.by_expert, CHUNK=self.chunk, BLOCK_C=self.block_c)
-        if self.overlap:
-            with self.side.fork():
-                moe_combine_kernel[(min(self.comm_programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False,
-                                                                            **blocks)
-        elif self.count:
-            moe_combine_kernel[(min(self.programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False, **blocks)
+        if self.count:  # the peers' combine: beside the GEMM (by source) or after it (by expert)
+            programs = self.comm_programs if self.overlap else self.programs
+            with self.side.fork() if self.overlap else contextlib.nullcontext():
+                moe_combine_kernel[(min(programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False, **blocks)
         moe_combine_kernel[(min(self.programs, self.pieces),)](*args, ws.calls, *sizes, OWN=True, **blocks)
         if self.overlap:
             self.side.join()

@@ -221,9 +221,10 @@ class Router:
 
 TILE_ORDERS = ("auto", "source", "expert")
 # ag_moe's "auto" walks by source where the (source, expert) segments average at least this many
-# rows. A segment's tiles read each weight once per about 2 x rows flops, and an H100 does about
-# 230 flops per byte of HBM read (~760 TFLOP/s over ~3.3 TB/s): below that the GEMM waits on the
-# weights, which the walk by source reads once per rank. On 2 x H100 (2026-11-26) ag_moe by source
+# rows. A segment's tiles read each weight once per about 2 x rows flops, and an H100 did about 250
+# flops per byte of HBM read (the grouped GEMM at 760 TFLOP/s, 2026-11-24; flash_decode's kernel
+# reading 3.06 TB/s at 64x8192, 2026-11-26): below that the GEMM waits on the weights, which the
+# walk by source reads once per rank. On 2 x H100 (2026-11-26) ag_moe by source
 # / by expert took 805 / 885 us at mixtral (512 rows a segment), 373 / 235 at deepseek (64) and
 # 334 / 186 at decode (8). moe_rs's "auto" always walks by expert: by source its peers' combine
 # holds a quarter of the SMs through the GEMM, and by expert was the faster at all three layers
