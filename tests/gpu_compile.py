@@ -31,7 +31,8 @@ from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
 from tridist.ops.attention import decode as attention  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
-from tridist.ops.moe import allgather_moe, alltoall, exchange, expert_parallel, moe_reduce, tp_routing  # noqa: E402
+from tridist.ops.moe import allgather_moe, alltoall, exchange, expert_parallel, moe_reduce  # noqa: E402
+from tridist.ops.moe import sort, tp_routing  # noqa: E402
 from tridist.ops.stencil import jacobi  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
@@ -157,11 +158,11 @@ def _moe_cases():
     """The tensor-parallel MoE kernels: the routing, ag_moe's GEMM (at the configs of `_shipped`,
     with the copy-engine flags in both tile orders, and at the first with the epoch flags of
     comm="sm"), moe_rs's GEMM (in both orders) and its two combines."""
-    cases = [(tp_routing.route_kernel, {"idx_ptr": "*i64", "exchange_ptr": "*i32", "flags_ptr": "*i64",
-                                        "calls_ptr": "*i64", "layout_ptr": "*i32", "pairs": "i32", "E": "i32",
-                                        "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
-                                        "E_PAD": "constexpr", "BLOCK_P": "constexpr"},
-              {"E_PAD": 256, "BLOCK_P": tp_routing.SORT_IDS // 256}, {"num_warps": 8})]
+    cases = [(tp_routing.route_kernel, {"idx_ptr": "*i64", "sorted_ptr": "*i32", "exchange_ptr": "*i32",
+                                        "flags_ptr": "*i64", "calls_ptr": "*i64", "layout_ptr": "*i32",
+                                        "pairs": "i32", "E": "i32", "row": "i32", "slot_numel": "i32",
+                                        "local_world_size": "i32", "E_PAD": "constexpr"},
+              {"E_PAD": 256}, {"num_warps": 8})]
     for index, config in enumerate(_shipped(grouped.configs(CUDA, torch.bfloat16))):
         config = dict(config)
         options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
@@ -201,6 +202,22 @@ def _moe_cases():
     return cases
 
 
+def _sort_cases(one_group: bool, clamp: bool, groups: int):
+    """The counting sort's two kernels (`sort`), at the chunk of `groups` and the blocks it takes for
+    a million items."""
+    _, step, _, blocks = sort.sort_shape(10 ** 6, groups, one_group)
+    sizes = {name: "i32" for name in ("items", "topk", "groups", "per_group", "per_block")}
+    constexprs = {"CLAMP": clamp, "GROUPS": groups, "STEP": step}
+    return [(sort.block_counts_kernel,
+             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", **sizes, "CLAMP": "constexpr", "GROUPS": "constexpr",
+              "STEP": "constexpr"}, constexprs),
+            (sort.positions_kernel,
+             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", "positions_ptr": "*i32", "counts_ptr": "*i32", **sizes,
+              "blocks": "i32", "ONE_GROUP": "constexpr", "CLAMP": "constexpr", "GROUPS": "constexpr",
+              "STEP": "constexpr", "BLOCKS": "constexpr"},
+             {**constexprs, "ONE_GROUP": one_group, "BLOCKS": triton.next_power_of_2(blocks)})]
+
+
 def _expert_parallel_cases():
     """The all-to-all-v kernel (the expert-major layout: every branch but the given offsets), the
     routing both ways, and EPBuffer's four kernels (the low-latency dispatch as one launch, which
@@ -222,11 +239,8 @@ def _expert_parallel_cases():
                    "recv_count_ptr": "*i32", "recv_layout_ptr": "*i32"}
     blocks = {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": block_w}
     return [
-        *[(exchange.positions_kernel, {"idx_ptr": "*i64", "positions_ptr": "*i32", "counts_ptr": "*i32",
-                                       "items": "i32", "topk": "i32", "groups": "i32", "per_group": "i32",
-                                       "ONE_GROUP": "constexpr", "GROUPS": "constexpr", "BLOCK": "constexpr"},
-           {"ONE_GROUP": one, "GROUPS": groups, "BLOCK": exchange.ROUTE_IDS // groups})
-          for one, groups in ((True, 16), (False, 8))],
+        *[case for one, clamp, groups in ((True, False, 16), (True, True, 16), (False, False, 8))
+          for case in _sort_cases(one, clamp, groups)],
         *[(alltoall.all_to_all_v_kernel,
            {"x_ptr": word, "splits_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": word, "result_ptr": "*i64",
             "staging_ptr": word, "counts_ptr": "*i32", "flags_ptr": "*i64", "calls_ptr": "*i64", "width": "i32",
@@ -245,8 +259,9 @@ def _expert_parallel_cases():
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
           "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
           **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "slot_numel", "local_world_size", "splits")},
-          "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel._block_w(7168)}),
+          "WORLD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"WORLD": 8, "BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel.TILE // expert_parallel.BLOCK_R},
+         {"num_warps": 8}),
         (expert_parallel.ll_dispatch_kernel,
          {**ll_dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk",
                                                  "slot_numel", "meta_slot", "local_world_size", "splits")},
@@ -255,13 +270,14 @@ def _expert_parallel_cases():
          {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, **blocks}),
         (expert_parallel.ll_combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
-          "weights_ptr": "*fp32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64",
-          "out_ptr": "*bf16",
-          **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "topk", "slot_numel", "local_world_size",
-                                 "splits")},
-          "W_PAD": "constexpr", "E_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"W_PAD": w_pad, "E_PAD": e_pad, "BLOCK_R": expert_parallel.BLOCK_R,
-          "BLOCK_W": expert_parallel._block_w(7168)}),
+          "weights_ptr": "*fp32", "positions_ptr": "*i32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64",
+          "calls_ptr": "*i64", "out_ptr": "*bf16",
+          **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "experts_local", "slot_numel",
+                                 "local_world_size", "splits")},
+          "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr", "BLOCK_R": "constexpr",
+          "BLOCK_W": "constexpr"},
+         {"TOPK": 8, "W_PAD": w_pad, "E_PAD": e_pad, "BLOCK_R": 1, "BLOCK_W": expert_parallel.TILE},
+         {"num_warps": 8}),
     ]
 
 

@@ -321,7 +321,6 @@ def test_routing_sizes():
     assert sum(p.numel() for p in parts) == handle.layout.numel() - (handle.e_pad - handle.experts)
     assert torch.equal(torch.cat(parts[:5]), handle.layout[:-handle.e_pad])
     assert handle.counts.shape == handle.base.shape == (3, 6)
-    assert tp_routing.SORT_IDS // handle.e_pad >= 1
 
 
 def _bench(w):

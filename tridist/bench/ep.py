@@ -58,7 +58,7 @@ from tridist.ops.moe.expert_parallel import FP8_GROUP
 
 from . import shared_gpu
 from .results import relative_error, save, table
-from .timing import GRAPH_LIMIT_US, all_ranks, op_us, slowest, time_us
+from .timing import GRAPH_LIMIT_US, all_ranks, op_us, print_kernels, slowest, time_us
 
 LAYERS = {"deepseek-ll": ("ll", 128, 7168, 8, 256), "deepseek": ("normal", 4096, 7168, 8, 256),
           "mixtral": ("normal", 4096, 4096, 2, 8)}
@@ -255,9 +255,10 @@ class _Nccl:
         return torch_combine(back, order, self.layer.weights)
 
 
-def ep_rows(layers, timed: bool = True) -> list[dict]:
-    """Each layer checked; with `timed`, a row per step (module docstring). Returns the rows (none
-    when not timed); raises AssertionError on every rank when a check fails on any."""
+def ep_rows(layers, timed: bool = True, kernels: bool = False) -> list[dict]:
+    """Each layer checked; with `timed`, a row per step (module docstring), and with `kernels` each
+    step's GPU time by kernel printed. Returns the rows (none when not timed); raises AssertionError
+    on every rank when a check fails on any."""
     w = tridist.world()
     rows = []
     for name, mode, tokens, hidden, topk, experts in layers:
@@ -267,7 +268,7 @@ def ep_rows(layers, timed: bool = True) -> list[dict]:
         out = torch_combine(*torch_dispatch(layer.x, layer.idx), layer.weights)
         _check(f"ep {name} torch dispatch+combine", relative_error(out, layer.expected), TOLERANCE)
         if timed:
-            rows += _ep_timings(buffer, layer, name, y, handle)
+            rows += _ep_timings(buffer, layer, name, y, handle, kernels)
         tridist.barrier_all()
         buffer.free()
     return rows
@@ -300,7 +301,7 @@ def _ep_steps(buffer: ops.EPBuffer, layer: _Layer, y, handle) -> dict:
     return steps
 
 
-def _ep_timings(buffer: ops.EPBuffer, layer: _Layer, name: str, y, handle) -> list[dict]:
+def _ep_timings(buffer: ops.EPBuffer, layer: _Layer, name: str, y, handle, kernels: bool) -> list[dict]:
     x, idx, weights = layer.x, layer.idx, layer.weights
     copy = copy_rate(x.device)
     sorted_rows, order = torch_dispatch(x, idx)
@@ -330,6 +331,8 @@ def _ep_timings(buffer: ops.EPBuffer, layer: _Layer, name: str, y, handle) -> li
         if layer.rank == 0:
             print(f"  ep {name} {step}: {us:.1f} us, {row['of copy']:.2f} of copy, {row['vs torch']:.2f}x torch, "
                   f"{row['vs NCCL']:.2f}x NCCL", flush=True)
+        if kernels:
+            print_kernels(f"ep {name} {step}", call, layer.rank)
     return rows
 
 
@@ -488,6 +491,8 @@ def main(argv=None) -> int:
                         help="alltoall: bf16 elements a row (default %(default)s)")
     parser.add_argument("--experts-per-rank", type=int, default=EXPERTS_PER_RANK,
                         help="alltoall: chunks per rank of all_to_all_v_2d (default %(default)s)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="ep: also print where each step's GPU time goes, by kernel (PyTorch's profiler)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     if args.hidden < 1 or args.experts_per_rank < 1:
@@ -496,7 +501,7 @@ def main(argv=None) -> int:
     shared = shared_gpu.announce(f"tridist bench {args.op}", w.rank)
     timed = w.backend == "nvshmem" and not shared
     if args.op == "ep":
-        rows = ep_rows(args.layers, timed)
+        rows = ep_rows(args.layers, timed, args.kernels)
         extra = {"layers": [list(layer) for layer in args.layers], "targets": TARGETS}
     else:
         rows = alltoall_rows(args.sizes, args.hidden, args.experts_per_rank, timed)

@@ -35,7 +35,7 @@ from tridist.ops.gemm import grouped
 from tridist.ops.moe import tp_routing
 
 from .results import relative_error, save, table
-from .timing import kernel_us, op_us, slowest
+from .timing import op_us, print_kernels, slowest
 
 LAYERS = {"mixtral": (8, 1024, 4096, 14336, 2), "deepseek": (32, 128, 7168, 2048, 8),
           "decode": (32, 16, 7168, 2048, 8)}
@@ -263,11 +263,7 @@ def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_progr
             print(f"  {op_name} {name}: {row[f'{op_name} us']:.1f} us, grouped GEMM alone "
                   f"{row['grouped GEMM alone us']:.1f} us", flush=True)
         if kernels:
-            times = kernel_us(lambda: op(*args))
-            if w.rank == 0:
-                print(f"  {op_name} {name}, rank 0's GPU time per call by kernel (eager; overlapping kernels "
-                      "each in full): " + "; ".join(f"{kernel} {us:.1f} us x {launches:g}"
-                                                     for kernel, (us, launches) in times.items()), flush=True)
+            print_kernels(f"{op_name} {name}", lambda: op(*args), w.rank)
     tridist.barrier_all()
     op.free()
     if op is not ag:

@@ -107,3 +107,12 @@ def kernel_us(fn, calls: int = 20) -> dict[str, tuple[float, float]]:
         if total:
             times[event.key] = (total / calls, event.count / calls)
     return dict(sorted(times.items(), key=lambda item: -item[1][0]))
+
+
+def print_kernels(label: str, fn, rank: int) -> None:
+    """`kernel_us(fn)` printed on rank 0 as one line after `label` (a collective: call it on every rank)."""
+    times = kernel_us(fn)
+    if rank == 0:
+        print(f"  {label}, rank 0's GPU time per call by kernel (eager; overlapping kernels each in full): "
+              + "; ".join(f"{kernel} {us:.1f} us x {launches:g}" for kernel, (us, launches) in times.items()),
+              flush=True)

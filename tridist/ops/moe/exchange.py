@@ -1,5 +1,6 @@
 """What the all-to-all ops share (`alltoall`, `expert_parallel`): rows sent into a peer's symmetric
-staging, the signal that says they are there, and the routing of tokens to ranks and experts.
+staging, the signal that says they are there, and the layout a receiver computes from the counts
+(the routing of tokens to ranks and experts is `sort`'s).
 
 Every op of this family follows one protocol, the same for every world and node layout:
 1. **Send.** For each destination rank p, programs (p, s) copy the rows this rank sends to p into
@@ -19,12 +20,8 @@ import triton
 import triton.language as tl
 
 import tridist.language as dl
-from tridist.runtime.jit import jit
 
 from ..gemm.grouped import pick
-
-# Routing compares BLOCK items with GROUPS groups at once: ROUTE_IDS ids per step.
-ROUTE_IDS = 8192
 
 
 @triton.jit
@@ -182,40 +179,6 @@ def block_rows(rows, mine, mine_at, peer, world, max_tokens):
     return (expert * world + peer) * max_tokens + index, expert * world * max_tokens + gather(mine_at, expert) + index
 
 
-@jit
-def positions_kernel(idx_ptr, positions_ptr, counts_ptr, items, topk, groups, per_group, ONE_GROUP: tl.constexpr,
-                     GROUPS: tl.constexpr, BLOCK: tl.constexpr):
-    """Where each item goes, in item order: program g takes groups g * GROUPS ... (g + 1) * GROUPS - 1.
-
-    Item i has `topk` ids at idx_ptr[i * topk:] (int64; -1 for none); it belongs to group
-    id // per_group of each of them. counts_ptr[group] gets the items of each group and
-    positions_ptr the rank of each item among its group's items (stable: in item order):
-    - ONE_GROUP (topk 1: an item is a (token, expert) pair): positions_ptr[i], for items with an id
-      (others are left alone);
-    - else (an item is a token, a group a rank): positions_ptr[i * groups + group], -1 where token i
-      does not go to that group."""
-    group = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
-    real = group < groups
-    before = tl.zeros([GROUPS], dtype=tl.int32)
-    for start in range(0, items, BLOCK):
-        item = start + tl.arange(0, BLOCK)
-        inside = item < items
-        hits = tl.zeros([BLOCK, GROUPS], dtype=tl.int32)
-        for k in range(topk):
-            ids = tl.load(idx_ptr + item.to(tl.int64) * topk + k, mask=inside, other=-1)
-            target = tl.where(ids >= 0, ids // per_group, -1).to(tl.int32)
-            hits = tl.maximum(hits, (target[:, None] == group[None, :]).to(tl.int32))
-        position = tl.cumsum(hits, 0) - hits + before[None, :]
-        if ONE_GROUP:
-            mine = tl.sum(hits, 1) > 0
-            tl.store(positions_ptr + item, tl.sum(hits * position, 1), mask=inside & mine)
-        else:
-            tl.store(positions_ptr + item.to(tl.int64)[:, None] * groups + group[None, :],
-                     tl.where(hits > 0, position, -1), mask=inside[:, None] & real[None, :])
-        before += tl.sum(hits, 0)
-    tl.store(counts_ptr + group, before, mask=real)
-
-
 def matrix_pad(length: int) -> int:
     """W_PAD, E_PAD or G_PAD: a side of a receiver's count matrix (a row per source, a column per
     local expert), a power of two and at least 16. Triton 3.6 (sm_90) lowers a scan over a side
@@ -231,11 +194,3 @@ def matrix_pad(length: int) -> int:
     16 covers every element size; the padding costs a few words of counts."""
     return max(16, triton.next_power_of_2(length))
 
-
-def route(idx, positions, counts, groups: int, per_group: int, one_group: bool) -> None:
-    """Queue `positions_kernel` over `idx` (int64, [items, topk]; `one_group`: [pairs] with topk 1)."""
-    items, topk = (idx.numel(), 1) if one_group else idx.shape
-    per_program = min(triton.next_power_of_2(groups), 16 if one_group else 64)
-    positions_kernel[(triton.cdiv(groups, per_program),)](idx, positions, counts, items, topk, groups, per_group,
-                                                          ONE_GROUP=one_group, GROUPS=per_program,
-                                                          BLOCK=max(1, ROUTE_IDS // per_program), num_warps=4)

@@ -5,8 +5,8 @@ Experts are spread evenly: rank r holds experts r * E_local ... (r + 1) * E_loca
 with `topk_idx[t]` = its experts (-1: none) takes two ways, one per mode:
 
 **Normal mode** (prefill, training): a token goes once to every rank that holds one of its
-experts. Routing (`exchange.positions_kernel`) gives each token its place among the tokens for each
-rank; `dispatch_kernel` then runs the family's protocol (`exchange.py`): program (p, s) puts its
+experts. Routing (`sort`) gives each token its place among the tokens for each rank;
+`dispatch_kernel` then runs the family's protocol (`exchange.py`): program (p, s) puts its
 share s of the tokens for rank p into region `rank` of p's staging (rows of x, and a meta row:
 the token's expert ids, weights and index), writes the count and the pairs per expert of p there,
 and adds 1 to p's arrival counter for this rank (`exchange.arrive`); then, as a receiver, it waits
@@ -22,6 +22,11 @@ among this rank's pairs of its expert; `ll_dispatch_kernel` puts pair (t, k) int
 expert's regions in rank order. `ll_combine_kernel` sends each pair's output to row t * topk + k
 of its source's staging, and each token sums topk_weights[t, k] x its pairs, in k order. The send
 and the receive can be two launches (`return_recv_hook=True`), so compute overlaps the transfer.
+
+A rank's rows for itself never pass through staging: its dispatch copies them from x straight
+to their place in recv_x once the counts say where that is, and its combine sums its own experts'
+outputs from y where they are (with a receive hook the low-latency dispatch still stages them,
+since x may change before the hook runs). At one rank each way is then a single copy.
 
 In both modes sums run in fp32 in a fixed order, so equal inputs give equal bits. Every call
 waits for a flag from every peer, so two slots of staging (by epoch) make back-to-back calls and
@@ -41,8 +46,8 @@ from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
 from .._protocol import call_epoch, finish_call
-from . import exchange
-from .exchange import (arrive, await_combine, await_dispatch, block_rows, copy_rows, expert_blocks, send_rows,
+from . import exchange, sort
+from .exchange import (arrive, await_combine, await_dispatch, block_rows, copy_rows, expert_blocks, gather, send_rows,
                        send_values, split_rows)
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -60,6 +65,28 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- kernels -------------------------------------------------------------------------------------
+@triton.jit
+def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
+                    recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Normal mode's receive of `source`'s tokens: x and meta rows `rows` (in its staging region, or
+    the source's own x and meta where the source is this rank) to recv rows `out_rows`, with the
+    expert ids made local (-1 for other ranks' experts), the weights and the token's origin."""
+    me = dl.rank()
+    meta_width = 2 * topk + 1
+    copy_rows(x_ptr, rows, recv_x_ptr, out_rows, inside, width, BLOCK_W)
+    k = tl.arange(0, K_PAD)[None, :]
+    where = meta_ptr + rows.to(tl.int64)[:, None] * meta_width
+    valid = inside[:, None] & (k < topk)
+    ids = tl.load(where + k, mask=valid, other=-1)
+    mine = (ids >= me * experts_local) & (ids < (me + 1) * experts_local)
+    out = out_rows.to(tl.int64)[:, None]
+    tl.store(recv_idx_ptr + out * topk + k, tl.where(mine, ids - me * experts_local, -1).to(tl.int64), mask=valid)
+    weights = tl.load(where + topk + k, mask=valid, other=0)
+    tl.store(recv_weights_ptr + out * topk + k, weights.to(tl.float32, bitcast=True), mask=valid)
+    token = tl.load(meta_ptr + rows.to(tl.int64) * meta_width + 2 * topk, mask=inside, other=0)
+    tl.store(recv_src_ptr + out_rows, source * max_tokens + token, mask=inside)
+
+
 @jit
 def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
                     arrivals_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
@@ -83,16 +110,18 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
 
-    # Send this program's share of the tokens for `peer`, each at its place among them.
+    # Send this program's share of the tokens for `peer`, each at its place among them. This rank's
+    # own tokens skip the staging: the receive below copies them straight from x.
     first, stop = split_rows(tokens, split, splits)
-    for token in range(first, stop, BLOCK_R):
-        rows = token + tl.arange(0, BLOCK_R)
-        place = tl.load(positions_ptr + rows.to(tl.int64) * world + peer, mask=rows < stop, other=-1)
-        going = place >= 0
-        send_rows(x_ptr, rows, stage + me * max_tokens * width, place, going, width, peer, local_world_size, BLOCK_R,
-                  BLOCK_W)
-        send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, place, going, meta_width, peer,
-                  local_world_size, BLOCK_R, K_PAD)
+    if peer != me:
+        for token in range(first, stop, BLOCK_R):
+            rows = token + tl.arange(0, BLOCK_R)
+            place = tl.load(positions_ptr + rows.to(tl.int64) * world + peer, mask=rows < stop, other=-1)
+            going = place >= 0
+            send_rows(x_ptr, rows, stage + me * max_tokens * width, place, going, width, peer, local_world_size,
+                      BLOCK_R, BLOCK_W)
+            send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, place, going, meta_width, peer,
+                      local_world_size, BLOCK_R, K_PAD)
     words = tl.arange(0, 2 * E_PAD)
     pair_words = (words >= E_PAD) & (words - E_PAD < experts_local)
     routed = tl.load(routed_ptr + tl.where(words == 0, peer, world + peer * experts_local + words - E_PAD),
@@ -105,24 +134,19 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
     before = tl.cumsum(received, 0) - received
     start = tl.sum(tl.where(sources == peer, before, 0), 0)
-    first, stop = split_rows(tl.sum(tl.where(sources == peer, received, 0), 0), split, splits)
-    for at in range(first, stop, BLOCK_R):
-        rows = at + tl.arange(0, BLOCK_R)
-        inside = rows < stop
-        copy_rows(stage + peer * max_tokens * width, rows, recv_x_ptr, start + rows, inside, width, BLOCK_W)
-        # The meta row: expert ids made local (-1 for other ranks' experts), weights, the source.
-        k = tl.arange(0, K_PAD)[None, :]
-        where = meta_stage + (peer * max_tokens + rows)[:, None] * meta_width
-        valid = inside[:, None] & (k < topk)
-        ids = tl.load(where + k, mask=valid, other=-1)
-        mine = (ids >= me * experts_local) & (ids < (me + 1) * experts_local)
-        out_rows = (start + rows).to(tl.int64)[:, None]
-        tl.store(recv_idx_ptr + out_rows * topk + k, tl.where(mine, ids - me * experts_local, -1).to(tl.int64),
-                 mask=valid)
-        weights = tl.load(where + topk + k, mask=valid, other=0)
-        tl.store(recv_weights_ptr + out_rows * topk + k, weights.to(tl.float32, bitcast=True), mask=valid)
-        source = tl.load(meta_stage + (peer * max_tokens + rows) * meta_width + 2 * topk, mask=inside, other=0)
-        tl.store(recv_src_ptr + start + rows, peer * max_tokens + source, mask=inside)
+    if peer == me:
+        for token in range(first, stop, BLOCK_R):
+            rows = token + tl.arange(0, BLOCK_R)
+            place = tl.load(positions_ptr + rows.to(tl.int64) * world + me, mask=rows < stop, other=-1)
+            _receive_tokens(x_ptr, meta_ptr, rows, start + place, place >= 0, me, recv_x_ptr, recv_idx_ptr,
+                            recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
+    else:
+        first, stop = split_rows(tl.sum(tl.where(sources == peer, received, 0), 0), split, splits)
+        for at in range(first, stop, BLOCK_R):
+            rows = at + tl.arange(0, BLOCK_R)
+            _receive_tokens(stage + peer * max_tokens * width, meta_stage + peer * max_tokens * meta_width, rows,
+                            start + rows, rows < stop, peer, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
+                            recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
     if (peer == 0) & (split == 0):
         pairs = tl.load(counts + sources[:, None] * 2 * E_PAD + E_PAD + experts[None, :],
                         mask=(sources < world)[:, None] & local[None, :], other=0)
@@ -134,13 +158,24 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
 
 
 @triton.jit
-def sum_parts(stage, out_ptr, first, stop, hidden, parts, present_ptr, weights_ptr, max_tokens,
-              WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """What the combines end with: out[t] = the sum over j < parts, in j order, in fp32, of part j of
-    token t, for the tokens t in [first, stop). Part j is there where present[t * parts + j] >= 0 (an
-    expert id, a row position). WEIGHTED (low-latency mode): part j is staging row t * parts + j, the
-    pair (t, k = j), times weights[t * parts + j]; else (normal mode) staging row j * max_tokens + t,
-    what rank j sent, already weighted."""
+def sum_parts(stage, out_ptr, first, stop, hidden, present_ptr, weights_ptr, own_ptr, own_at_ptr, own_rows_ptr,
+              max_tokens, experts_local, PARTS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_W: tl.constexpr):
+    """What the combines end with: out[t] = the sum over j < PARTS, in j order, in fp32, of part j of
+    token t, for the tokens t in [first, stop). Part j is there where present[t * PARTS + j] >= 0.
+    The loop over the parts is unrolled, so that their loads are in flight together (a program may
+    have a single token: 128 tokens over 132 programs at one rank).
+    Parts that this rank's own experts made are read where they are, in y (`own_ptr`), which
+    nothing copied to the staging:
+    - WEIGHTED (low-latency mode): present holds the expert ids; part j is the pair (t, k = j)
+      times weights[t * PARTS + j], in staging row t * PARTS + j, or for an expert e of this rank
+      in y's row e * world * max_tokens + own_at[e] + own_rows[t * PARTS + j] (where the dispatch
+      placed the pair);
+    - else (normal mode): present holds the token's place among those sent to rank j; part j is
+      what rank j sent, already weighted, in staging row j * max_tokens + t, or for j = this rank
+      in y's row own_at[0] + the place."""
+    me = dl.rank()
+    world = dl.num_ranks()
     columns = tl.arange(0, BLOCK_W)[None, :]
     for token in range(first, stop, BLOCK_R):
         rows = token + tl.arange(0, BLOCK_R)
@@ -148,17 +183,26 @@ def sum_parts(stage, out_ptr, first, stop, hidden, parts, present_ptr, weights_p
         for column in range(0, hidden, BLOCK_W):
             where = column + columns
             total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
-            for j in range(parts):
-                index = rows.to(tl.int64) * parts + j
-                present = inside & (tl.load(present_ptr + index, mask=inside, other=-1) >= 0)
+            for j in tl.static_range(PARTS):
+                index = rows.to(tl.int64) * PARTS + j
+                value = tl.load(present_ptr + index, mask=inside, other=-1)
+                present = inside & (value >= 0)
                 if WEIGHTED:
+                    own = present & (value // experts_local == me)
+                    expert = value - me * experts_local
+                    place = tl.load(own_rows_ptr + index, mask=own, other=0)
+                    present = present & ~(own & (place >= max_tokens))  # a pair the dispatch dropped
+                    own_row = expert * world * max_tokens + tl.load(own_at_ptr + expert, mask=own, other=0) + place
                     row = index
                     weight = tl.load(weights_ptr + index, mask=present, other=0.0)
                 else:
+                    own = present & (j == me)
+                    own_row = tl.load(own_at_ptr) + value
                     row = (j * max_tokens + rows).to(tl.int64)
                     weight = present.to(tl.float32)
-                part = tl.load(stage + row[:, None] * hidden + where, mask=present[:, None] & (where < hidden),
-                               other=0.0)
+                source = tl.where(own[:, None], own_ptr + own_row.to(tl.int64)[:, None] * hidden,
+                                  stage + row[:, None] * hidden)
+                part = tl.load(source + where, mask=present[:, None] & (where < hidden), other=0.0)
                 total += weight[:, None] * part.to(tl.float32)
             tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
                      mask=inside[:, None] & (where < hidden))
@@ -166,12 +210,13 @@ def sum_parts(stage, out_ptr, first, stop, hidden, parts, present_ptr, weights_p
 
 @jit
 def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, arrivals_ptr, calls_ptr, out_ptr,
-                   tokens, hidden, max_tokens, slot_numel, local_world_size, splits, BLOCK_R: tl.constexpr,
-                   BLOCK_W: tl.constexpr):
+                   tokens, hidden, max_tokens, slot_numel, local_world_size, splits, WORLD: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Normal mode, the way back. Grid (world, splits). y: the received tokens' outputs (rows of
     `hidden`); per slot, staging is [world, max_tokens] rows: row (q, t) holds rank q's output for
-    this rank's token t. Program (p, s) sends part s of the tokens received from p, then sums
-    part p * splits + s of this rank's tokens."""
+    this rank's token t. Program (p, s) sends part s of the tokens received from p (none from
+    itself: the sum reads those from y), then sums part p * splits + s of this rank's tokens. WORLD:
+    the world size, the parts of each sum."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -181,19 +226,35 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
     count = tl.load(recv_layout_ptr + peer)
     start = tl.load(recv_layout_ptr + world + peer)
     first, stop = split_rows(count, split, splits)
-    for at in range(first, stop, BLOCK_R):
-        rows = start + at + tl.arange(0, BLOCK_R)
-        inside = at + tl.arange(0, BLOCK_R) < stop
-        token = tl.load(recv_src_ptr + rows, mask=inside, other=0) - peer * max_tokens
-        send_rows(y_ptr, rows, stage + me * max_tokens * hidden, token, inside, hidden, peer, local_world_size,
-                  BLOCK_R, BLOCK_W)
+    if peer != me:  # this rank's own outputs are read from y in the sum below
+        for at in range(first, stop, BLOCK_R):
+            rows = start + at + tl.arange(0, BLOCK_R)
+            inside = at + tl.arange(0, BLOCK_R) < stop
+            token = tl.load(recv_src_ptr + rows, mask=inside, other=0) - peer * max_tokens
+            send_rows(y_ptr, rows, stage + me * max_tokens * hidden, token, inside, hidden, peer, local_world_size,
+                      BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
     stage = await_combine(arrivals_ptr, stage, epoch, splits)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
-    sum_parts(stage, out_ptr, first, stop, hidden, world, positions_ptr, positions_ptr, max_tokens, False, BLOCK_R,
-              BLOCK_W)
+    sum_parts(stage, out_ptr, first, stop, hidden, positions_ptr, positions_ptr, y_ptr, recv_layout_ptr + world + me,
+              positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W)
     finish_call(calls_ptr)
+
+
+@triton.jit
+def _pairs_to(idx_ptr, positions_ptr, pairs, inside, peer, experts_local, max_tokens):
+    """Of this rank's (token, expert) pairs `pairs`, those whose expert is `peer`'s: (going, the
+    expert as `peer`'s local index, the pair's place among this rank's pairs of that expert). A
+    place past max_tokens (only a token routed twice to one expert gets there) is refused in debug
+    mode and dropped otherwise."""
+    ids = tl.load(idx_ptr + pairs, mask=inside, other=-1)
+    going = inside & (ids >= 0) & (ids // experts_local == peer)
+    place = tl.load(positions_ptr + pairs, mask=going, other=0)
+    dl.check(tl.max(tl.where(going, place, 0), 0) < max_tokens,
+             "low_latency_dispatch: pairs of one expert from one rank > max_tokens_per_rank (a token "
+             "routed twice to an expert?)", tl.max(tl.where(going, place, 0), 0), max_tokens)
+    return going & (place < max_tokens), ids % experts_local, place
 
 
 @jit
@@ -220,21 +281,21 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
     counts = counts_ptr + (epoch % 2) * W_PAD * E_PAD
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
+    # With both halves in one launch this rank's own pairs skip the staging: the receive copies them
+    # straight from x. With a hook the receive is a later launch, when x may have changed.
+    own_direct = False
+    if SEND and RECEIVE:
+        own_direct = peer == me
     if SEND:
-        first, stop = split_rows(tokens * topk, split, splits)
-        for first_pair in range(first, stop, BLOCK_R):
-            pairs = first_pair + tl.arange(0, BLOCK_R)
-            inside = pairs < stop
-            ids = tl.load(idx_ptr + pairs, mask=inside, other=-1)
-            going = inside & (ids >= 0) & (ids // experts_local == peer)
-            place = tl.load(positions_ptr + pairs, mask=going, other=0)
-            dl.check(tl.max(tl.where(going, place, 0), 0) < max_tokens,
-                     "low_latency_dispatch: pairs of one expert from one rank > max_tokens_per_rank (a token "
-                     "routed twice to an expert?)", tl.max(tl.where(going, place, 0), 0), max_tokens)
-            going = going & (place < max_tokens)
-            target = ((ids % experts_local) * world + me) * max_tokens + place
-            send_rows(x_ptr, pairs // topk, stage, target, going, width, peer, local_world_size, BLOCK_R, BLOCK_W)
-            send_rows(pair_ids_ptr, pairs, meta_stage, target, going, 1, peer, local_world_size, BLOCK_R, 2)
+        if not own_direct:
+            first, stop = split_rows(tokens * topk, split, splits)
+            for first_pair in range(first, stop, BLOCK_R):
+                pairs = first_pair + tl.arange(0, BLOCK_R)
+                going, expert, place = _pairs_to(idx_ptr, positions_ptr, pairs, pairs < stop, peer, experts_local,
+                                                 max_tokens)
+                target = (expert * world + me) * max_tokens + place
+                send_rows(x_ptr, pairs // topk, stage, target, going, width, peer, local_world_size, BLOCK_R, BLOCK_W)
+                send_rows(pair_ids_ptr, pairs, meta_stage, target, going, 1, peer, local_world_size, BLOCK_R, 2)
         per_expert = tl.load(routed_ptr + peer * experts_local + experts, mask=local, other=0)
         send_values(counts, me * E_PAD + experts, tl.minimum(per_expert, max_tokens), local, peer,
                     local_world_size, E_PAD)
@@ -243,14 +304,24 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
         counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
         matrix, placed, mine, mine_at = expert_blocks(counts, peer, world, experts_local, W_PAD, E_PAD)
         sources = tl.arange(0, W_PAD)
-        first, stop = split_rows(tl.sum(mine, 0), split, splits)
-        for at in range(first, stop, BLOCK_R):
-            rows = at + tl.arange(0, BLOCK_R)
-            inside = rows < stop
-            source_rows, target = block_rows(rows, mine, mine_at, peer, world, max_tokens)
-            copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
-            pair_index = tl.load(meta_stage + source_rows, mask=inside, other=0)
-            tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair_index, mask=inside)
+        if own_direct:
+            first, stop = split_rows(tokens * topk, split, splits)
+            for first_pair in range(first, stop, BLOCK_R):
+                pairs = first_pair + tl.arange(0, BLOCK_R)
+                going, expert, place = _pairs_to(idx_ptr, positions_ptr, pairs, pairs < stop, me, experts_local,
+                                                 max_tokens)
+                target = expert * world * max_tokens + gather(mine_at, expert.to(tl.int32)) + place
+                copy_rows(x_ptr, pairs // topk, recv_x_ptr, target, going, width, BLOCK_W)
+                tl.store(recv_src_ptr + target, me * max_tokens * topk + pairs, mask=going)
+        else:
+            first, stop = split_rows(tl.sum(mine, 0), split, splits)
+            for at in range(first, stop, BLOCK_R):
+                rows = at + tl.arange(0, BLOCK_R)
+                inside = rows < stop
+                source_rows, target = block_rows(rows, mine, mine_at, peer, world, max_tokens)
+                copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
+                pair_index = tl.load(meta_stage + source_rows, mask=inside, other=0)
+                tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair_index, mask=inside)
         if (peer == 0) & (split == 0):
             inside = (sources < world)[:, None] & local[None, :]
             tl.store(recv_count_ptr + experts, tl.sum(matrix, 0), mask=local)
@@ -263,13 +334,16 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
 
 
 @jit
-def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr, staging_ptr, arrivals_ptr, calls_ptr,
-                      out_ptr, tokens, hidden, max_tokens, topk, slot_numel, local_world_size, splits,
-                      W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr, positions_ptr, staging_ptr,
+                      arrivals_ptr, calls_ptr, out_ptr, tokens, hidden, max_tokens, experts_local, slot_numel,
+                      local_world_size, splits, TOPK: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Low-latency mode, the way back. Grid (world, splits). y: recv_x's layout, [E_local, world *
-    max_tokens] rows of `hidden`; per slot, staging is [max_tokens * topk] rows: row t * topk + k
-    holds the output of this rank's pair (t, k). Program (p, s) sends part s of the pairs received
-    from p, then sums part p * splits + s of this rank's tokens."""
+    max_tokens] rows of `hidden`; positions: the dispatch's place of each of this rank's pairs among
+    its pairs of the expert; per slot, staging is [max_tokens * TOPK] rows: row t * TOPK + k holds
+    the output of this rank's pair (t, k). Program (p, s) sends part s of the pairs received from p
+    (none from itself: the sum reads those from y), then sums part p * splits + s of this rank's
+    tokens."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -280,17 +354,20 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
     mine = tl.load(recv_layout_ptr + peer * E_PAD + experts)
     mine_at = tl.load(recv_layout_ptr + W_PAD * E_PAD + peer * E_PAD + experts)
     first, stop = split_rows(tl.sum(mine, 0), split, splits)
-    for at in range(first, stop, BLOCK_R):
-        rows = at + tl.arange(0, BLOCK_R)
-        inside = rows < stop
-        _, source_rows = block_rows(rows, mine, mine_at, peer, world, max_tokens)
-        pair = tl.load(recv_src_ptr + source_rows, mask=inside, other=0) - peer * max_tokens * topk
-        send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
+    if peer != me:
+        for at in range(first, stop, BLOCK_R):
+            rows = at + tl.arange(0, BLOCK_R)
+            inside = rows < stop
+            _, source_rows = block_rows(rows, mine, mine_at, peer, world, max_tokens)
+            pair = tl.load(recv_src_ptr + source_rows, mask=inside, other=0) - peer * max_tokens * TOPK
+            send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
     stage = await_combine(arrivals_ptr, stage, epoch, splits)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
-    sum_parts(stage, out_ptr, first, stop, hidden, topk, idx_ptr, weights_ptr, max_tokens, True, BLOCK_R, BLOCK_W)
+    own_at = recv_layout_ptr + W_PAD * E_PAD + me * E_PAD  # where this rank's pairs start in each expert's block
+    sum_parts(stage, out_ptr, first, stop, hidden, idx_ptr, weights_ptr, y_ptr, own_at, positions_ptr, max_tokens,
+              experts_local, TOPK, True, BLOCK_R, BLOCK_W)
     finish_call(calls_ptr)
 
 
@@ -309,14 +386,15 @@ class EPHandle:
             low-latency mode [2, world, E_PAD]: pairs received from each (rank, local expert) and
             their first row within the expert's block.
         positions: normal mode, [T, world]: each token's row among those sent to each rank (-1: not
-            sent there); None in low-latency mode.
+            sent there); low-latency mode, [T * topk]: each pair's row among this rank's pairs of its
+            expert.
     """
     mode: str
     tokens: int
     topk: int
     recv_src: torch.Tensor
     recv_layout: torch.Tensor
-    positions: torch.Tensor | None = None
+    positions: torch.Tensor
 
 
 class _Exchange:
@@ -492,9 +570,8 @@ class EPBuffer:
         pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
         if tokens:
             if per_rank:
-                exchange.route(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
-            exchange.route(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1,
-                           one_group=True)
+                sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
+            sort.sort(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1, one_group=True)
         return positions, routed, pair_positions
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
@@ -590,8 +667,7 @@ class EPBuffer:
         args = (y, handle.recv_src, handle.recv_layout, _nonempty(handle.positions), ex.staging, ex.arrivals, ex.calls,
                 out,
                 handle.tokens, self.hidden, self.max_tokens, ex.slot_numel, w.local_world_size)
-        exchange_.launch(combine_kernel, w.world_size, args,
-                         {"BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden)})
+        exchange_.launch(combine_kernel, w.world_size, args, {"WORLD": w.world_size, **self._combine_blocks()})
         return out[:handle.tokens]
 
     # ---- low-latency mode ----
@@ -659,7 +735,7 @@ class EPBuffer:
 
             def hook() -> None:
                 pass
-        handle = EPHandle("low_latency", tokens, topk, recv_src, recv_layout)
+        handle = EPHandle("low_latency", tokens, topk, recv_src, recv_layout, positions)
         recv_x = recv[..., :self.hidden].view(FP8) if use_fp8 else recv.view(self.dtype)
         if use_fp8:
             recv_x = (recv_x, recv[..., self.hidden:].view(torch.float32))
@@ -697,15 +773,22 @@ class EPBuffer:
         exchange_ = self._exchange("ll_combine", topk)
         out = torch.empty((max(tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
-        args = (y, handle.recv_src, handle.recv_layout, _nonempty(topk_idx), _nonempty(topk_weights), ex.staging,
-                ex.arrivals, ex.calls, out, tokens, self.hidden, self.max_tokens, topk, ex.slot_numel,
-                w.local_world_size)
+        args = (y, handle.recv_src, handle.recv_layout, _nonempty(topk_idx), _nonempty(topk_weights),
+                _nonempty(handle.positions), ex.staging, ex.arrivals, ex.calls, out, tokens, self.hidden,
+                self.max_tokens, self.experts_local, ex.slot_numel, w.local_world_size)
         exchange_.launch(ll_combine_kernel, w.world_size, args,
-                         {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R,
-                          "BLOCK_W": _block_w(self.hidden)})
+                         {"TOPK": topk, "W_PAD": self.w_pad, "E_PAD": self.e_pad, **self._combine_blocks()})
         return out[:tokens]
 
     # ---- helpers ----
+    def _combine_blocks(self) -> dict:
+        """The combines' tiles: (BLOCK_R, BLOCK_W) of TILE elements, as few rows as a program may sum
+        (the tokens of max_tokens_per_rank over the world x splits programs: one row each at 128
+        tokens on an H100), and 8 warps for the parts' loads in flight at once. Fixed per buffer:
+        every call launches the variant whose co-resident grid `_Exchange.fit` measured."""
+        rows = min(BLOCK_R, triton.next_power_of_2(triton.cdiv(self.max_tokens, self.world.world_size * self.splits)))
+        return {"BLOCK_R": rows, "BLOCK_W": triton.next_power_of_2(min(self.hidden, TILE // rows)), "num_warps": 8}
+
     def _payload(self, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
         """The rows the low-latency dispatch moves, as int32 words: x itself, or with use_fp8 each
         token's e4m3 values followed by its float32 scales (one per FP8_GROUP columns)."""

@@ -8,9 +8,9 @@ expert e that rank s's tokens send, starts at row base[s, e] and holds counts[s,
 (the cumulative row ends per expert) is what `grouped_gemm` takes, so h can also go through it.
 
 Protocol (`route_kernel`, one program per rank and call; epochs and slots as in `_protocol.py`):
-1. The rank sorts its own pairs by expert (a stable counting sort) into row `rank` of this call's
-   slot of the symmetric `exchange` buffer: each pair's expert, its position among this rank's
-   pairs of that expert, and the count per expert.
+1. The rank sorts its own pairs by expert (`sort`, two launches before `route_kernel`'s) and
+   writes them into row `rank` of this call's slot of the symmetric `exchange` buffer: each pair's
+   expert, its position among this rank's pairs of that expert, and the count per expert.
 2. It sends that row to every peer (stores through symm_at on this node, an NVSHMEM put with the
    signal attached to another) with flag (slot, rank) raised to the call epoch there, then waits
    for every peer's flag. Every call waits for every peer, so two slots need no handshake.
@@ -42,43 +42,32 @@ from ...runtime import config
 from .. import _protocol
 from .._protocol import after_flags, call_epoch, finish_call, push_slice, sync_program
 from ..gemm import grouped, persistent
+from . import sort
 
-# The stable counting sort compares BLOCK_P pairs with every expert at once: BLOCK_P * E_PAD ids.
-SORT_IDS = 8192
 PUSH_BLOCK = tl.constexpr(1024)  # int32 words a step of the exchange moves
 
 
-@triton.jit
-def _sort_own_pairs(idx_ptr, row_ptr, pairs, E, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Step 1: this rank's pairs (expert ids at idx_ptr, int64) -> row_ptr[:pairs] their experts,
-    row_ptr[pairs:2 pairs] their positions among this rank's pairs of the same expert (in pair
-    order), row_ptr[2 pairs:] the count per expert. Ids outside [0, E) are clamped into it: the
-    host refuses them where it can see them (`check_experts`)."""
-    experts = tl.arange(0, E_PAD)
-    before = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, pairs, BLOCK_P):
-        p = start + tl.arange(0, BLOCK_P)
-        mask = p < pairs
-        expert = tl.minimum(tl.maximum(tl.load(idx_ptr + p, mask=mask, other=0), 0), E - 1).to(tl.int32)
-        hits = ((expert[:, None] == experts[None, :]) & mask[:, None]).to(tl.int32)
-        earlier = tl.cumsum(hits, 0) - hits + before[None, :]
-        tl.store(row_ptr + p, expert, mask=mask)
-        tl.store(row_ptr + pairs + p, tl.sum(hits * earlier, 1), mask=mask)
-        before += tl.sum(hits, 0)
-    tl.store(row_ptr + 2 * pairs + experts, before)
-
-
 @jit
-def route_kernel(idx_ptr, exchange_ptr, flags_ptr, calls_ptr, layout_ptr, pairs, E, row, slot_numel,
-                 local_world_size, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
-    """One program. `pairs` = T_r * topk per rank; exchange rows `row` int32 apart (2 pairs + E_PAD
-    used); `layout_ptr`: the call's `MoEHandle.layout` (see there)."""
+def route_kernel(idx_ptr, sorted_ptr, exchange_ptr, flags_ptr, calls_ptr, layout_ptr, pairs, E, row, slot_numel,
+                 local_world_size, E_PAD: tl.constexpr):
+    """One program. `pairs` = T_r * topk per rank; `sorted_ptr`: this rank's pairs sorted by
+    `sort` (a position each, then the count per expert); exchange rows `row` int32 apart (2 pairs +
+    E_PAD used); `layout_ptr`: the call's `MoEHandle.layout` (see there)."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     stage = exchange_ptr + (epoch % 2) * slot_numel
     flags = flags_ptr + (epoch % 2) * world
-    _sort_own_pairs(idx_ptr, stage + me * row, pairs, E, E_PAD, BLOCK_P)
+    own = stage + me * row
+    for start in range(0, pairs, PUSH_BLOCK):
+        p = start + tl.arange(0, PUSH_BLOCK)
+        mask = p < pairs
+        # Clamped as `sort` clamped them (ids the host could not check must not index out of bounds).
+        expert = tl.minimum(tl.maximum(tl.load(idx_ptr + p, mask=mask, other=0), 0), E - 1).to(tl.int32)
+        tl.store(own + p, expert, mask=mask)
+        tl.store(own + pairs + p, tl.load(sorted_ptr + p, mask=mask), mask=mask)
+    experts = tl.arange(0, E_PAD)
+    tl.store(own + 2 * pairs + experts, tl.load(sorted_ptr + pairs + experts, mask=experts < E, other=0))
     sync_program()  # the row is read back below, by other threads than stored it
     for step in range(1, world):
         push_slice(stage + me * row, stage + me * row, 0, 2 * pairs + E_PAD, flags + me, epoch, (me + step) % world,
@@ -210,9 +199,10 @@ class Router:
         layout = torch.empty(MoEHandle.numel(w.world_size, self.tokens, self.topk, self.experts), dtype=torch.int32,
                              device=w.device)
         ws = self.workspace
-        route_kernel[(1,)](topk_idx, ws.staging, ws.flags, ws.calls, layout, self.pairs, self.experts, self.row,
-                           ws.slot_numel, w.local_world_size, E_PAD=self.e_pad,
-                           BLOCK_P=max(1, SORT_IDS // self.e_pad), num_warps=8)
+        own = torch.empty(self.pairs + self.experts, dtype=torch.int32, device=w.device)
+        sort.sort(topk_idx.view(-1), own[:self.pairs], own[self.pairs:], self.experts, 1, one_group=True, clamp=True)
+        route_kernel[(1,)](topk_idx, own, ws.staging, ws.flags, ws.calls, layout, self.pairs, self.experts, self.row,
+                           ws.slot_numel, w.local_world_size, E_PAD=self.e_pad, num_warps=8)
         return MoEHandle(layout, w.world_size, self.tokens, self.topk, self.experts)
 
     def free(self) -> None:
