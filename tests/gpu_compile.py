@@ -209,8 +209,8 @@ def _sort_cases(one_group: bool, clamp: bool, groups: int):
     sizes = {name: "i32" for name in ("items", "topk", "groups", "per_group", "per_block")}
     constexprs = {"CLAMP": clamp, "GROUPS": groups, "STEP": step}
     return [(sort.block_counts_kernel,
-             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", **sizes, "CLAMP": "constexpr", "GROUPS": "constexpr",
-              "STEP": "constexpr"}, constexprs),
+             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", **sizes, "CLAMP": "constexpr", "ADD": "constexpr",
+              "GROUPS": "constexpr", "STEP": "constexpr"}, {**constexprs, "ADD": one_group and not clamp}),
             (sort.positions_kernel,
              {"idx_ptr": "*i64", "block_counts_ptr": "*i32", "positions_ptr": "*i32", "counts_ptr": "*i32", **sizes,
               "blocks": "i32", "ONE_GROUP": "constexpr", "CLAMP": "constexpr", "GROUPS": "constexpr",
@@ -254,7 +254,7 @@ def _expert_parallel_cases():
          {**dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "slot_numel",
                                               "meta_slot", "local_world_size", "splits")},
           "W_PAD": "constexpr", "E_PAD": "constexpr", "K_PAD": "constexpr", "BLOCK_R": "constexpr",
-          "BLOCK_W": "constexpr"}, {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks}),
+          "BLOCK_W": "constexpr"}, {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks}, {"num_warps": 8}),
         (expert_parallel.combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
           "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
@@ -267,7 +267,7 @@ def _expert_parallel_cases():
                                                  "slot_numel", "meta_slot", "local_world_size", "splits")},
           "SEND": "constexpr", "RECEIVE": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
           "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, **blocks}),
+         {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, **blocks}, {"num_warps": 8}),
         (expert_parallel.ll_combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
           "weights_ptr": "*fp32", "positions_ptr": "*i32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64",

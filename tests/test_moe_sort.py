@@ -1,6 +1,6 @@
 """The routing's stable counting sort (`tridist.ops.moe.sort`) against a sort on the host: pairs
 over many experts and tokens over ranks, several blocks each, ids of -1 and out of range, the
-clamped ids of the tensor-parallel routing, no items."""
+clamped ids of the tensor-parallel routing, no items; and `count`, which adds the totals alone."""
 import pytest
 import torch
 import triton
@@ -37,6 +37,10 @@ def _sort_body(w):
         what = f"{items} items of top-{topk} over {groups} groups"
         assert torch.equal(counts.cpu(), expected_counts.int()), what
         if one_group:  # an item's one group: its place there; items of no group left alone
+            if not clamp:
+                added = torch.ones(groups, dtype=torch.int32, device=w.device)
+                sort.count(idx.view(-1).to(w.device), added, groups, per_group)
+                assert torch.equal(added.cpu(), expected_counts.int() + 1), f"count: {what}"
             expected = torch.where(member.any(1), (place * member).sum(1), -7).int()
         else:
             expected = torch.where(member, place, -1).int()

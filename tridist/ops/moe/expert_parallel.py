@@ -55,7 +55,7 @@ FP8 = torch.float8_e4m3fn
 FP8_GROUP = 128   # columns that share one fp8 scale
 FP8_MAX = 448.0   # the largest e4m3 value
 BLOCK_R = 8       # rows a step moves
-TILE = 4096       # elements a step moves at most
+TILE = 8192       # elements a step moves at most
 CALLS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch fp8", "low_latency_combine")
 
 
@@ -560,17 +560,18 @@ class EPBuffer:
     def _route(self, topk_idx: torch.Tensor, per_rank: bool = True):
         """Where this rank's tokens go, on the device: (positions [T, world]: each token's row among
         those sent to each rank, -1 where not sent; routed: tokens per rank, then pairs per expert;
-        pair positions [T * topk]: each pair's row among this rank's pairs of its expert). Without
-        `per_rank` (the low-latency mode, which sends pairs) the first two are left unset but for
-        the pairs per expert."""
+        pair positions [T * topk]: each pair's row among this rank's pairs of its expert). With
+        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset; without
+        (the low-latency mode, which sends pairs) the token positions and counts are."""
         w = self.world
         tokens = topk_idx.shape[0]
         positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
         routed = torch.zeros(w.world_size + self.num_experts, dtype=torch.int32, device=w.device)
         pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
-        if tokens:
-            if per_rank:
-                sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
+        if tokens and per_rank:
+            sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
+            sort.count(topk_idx.view(-1), routed[w.world_size:], self.num_experts, 1)
+        elif tokens:
             sort.sort(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1, one_group=True)
         return positions, routed, pair_positions
 
@@ -633,7 +634,7 @@ class EPBuffer:
                 w.local_world_size)
         exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
-                          "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2)})
+                          "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "num_warps": 8})
         handle = EPHandle("normal", tokens, topk, recv_src, recv_layout, positions)
         if sync:
             received = int(recv_layout[0].sum())
@@ -717,7 +718,8 @@ class EPBuffer:
                 ex.counts, ex.arrivals, ex.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
                 tokens, width, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
                 w.local_world_size)
-        meta = {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(width)}
+        meta = {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(width),
+                "num_warps": 8}
         exchange_.fit(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": True})
         if return_recv_hook:
             exchange_.launch(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": False},

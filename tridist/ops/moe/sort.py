@@ -6,7 +6,7 @@ expert (`exchange`); the tensor-parallel ops place a rank's pairs among those of
 (`tp_routing`).
 
 Two launches, each over (blocks of items, chunks of groups), so that no program walks more than
-one block:
+one block (`count`, for the totals alone, is the first with the blocks' counts added up):
 1. `block_counts_kernel`: block b's items of each group -> block_counts[b, group].
 2. `positions_kernel`: block b's items go after those of the blocks before it (the sum of their
    counts, which every program loads at once) and after the earlier items of block b itself (a
@@ -45,9 +45,10 @@ def _hits(idx_ptr, item, inside, topk, group, groups, per_group, CLAMP: tl.const
 
 @jit
 def block_counts_kernel(idx_ptr, block_counts_ptr, items, topk, groups, per_group, per_block, CLAMP: tl.constexpr,
-                        GROUPS: tl.constexpr, STEP: tl.constexpr):
+                        ADD: tl.constexpr, GROUPS: tl.constexpr, STEP: tl.constexpr):
     """Program (b, c): block_counts[b, g] = the items of [b * per_block, (b + 1) * per_block) in
-    group g, for the groups c * GROUPS ... (c + 1) * GROUPS - 1."""
+    group g, for the groups c * GROUPS ... (c + 1) * GROUPS - 1; ADD (`count`): added to
+    block_counts[g] instead, the totals."""
     block = tl.program_id(0)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     stop = tl.minimum(items, (block + 1) * per_block)
@@ -55,7 +56,10 @@ def block_counts_kernel(idx_ptr, block_counts_ptr, items, topk, groups, per_grou
     for start in range(block * per_block, stop, STEP):
         item = start + tl.arange(0, STEP)
         total += tl.sum(_hits(idx_ptr, item, item < stop, topk, group, groups, per_group, CLAMP), 0)
-    tl.store(block_counts_ptr + block * groups + group, total, mask=group < groups)
+    if ADD:
+        tl.atomic_add(block_counts_ptr + group, total, mask=group < groups)
+    else:
+        tl.store(block_counts_ptr + block * groups + group, total, mask=group < groups)
 
 
 @jit
@@ -116,8 +120,20 @@ def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, c
     chunk, step, per_block, blocks = sort_shape(items, groups, one_group)
     grid = (blocks, triton.cdiv(groups, chunk))
     block_counts = torch.empty((blocks, groups), dtype=torch.int32, device=idx.device)
-    block_counts_kernel[grid](idx, block_counts, items, topk, groups, per_group, per_block, CLAMP=clamp,
+    block_counts_kernel[grid](idx, block_counts, items, topk, groups, per_group, per_block, CLAMP=clamp, ADD=False,
                               GROUPS=chunk, STEP=step, num_warps=4)
     positions_kernel[grid](idx, block_counts, positions, counts, items, topk, groups, per_group, per_block, blocks,
                            ONE_GROUP=one_group, CLAMP=clamp, GROUPS=chunk, STEP=step,
                            BLOCKS=triton.next_power_of_2(blocks), num_warps=4)
+
+
+def count(idx, counts, groups: int, per_group: int) -> None:
+    """Add to `counts` (int32 [groups]) the items of each group, `idx` as `sort` takes it with
+    `one_group` (one launch, for a caller that needs no positions)."""
+    items = idx.numel()
+    if items == 0:
+        return
+    chunk, step, per_block, blocks = sort_shape(items, groups, True)
+    block_counts_kernel[(blocks, triton.cdiv(groups, chunk))](idx, counts, items, 1, groups, per_group, per_block,
+                                                               CLAMP=False, ADD=True, GROUPS=chunk, STEP=step,
+                                                               num_warps=4)
