@@ -108,17 +108,33 @@ def arrivals_at_least(counters_ptr, source, count):
 
 
 @triton.jit
+def await_counts(arrivals_ptr, counts, sources, epoch, splits):
+    """Wait for the counts of sources 0 ... sources - 1 (one of each one's programs of this call has
+    arrived); returns `counts` made to depend on the waits."""
+    for source in range(sources):
+        counts = dl.consume_token(counts, arrivals_at_least(arrivals_ptr, source, (epoch - 1) * splits + 1))
+    return counts
+
+
+@triton.jit
 def await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits):
-    """A dispatch receiver's wait: every source's counts (one of its programs of this call has
-    arrived), then all of `peer`'s parts. Returns `counts`, `stage` and `meta_stage` made to depend on
-    the waits, for the loads that read them."""
-    me = dl.rank()
-    world = dl.num_ranks()
-    for step in range(world):
-        arrived = arrivals_at_least(arrivals_ptr, (me + step) % world, (epoch - 1) * splits + 1)
-        counts = dl.consume_token(counts, arrived)
+    """A dispatch receiver's wait: every source's counts, then all of `peer`'s parts. Returns
+    `counts`, `stage` and `meta_stage` made to depend on the waits, for the loads that read them."""
+    counts = await_counts(arrivals_ptr, counts, dl.num_ranks(), epoch, splits)
     arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
     return counts, dl.consume_token(stage, arrived), dl.consume_token(meta_stage, arrived)
+
+
+@triton.jit
+def await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout):
+    """The wait of a dispatch program that copies this rank's own rows from x: they go after the
+    rows of the ranks before it, so the counts of those are all it needs (`writes_layout`: the
+    program that also writes the whole layout, which waits for every rank's). No grid-wide wait:
+    at one rank, none at all."""
+    sources = dl.rank()
+    if writes_layout:
+        sources = dl.num_ranks()
+    return await_counts(arrivals_ptr, counts, sources, epoch, splits)
 
 
 @triton.jit

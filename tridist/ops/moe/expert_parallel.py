@@ -47,8 +47,8 @@ from tridist.runtime.tensors import check_tensor
 from .. import _protocol
 from .._protocol import call_epoch, finish_call
 from . import exchange, sort
-from .exchange import (arrive, await_combine, await_dispatch, block_rows, copy_rows, expert_blocks, gather, send_rows,
-                       send_values, split_rows)
+from .exchange import (arrive, await_combine, await_dispatch, await_own_counts, block_rows, copy_rows,
+                       expert_blocks, gather, send_rows, send_values, split_rows)
 
 DTYPES = (torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
@@ -129,7 +129,11 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
+    writes_layout = (peer == 0) & (split == 0)
+    if peer == me:
+        counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout)
+    else:
+        counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
     sources = tl.arange(0, W_PAD)
     received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
     before = tl.cumsum(received, 0) - received
@@ -147,7 +151,7 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
             _receive_tokens(stage + peer * max_tokens * width, meta_stage + peer * max_tokens * meta_width, rows,
                             start + rows, rows < stop, peer, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
                             recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
-    if (peer == 0) & (split == 0):
+    if writes_layout:
         pairs = tl.load(counts + sources[:, None] * 2 * E_PAD + E_PAD + experts[None, :],
                         mask=(sources < world)[:, None] & local[None, :], other=0)
         tl.store(recv_per_expert_ptr + experts, tl.sum(pairs, 0).to(tl.int64), mask=local)
@@ -301,7 +305,11 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
                     local_world_size, E_PAD)
         arrive(arrivals_ptr + me, peer, local_world_size)
     if RECEIVE:
-        counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
+        writes_layout = (peer == 0) & (split == 0)
+        if own_direct:
+            counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout)
+        else:
+            counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
         matrix, placed, mine, mine_at = expert_blocks(counts, peer, world, experts_local, W_PAD, E_PAD)
         sources = tl.arange(0, W_PAD)
         if own_direct:
@@ -322,7 +330,7 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
                 copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
                 pair_index = tl.load(meta_stage + source_rows, mask=inside, other=0)
                 tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair_index, mask=inside)
-        if (peer == 0) & (split == 0):
+        if writes_layout:
             inside = (sources < world)[:, None] & local[None, :]
             tl.store(recv_count_ptr + experts, tl.sum(matrix, 0), mask=local)
             tl.store(recv_layout_ptr + sources[:, None] * E_PAD + experts[None, :], matrix, mask=inside)
