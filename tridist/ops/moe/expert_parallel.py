@@ -330,12 +330,10 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
                 copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
                 pair_index = tl.load(meta_stage + source_rows, mask=inside, other=0)
                 tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair_index, mask=inside)
-        if writes_layout:
-            inside = (sources < world)[:, None] & local[None, :]
+        if writes_layout:  # all of it, the padding's zero counts included: the combine reads whole rows
             tl.store(recv_count_ptr + experts, tl.sum(matrix, 0), mask=local)
-            tl.store(recv_layout_ptr + sources[:, None] * E_PAD + experts[None, :], matrix, mask=inside)
-            tl.store(recv_layout_ptr + W_PAD * E_PAD + sources[:, None] * E_PAD + experts[None, :], placed,
-                     mask=inside)
+            tl.store(recv_layout_ptr + sources[:, None] * E_PAD + experts[None, :], matrix)
+            tl.store(recv_layout_ptr + W_PAD * E_PAD + sources[:, None] * E_PAD + experts[None, :], placed)
         dl.shmem.quiet()
     if SEND:
         finish_call(calls_ptr)
@@ -574,7 +572,9 @@ class EPBuffer:
         w = self.world
         tokens = topk_idx.shape[0]
         positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
-        routed = torch.zeros(w.world_size + self.num_experts, dtype=torch.int32, device=w.device)
+        # `count` adds to the pairs per expert; `sort` sets them (the low-latency mode)
+        routed = (torch.zeros if per_rank or not tokens else torch.empty)(w.world_size + self.num_experts,
+                                                                         dtype=torch.int32, device=w.device)
         pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
         if tokens and per_rank:
             sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
@@ -719,7 +719,7 @@ class EPBuffer:
         recv_src = torch.empty((self.experts_local, w.world_size * self.max_tokens), dtype=torch.int32,
                                device=w.device)
         recv_count = torch.empty(self.experts_local, dtype=torch.int32, device=w.device)
-        recv_layout = torch.zeros((2, self.w_pad, self.e_pad), dtype=torch.int32, device=w.device)  # padding: 0 rows
+        recv_layout = torch.empty((2, self.w_pad, self.e_pad), dtype=torch.int32, device=w.device)
         ex = exchange_
         args = (_nonempty(rows), _nonempty(topk_idx), _nonempty(positions), routed[w.world_size:],
                 self._pair_index(topk), ex.staging, ex.meta,
