@@ -55,10 +55,8 @@ def test_sort(world):
 @pytest.mark.parametrize("items, groups, one_group", [(1, 1, True), (10 ** 6, 256, True), (10 ** 6, 8, False),
                                                       (4096, 2, False), (1024, 256, True)])
 def test_sort_shape(items, groups, one_group):
-    """Blocks of whole steps covering every item, few enough for `positions_kernel` to sum at once;
-    one block (one launch) for a few steps' items."""
+    """Blocks of whole steps covering every item, few enough for `positions_kernel` to sum at once."""
     chunk, step, per_block, blocks = sort.sort_shape(items, groups, one_group)
-    assert (blocks == 1) == (triton.cdiv(items, step) <= sort.ONE_BLOCK_STEPS)
     assert chunk * step <= sort.SORT_IDS and step <= sort.MAX_STEP and per_block % step == 0
     assert (blocks - 1) * per_block < items <= blocks * per_block
     assert triton.next_power_of_2(blocks) * chunk <= sort.SORT_IDS
