@@ -492,7 +492,9 @@ def main(argv=None) -> int:
     parser.add_argument("--experts-per-rank", type=int, default=EXPERTS_PER_RANK,
                         help="alltoall: chunks per rank of all_to_all_v_2d (default %(default)s)")
     parser.add_argument("--kernels", action="store_true",
-                        help="ep: also print where each step's GPU time goes, by kernel (PyTorch's profiler)")
+                        help="ep: also print where each step's GPU time goes, by kernel (PyTorch's profiler; the "
+                             "steps timed after it in the same run were at times 1 ms slower on H100s: take "
+                             "figures from a run without it)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     if args.hidden < 1 or args.experts_per_rank < 1:

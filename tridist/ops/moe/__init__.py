@@ -9,6 +9,9 @@ Tensor parallel (every rank holds a slice of every expert): `ag_moe` (all-gather
 and `moe_rs` (grouped GEMM + top-k sum + reduce-scatter), with the routing they share in
 `tp_routing`.
 
+Both families route with `sort`, a stable counting sort on the device (each token's or pair's place
+among those of its rank or expert).
+
 Custom ops for `torch.compile`: `torch.ops.tridist.all_to_all_v(x, in_splits, out_rows)`,
 `all_to_all_v_2d(x, in_splits, out_rows, major_align=1)` and
 `all_to_all_v_2d_offset(x, in_splits_offsets, out_rows)` return `(out, out_splits_offsets)`;
