@@ -5,16 +5,15 @@ Experts are spread evenly: rank r holds experts r * E_local ... (r + 1) * E_loca
 with `topk_idx[t]` = its experts (-1: none) takes two ways, one per mode:
 
 **Normal mode** (prefill, training): a token goes once to every rank that holds one of its
-experts. Routing (`sort`) gives each token its place among the tokens for each rank (and each
-rank's tokens in place order); `dispatch_kernel` then runs the family's protocol (`exchange.py`):
-program (p, s) puts part s of the places of the tokens for rank p into region `rank` of p's
-staging (rows of x, and a meta row: the token's expert ids, weights and index), writes the count
-and the pairs per expert of p there, and raises flag (rank, s) on p; then, as a receiver, it
-waits for the flags (q, s) of the ranks q up to p (the counts of those before p place p's
-tokens after theirs) and copies part s of p's tokens into recv_x. A part leaves the staging as
-soon as it is there, while others still travel. `combine_kernel` runs the way back: each
-received token's output goes to row (rank, token) of its source's combine staging, and each
-token sums what every rank that got it sent, in rank order.
+experts. Routing (`sort`) gives each token its place among the tokens for each rank;
+`dispatch_kernel` then runs the family's protocol (`exchange.py`): program (p, s) puts its
+share s of the tokens for rank p into region `rank` of p's staging (rows of x, and a meta row:
+the token's expert ids, weights and index), writes the count and the pairs per expert of p there,
+and adds 1 to p's arrival counter for this rank (`exchange.arrive`); then, as a receiver, it waits
+until every source's counts are here and all of rank p's programs have arrived, and copies p's
+tokens into recv_x after those of ranks before p. `combine_kernel`
+runs the way back: each received token's output goes to row (rank, token) of its source's
+combine staging, and each token sums what every rank that got it sent, in rank order.
 
 **Low-latency mode** (decode): one copy per (token, expert) pair, grouped by expert:
 recv_x[e] holds local expert e's pairs, from rank 0 first. Routing gives each pair its place
@@ -49,7 +48,7 @@ from .. import _protocol
 from .._protocol import call_epoch, finish_call
 from . import exchange, sort
 from .exchange import (arrive, await_combine, await_dispatch, await_own_counts, block_rows, copy_rows,
-                       expert_blocks, gather, raise_flag, send_rows, send_values, split_rows)
+                       expert_blocks, gather, send_rows, send_values, split_rows)
 
 DTYPES = (torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
@@ -89,21 +88,16 @@ def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv_x_ptr,
 
 
 @jit
-def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
-                    flags_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
+def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
+                    arrivals_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
                     recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot,
                     local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Normal mode. Grid (world, splits). x: T rows of `width` words; meta: T rows of 2 * topk + 1
     int32 (expert ids, weight bits, token index); positions: [T, world] from routing (-1: not for
-    that rank), order its inverse ([world, T]: the tokens for each rank in place order); routed:
-    tokens per rank [world], then pairs per expert [world * E_local]. Per slot, staging is [world,
-    max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the tokens it sent
-    here, word E_PAD + e its pairs for local expert e; flags: one per (source, split).
-
-    Program (p, s) sends part s of the places of rank p's tokens (`split_rows` of their count) and
-    raises flag (rank, s) on p; receiving, it copies part s of the places of rank p's tokens here
-    as soon as flag (p, s) is up, so that each part leaves the staging while others still travel."""
+    that rank); routed: tokens per rank [world], then pairs per expert [world * E_local]. Per slot,
+    staging is [world, max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the
+    tokens it sent here, word E_PAD + e its pairs for local expert e."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -116,45 +110,35 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
 
-    # Send part `split` of the places of the tokens for `peer`. This rank's own tokens skip the
-    # staging: the receive below copies them straight from x.
+    # Send this program's share of the tokens for `peer`, each at its place among them. This rank's
+    # own tokens skip the staging: the receive below copies them straight from x.
+    first, stop = split_rows(tokens, split, splits)
     if peer != me:
-        first, stop = split_rows(tl.load(routed_ptr + peer), split, splits)
-        for at in range(first, stop, BLOCK_R):
-            places = at + tl.arange(0, BLOCK_R)
-            going = places < stop
-            rows = tl.load(order_ptr + peer.to(tl.int64) * tokens + places, mask=going, other=0)
-            send_rows(x_ptr, rows, stage + me * max_tokens * width, places, going, width, peer, local_world_size,
+        for token in range(first, stop, BLOCK_R):
+            rows = token + tl.arange(0, BLOCK_R)
+            place = tl.load(positions_ptr + rows.to(tl.int64) * world + peer, mask=rows < stop, other=-1)
+            going = place >= 0
+            send_rows(x_ptr, rows, stage + me * max_tokens * width, place, going, width, peer, local_world_size,
                       BLOCK_R, BLOCK_W)
-            send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, places, going, meta_width, peer,
+            send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, place, going, meta_width, peer,
                       local_world_size, BLOCK_R, K_PAD)
     words = tl.arange(0, 2 * E_PAD)
     pair_words = (words >= E_PAD) & (words - E_PAD < experts_local)
     routed = tl.load(routed_ptr + tl.where(words == 0, peer, world + peer * experts_local + words - E_PAD),
                      mask=(words == 0) | pair_words, other=0)
     send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
-    raise_flag(flags_ptr + me * splits + split, epoch, peer, local_world_size)
+    arrive(arrivals_ptr + me, peer, local_world_size)
 
-    # Receive: the counts of the ranks before `peer` (their program `split` sent them) place its
-    # tokens, flag (peer, split) says part `split` of them is here. This rank's own tokens need
-    # only the counts of the ranks before it; the program writing the layout needs every count.
-    waited = peer + 1
-    if peer == me:
-        waited = me
     writes_layout = (peer == 0) & (split == 0)
-    if writes_layout:
-        waited = world
-    for source in range(waited):
-        arrived = dl.shmem.signal_wait_until(flags_ptr + source * splits + split, dl.shmem.CMP_GE, epoch)
-        counts = dl.consume_token(counts, arrived)
-        stage = dl.consume_token(stage, arrived)
-        meta_stage = dl.consume_token(meta_stage, arrived)
+    if peer == me:
+        counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout)
+    else:
+        counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
     sources = tl.arange(0, W_PAD)
     received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
     before = tl.cumsum(received, 0) - received
     start = tl.sum(tl.where(sources == peer, before, 0), 0)
     if peer == me:
-        first, stop = split_rows(tokens, split, splits)
         for token in range(first, stop, BLOCK_R):
             rows = token + tl.arange(0, BLOCK_R)
             place = tl.load(positions_ptr + rows.to(tl.int64) * world + me, mask=rows < stop, other=-1)
@@ -422,11 +406,9 @@ class EPHandle:
 class _Exchange:
     """The symmetric buffers of one kind of launch of an `EPBuffer`: per slot, staging of `rows` rows
     of `width` elements of `dtype` (and `meta_width` int32 per row, if any) and `count_words` int32
-    of counts; signals: an arrival counter per source (`exchange.arrive`), or with `flags` a flag per
-    (source, split); the calls counter."""
+    of counts; an arrival counter per source (`exchange.arrive`) and the calls counter."""
 
-    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int,
-                 flags: bool = False):
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int):
         w = tridist.world()
         _protocol.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.splits = splits
@@ -435,7 +417,7 @@ class _Exchange:
         self.staging = tridist.symm_zeros((2, self.slot_numel), dtype)
         self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
         self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None
-        self.signals = tridist.signals(w.world_size * (splits if flags else 1))
+        self.arrivals = tridist.signals(w.world_size)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     def fit(self, kernel, grid_world: int, args: tuple, meta: dict) -> None:
@@ -453,7 +435,7 @@ class _Exchange:
         kernel[(grid_world, self.splits)](*args, splits=self.splits, coresident=coresident, **meta)
 
     def free(self) -> None:
-        for buffer in (self.staging, self.meta, self.counts, self.signals):
+        for buffer in (self.staging, self.meta, self.counts, self.arrivals):
             if buffer is not None:
                 tridist.symm_free(buffer)
 
@@ -559,7 +541,7 @@ class EPBuffer:
             w, rows = self.world, self.max_tokens
             if kind == "dispatch":
                 made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
-                                 self.w_pad * 2 * self.e_pad, self.splits, flags=True)
+                                 self.w_pad * 2 * self.e_pad, self.splits)
             elif kind == "combine":
                 made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits)
             elif kind == "ll_dispatch":
@@ -581,13 +563,12 @@ class EPBuffer:
         return self.hidden // 2
 
     # ---- layout ----
-    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True, order: torch.Tensor | None = None):
+    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True):
         """Where this rank's tokens go, on the device: (positions [T, world]: each token's row among
         those sent to each rank, -1 where not sent; routed: tokens per rank, then pairs per expert;
         pair positions [T * topk]: each pair's row among this rank's pairs of its expert). With
-        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset, and
-        `order` ([world, T]) gets each rank's tokens in row order; without (the low-latency mode,
-        which sends pairs) the token positions and counts are left unset."""
+        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset; without
+        (the low-latency mode, which sends pairs) the token positions and counts are."""
         w = self.world
         tokens = topk_idx.shape[0]
         positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
@@ -596,7 +577,7 @@ class EPBuffer:
                                                                          dtype=torch.int32, device=w.device)
         pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
         if tokens and per_rank:
-            sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False, order=order)
+            sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
             sort.count(topk_idx.view(-1), routed[w.world_size:], self.num_experts, 1)
         elif tokens:
             sort.sort(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1, one_group=True)
@@ -644,8 +625,7 @@ class EPBuffer:
         self._agree("dispatch", topk)
         w = self.world
         exchange_ = self._exchange("dispatch", topk)
-        order = torch.empty((w.world_size, max(tokens, 1)), dtype=torch.int32, device=w.device)
-        positions, routed, _ = self._route(topk_idx, order=order)
+        positions, routed, _ = self._route(topk_idx)
         capacity = w.world_size * self.max_tokens
         token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
         meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
@@ -656,10 +636,10 @@ class EPBuffer:
         recv_layout = torch.empty((2, w.world_size), dtype=torch.int32, device=w.device)
         recv_per_expert = torch.empty(self.experts_local, dtype=torch.int64, device=w.device)
         ex = exchange_
-        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), order, routed, ex.staging, ex.meta,
-                ex.counts, ex.signals, ex.calls, _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout,
-                recv_per_expert, tokens, self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel,
-                ex.meta.shape[1], w.local_world_size)
+        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), routed, ex.staging, ex.meta, ex.counts,
+                ex.arrivals, ex.calls, _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert,
+                tokens, self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
+                w.local_world_size)
         exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
                           "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "num_warps": 8})
@@ -693,7 +673,7 @@ class EPBuffer:
         exchange_ = self._exchange("combine", 1)
         out = torch.empty((max(handle.tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
-        args = (y, handle.recv_src, handle.recv_layout, _nonempty(handle.positions), ex.staging, ex.signals, ex.calls,
+        args = (y, handle.recv_src, handle.recv_layout, _nonempty(handle.positions), ex.staging, ex.arrivals, ex.calls,
                 out,
                 handle.tokens, self.hidden, self.max_tokens, ex.slot_numel, w.local_world_size)
         exchange_.launch(combine_kernel, w.world_size, args, {"WORLD": w.world_size, **self._combine_blocks()})
@@ -743,7 +723,7 @@ class EPBuffer:
         ex = exchange_
         args = (_nonempty(rows), _nonempty(topk_idx), _nonempty(positions), routed[w.world_size:],
                 self._pair_index(topk), ex.staging, ex.meta,
-                ex.counts, ex.signals, ex.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
+                ex.counts, ex.arrivals, ex.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
                 tokens, width, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
                 w.local_world_size)
         meta = {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(width),
@@ -804,7 +784,7 @@ class EPBuffer:
         out = torch.empty((max(tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
         args = (y, handle.recv_src, handle.recv_layout, _nonempty(topk_idx), _nonempty(topk_weights),
-                _nonempty(handle.positions), ex.staging, ex.signals, ex.calls, out, tokens, self.hidden,
+                _nonempty(handle.positions), ex.staging, ex.arrivals, ex.calls, out, tokens, self.hidden,
                 self.max_tokens, self.experts_local, ex.slot_numel, w.local_world_size)
         exchange_.launch(ll_combine_kernel, w.world_size, args,
                          {"TOPK": topk, "W_PAD": self.w_pad, "E_PAD": self.e_pad, **self._combine_blocks()})
