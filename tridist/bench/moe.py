@@ -312,9 +312,7 @@ def main(argv=None) -> int:
                         help="grouped_gemm only (default %(default)s; fp8 with row and column scales, bf16 out)")
     parser.add_argument("--configs", action="store_true", help="grouped_gemm: time every config as well")
     parser.add_argument("--kernels", action="store_true",
-                        help="ag_moe, moe_rs: also print where a call's GPU time goes, by kernel (PyTorch's profiler; "
-                             "the layers timed after it in the same run may be slower: take figures from a run "
-                             "without it)")
+                        help="ag_moe, moe_rs: also print where a call's GPU time goes, by kernel (PyTorch's profiler)")
     parser.add_argument("--comm-programs", type=parse_comm_programs, default=[None],
                         help="moe_rs: the programs of the peers' combine, comma separated, 'default' for the op's "
                              "(default: default)")
