@@ -149,7 +149,8 @@ def check_all_to_all_v_2d(w) -> bool:
 # (allocated at each mode's first call, as a collective); its calls take the router's output
 # as it is: `topk_idx` [T, k] (expert ids, -1 for an unused slot) and `topk_weights` [T, k]. Rank r
 # holds experts r * E_local ... (r + 1) * E_local - 1. The most tokens a rank may pass sizes every
-# staging region, which is why the buffer needs it.
+# staging region, which is why the buffer needs it. (A rank's rows for itself skip the staging: its
+# dispatch copies them from x to where they land, its combine reads them where they are.)
 #
 # In the normal mode a token goes once to every rank that holds at least one of its experts, with
 # its expert ids and weights. `dispatch` returns the received tokens (rank 0's first, each rank's
