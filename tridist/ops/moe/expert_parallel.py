@@ -446,8 +446,9 @@ def _nonempty(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[0] else t.new_zeros((1, *t.shape[1:]))
 
 
-def _block_w(width: int) -> int:
-    return triton.next_power_of_2(min(width, TILE // BLOCK_R))
+def _block_w(width: int, rows: int = BLOCK_R) -> int:
+    """BLOCK_W of a step of `rows` rows of `width` elements: TILE elements at most."""
+    return triton.next_power_of_2(min(width, TILE // rows))
 
 
 class EPBuffer:
@@ -797,7 +798,7 @@ class EPBuffer:
         tokens on an H100), and 8 warps for the parts' loads in flight at once. Fixed per buffer:
         every call launches the variant whose co-resident grid `_Exchange.fit` measured."""
         rows = min(BLOCK_R, triton.next_power_of_2(triton.cdiv(self.max_tokens, self.world.world_size * self.splits)))
-        return {"BLOCK_R": rows, "BLOCK_W": triton.next_power_of_2(min(self.hidden, TILE // rows)), "num_warps": 8}
+        return {"BLOCK_R": rows, "BLOCK_W": _block_w(self.hidden, rows), "num_warps": 8}
 
     def _payload(self, x: torch.Tensor, use_fp8: bool) -> torch.Tensor:
         """The rows the low-latency dispatch moves, as int32 words: x itself, or with use_fp8 each
