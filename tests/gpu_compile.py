@@ -233,8 +233,9 @@ def _expert_parallel_cases():
                 "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32", "arrivals_ptr": "*i64",
                 "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_idx_ptr": "*i64", "recv_weights_ptr": "*fp32",
                 "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "recv_per_expert_ptr": "*i64"}
-    ll_dispatch = {"x_ptr": "*i32", "idx_ptr": "*i64", "positions_ptr": "*i32", "staging_ptr": "*i32",
-                   "meta_staging_ptr": "*i32", "counts_ptr": "*i32", "arrivals_ptr": "*i64", "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_src_ptr": "*i32",
+    ll_dispatch = {"x_ptr": "*i32", "idx_ptr": "*i64", "positions_ptr": "*i32", "routed_ptr": "*i32",
+                   "pair_ids_ptr": "*i32", "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32",
+                   "arrivals_ptr": "*i64", "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_src_ptr": "*i32",
                    "recv_count_ptr": "*i32", "recv_layout_ptr": "*i32"}
     blocks = {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": block_w}
     return [
@@ -265,9 +266,8 @@ def _expert_parallel_cases():
          {**ll_dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk",
                                                  "slot_numel", "meta_slot", "local_world_size", "splits")},
           "SEND": "constexpr", "RECEIVE": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
-          "BLOCK_P": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
-         {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, "BLOCK_P": expert_parallel.BLOCK_P,
-          **blocks}, {"num_warps": 8}),
+          "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
+         {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, **blocks}, {"num_warps": 8}),
         (expert_parallel.ll_combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
           "weights_ptr": "*fp32", "positions_ptr": "*i32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64",

@@ -138,13 +138,12 @@ def await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout):
 
 
 @triton.jit
-def await_programs(arrivals_ptr, ptr, sources, epoch, splits):
-    """Wait until every program of sources 0 ... sources - 1 has arrived (a combine's receivers wait
-    for every source, as does the low-latency dispatch, whose programs each send the counts of their
-    own experts). Returns `ptr` made to depend on the waits."""
-    for source in range(sources):
-        ptr = dl.consume_token(ptr, arrivals_at_least(arrivals_ptr, source, epoch * splits))
-    return ptr
+def await_combine(arrivals_ptr, stage, epoch, splits):
+    """A combine receiver's wait: every program of every source has arrived. Returns `stage` made to
+    depend on the waits."""
+    for source in range(dl.num_ranks()):
+        stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
+    return stage
 
 
 @triton.jit

@@ -16,12 +16,10 @@ runs the way back: each received token's output goes to row (rank, token) of its
 combine staging, and each token sums what every rank that got it sent, in rank order.
 
 **Low-latency mode** (decode): one copy per (token, expert) pair, grouped by expert:
-recv_x[e] holds local expert e's pairs, from rank 0 first. No routing pass: each program of
-`ll_dispatch_kernel` takes whole experts (or parts of one), finds their pairs by a scan of
-topk_idx (pair i of an expert in pair order gets place i), puts pair (t, k) into the region of
-(expert, rank) of the expert's rank with the pair's index as meta, and writes the expert's count;
-the receiver, once every program of every rank has arrived, packs each expert's regions in rank
-order. `ll_combine_kernel` sends each pair's output to row t * topk + k
+recv_x[e] holds local expert e's pairs, from rank 0 first. Routing gives each pair its place
+among this rank's pairs of its expert; `ll_dispatch_kernel` puts pair (t, k) into the region of
+(expert, rank) of the expert's rank with the pair's index as meta; the receiver packs each
+expert's regions in rank order. `ll_combine_kernel` sends each pair's output to row t * topk + k
 of its source's staging, and each token sums topk_weights[t, k] x its pairs, in k order. The send
 and the receive can be two launches (`return_recv_hook=True`), so compute overlaps the transfer.
 
@@ -49,7 +47,7 @@ from tridist.runtime.tensors import check_tensor
 from .. import _protocol
 from .._protocol import call_epoch, finish_call
 from . import exchange, sort
-from .exchange import (arrive, await_dispatch, await_programs, await_own_counts, block_rows, copy_rows,
+from .exchange import (arrive, await_combine, await_dispatch, await_own_counts, block_rows, copy_rows,
                        expert_blocks, gather, send_rows, send_values, split_rows)
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -58,8 +56,6 @@ FP8_GROUP = 128   # columns that share one fp8 scale
 FP8_MAX = 448.0   # the largest e4m3 value
 BLOCK_R = 8       # rows a step moves
 TILE = 8192       # elements a step moves at most
-BLOCK_P = 1024    # pair ids the low-latency dispatch scans at a time (a scan over fewer than a thread's share of
-                  # 8 warps risks Triton 3.6's miscompile of scans in broadcast layouts: `exchange.matrix_pad`)
 CALLS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch fp8", "low_latency_combine")
 
 
@@ -243,7 +239,7 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
                       BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    stage = await_programs(arrivals_ptr, stage, world, epoch, splits)
+    stage = await_combine(arrivals_ptr, stage, epoch, splits)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     sum_parts(stage, out_ptr, first, stop, hidden, positions_ptr, positions_ptr, y_ptr, recv_layout_ptr + world + me,
               positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W)
@@ -251,59 +247,32 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
 
 
 @triton.jit
-def _place_expert(idx_ptr, pairs_total, expert_id, part, parts, rows_ptr, width, dst_ptr, dst_first, meta_ptr,
-                  meta_first, positions_ptr, to, max_tokens, topk, local_world_size, LOCAL: tl.constexpr,
-                  BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """This rank's pairs of expert `expert_id`, found by a scan of its routing (idx, pairs_total
-    ids) in pair order, so that pair i of the expert has place i. Copies the pairs of part `part`
-    (places = part mod parts, below max_tokens) to rows dst_first + place of dst: rows of `rows_ptr`
-    (a token's row: pair // topk) and, into meta, meta_first + the pair's index. LOCAL: dst and meta
-    are this rank's own tensors; else the symmetric buffers of rank `to`. Part 0 writes each pair's
-    place to positions (only this rank's own experts need them: the combine reads their outputs
-    where the dispatch put them). Returns the expert's pair count (a place past max_tokens, which
-    only a token routed twice to the expert reaches, is refused in debug mode and dropped
-    otherwise)."""
-    placed = 0
-    for start in range(0, pairs_total, BLOCK_P):
-        pairs = start + tl.arange(0, BLOCK_P)
-        hit = (tl.load(idx_ptr + pairs, mask=pairs < pairs_total, other=-1) == expert_id).to(tl.int32)
-        before = tl.cumsum(hit, 0) - hit
-        found = tl.sum(hit, 0)
-        if part == 0:
-            tl.store(positions_ptr + pairs, placed + before, mask=hit != 0)
-        for first in range((part - placed % parts + parts) % parts, found, parts * BLOCK_R):
-            wanted = first + parts * tl.arange(0, BLOCK_R)
-            pair = tl.sum(tl.where((before[None, :] == wanted[:, None]) & (hit[None, :] != 0), pairs[None, :], 0), 1)
-            place = placed + wanted
-            going = (wanted < found) & (place < max_tokens)
-            if LOCAL:
-                copy_rows(rows_ptr, pair // topk, dst_ptr, dst_first + place, going, width, BLOCK_W)
-                tl.store(meta_ptr + dst_first + place, meta_first + pair, mask=going)
-            else:
-                send_rows(rows_ptr, pair // topk, dst_ptr, dst_first + place, going, width, to, local_world_size,
-                          BLOCK_R, BLOCK_W)
-                send_values(meta_ptr, dst_first + place, meta_first + pair, going, to, local_world_size, BLOCK_R)
-        placed += found
-    dl.check(placed <= max_tokens, "low_latency_dispatch: pairs of one expert from one rank > max_tokens_per_rank "
-             "(a token routed twice to an expert?)", placed, max_tokens)
-    return placed
+def _pairs_to(idx_ptr, positions_ptr, pairs, inside, peer, experts_local, max_tokens):
+    """Of this rank's (token, expert) pairs `pairs`, those whose expert is `peer`'s: (going, the
+    expert as `peer`'s local index, the pair's place among this rank's pairs of that expert). A
+    place past max_tokens (only a token routed twice to one expert gets there) is refused in debug
+    mode and dropped otherwise."""
+    ids = tl.load(idx_ptr + pairs, mask=inside, other=-1)
+    going = inside & (ids >= 0) & (ids // experts_local == peer)
+    place = tl.load(positions_ptr + pairs, mask=going, other=0)
+    dl.check(tl.max(tl.where(going, place, 0), 0) < max_tokens,
+             "low_latency_dispatch: pairs of one expert from one rank > max_tokens_per_rank (a token "
+             "routed twice to an expert?)", tl.max(tl.where(going, place, 0), 0), max_tokens)
+    return going & (place < max_tokens), ids % experts_local, place
 
 
 @jit
-def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, staging_ptr, meta_staging_ptr, counts_ptr, arrivals_ptr,
-                       calls_ptr, recv_x_ptr, recv_src_ptr, recv_count_ptr, recv_layout_ptr, tokens, width, max_tokens,
-                       experts_local, topk, slot_numel, meta_slot, local_world_size, splits, SEND: tl.constexpr,
-                       RECEIVE: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, staging_ptr, meta_staging_ptr,
+                       counts_ptr, arrivals_ptr, calls_ptr, recv_x_ptr, recv_src_ptr, recv_count_ptr, recv_layout_ptr,
+                       tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot, local_world_size,
+                       splits, SEND: tl.constexpr, RECEIVE: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Low-latency mode. Grid (world, splits). x: T rows of `width` words; idx: the T * topk expert
-    ids; positions (out): each pair of this rank's own experts, its place among this rank's pairs of
-    the expert. Program (p, s) takes units s, s + splits, ... of rank p's experts (a unit: an expert,
-    or a part of one where p has fewer experts than there are splits). Per slot, staging is
+    """Low-latency mode. Grid (world, splits). x: T rows of `width` words; positions: each pair's
+    place among this rank's pairs of its expert; routed: pairs per expert [E]. Per slot, staging is
     [E_local, world, max_tokens] rows (expert, source, place) with an int32 meta word each (the
-    pair's index), counts a row of E_PAD per source, each count written by the program of the
-    expert's first part. recv_x: [E_local, world * max_tokens] rows. SEND and RECEIVE: the two
-    halves (both: one launch; apart: `return_recv_hook`, the receive launch counting no call of its
-    own)."""
+    pair's index), counts a row of E_PAD per source. recv_x: [E_local, world * max_tokens] rows.
+    SEND and RECEIVE: the two halves (both: one launch; apart: `return_recv_hook`, the receive
+    launch counting no call of its own)."""
     epoch = call_epoch(calls_ptr)
     if not SEND:
         epoch -= 1  # the send launch of this call has counted it already
@@ -315,42 +284,44 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, staging_ptr, meta_staging_
     meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
     counts = counts_ptr + (epoch % 2) * W_PAD * E_PAD
     experts = tl.arange(0, E_PAD)
-    parts = tl.maximum(splits // experts_local, 1)
-    # With both halves in one launch this rank's own pairs skip the staging: the program that finds
-    # them copies them straight from x, after the lower ranks' pairs of each expert, so it first waits
-    # for those ranks' counts (their sending programs wait for nothing: no cycle). With a hook the
-    # receive is a later launch, when x may have changed.
+    local = experts < experts_local
+    # With both halves in one launch this rank's own pairs skip the staging: the receive copies them
+    # straight from x. With a hook the receive is a later launch, when x may have changed.
     own_direct = False
     if SEND and RECEIVE:
         own_direct = peer == me
     if SEND:
-        found = tl.zeros([E_PAD], dtype=tl.int32)
-        mine_at = tl.zeros([E_PAD], dtype=tl.int32)
-        if own_direct:
-            counts = await_programs(arrivals_ptr, counts, me, epoch, splits)
-            _, _, _, mine_at = expert_blocks(counts, me, world, experts_local, W_PAD, E_PAD)
-        for unit in range(split, experts_local * parts, splits):
-            expert = unit % experts_local
-            if own_direct:
-                n = _place_expert(idx_ptr, tokens * topk, me * experts_local + expert, unit // experts_local, parts,
-                                  x_ptr, width, recv_x_ptr, expert * world * max_tokens + gather(mine_at, expert),
-                                  recv_src_ptr, me * max_tokens * topk, positions_ptr, me, max_tokens, topk,
-                                  local_world_size, True, BLOCK_P, BLOCK_R, BLOCK_W)
-            else:
-                n = _place_expert(idx_ptr, tokens * topk, peer * experts_local + expert, unit // experts_local, parts,
-                                  x_ptr, width, stage, (expert * world + me) * max_tokens, meta_stage, 0,
-                                  positions_ptr, peer, max_tokens, topk, local_world_size, False, BLOCK_P, BLOCK_R,
-                                  BLOCK_W)
-            found += tl.where(experts == expert, tl.minimum(n, max_tokens), 0)
-        send_values(counts, me * E_PAD + experts, found, (experts < experts_local) & (experts % splits == split), peer,
+        if not own_direct:
+            first, stop = split_rows(tokens * topk, split, splits)
+            for first_pair in range(first, stop, BLOCK_R):
+                pairs = first_pair + tl.arange(0, BLOCK_R)
+                going, expert, place = _pairs_to(idx_ptr, positions_ptr, pairs, pairs < stop, peer, experts_local,
+                                                 max_tokens)
+                target = (expert * world + me) * max_tokens + place
+                send_rows(x_ptr, pairs // topk, stage, target, going, width, peer, local_world_size, BLOCK_R, BLOCK_W)
+                send_rows(pair_ids_ptr, pairs, meta_stage, target, going, 1, peer, local_world_size, BLOCK_R, 2)
+        per_expert = tl.load(routed_ptr + peer * experts_local + experts, mask=local, other=0)
+        send_values(counts, me * E_PAD + experts, tl.minimum(per_expert, max_tokens), local, peer,
                     local_world_size, E_PAD)
         arrive(arrivals_ptr + me, peer, local_world_size)
     if RECEIVE:
-        if not own_direct:
-            counts = await_programs(arrivals_ptr, counts, world, epoch, splits)
-            stage = dl.consume_token(stage, counts)
-            meta_stage = dl.consume_token(meta_stage, counts)
-            _, _, mine, mine_at = expert_blocks(counts, peer, world, experts_local, W_PAD, E_PAD)
+        writes_layout = (peer == 0) & (split == 0)
+        if own_direct:
+            counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout)
+        else:
+            counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
+        matrix, placed, mine, mine_at = expert_blocks(counts, peer, world, experts_local, W_PAD, E_PAD)
+        sources = tl.arange(0, W_PAD)
+        if own_direct:
+            first, stop = split_rows(tokens * topk, split, splits)
+            for first_pair in range(first, stop, BLOCK_R):
+                pairs = first_pair + tl.arange(0, BLOCK_R)
+                going, expert, place = _pairs_to(idx_ptr, positions_ptr, pairs, pairs < stop, me, experts_local,
+                                                 max_tokens)
+                target = expert * world * max_tokens + gather(mine_at, expert.to(tl.int32)) + place
+                copy_rows(x_ptr, pairs // topk, recv_x_ptr, target, going, width, BLOCK_W)
+                tl.store(recv_src_ptr + target, me * max_tokens * topk + pairs, mask=going)
+        else:
             first, stop = split_rows(tl.sum(mine, 0), split, splits)
             for at in range(first, stop, BLOCK_R):
                 rows = at + tl.arange(0, BLOCK_R)
@@ -359,11 +330,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, staging_ptr, meta_staging_
                 copy_rows(stage, source_rows, recv_x_ptr, target, inside, width, BLOCK_W)
                 pair_index = tl.load(meta_stage + source_rows, mask=inside, other=0)
                 tl.store(recv_src_ptr + target, peer * max_tokens * topk + pair_index, mask=inside)
-        if (peer == 0) & (split == 0):  # the whole layout, padding's zero counts too: the combine reads whole rows
-            counts = await_programs(arrivals_ptr, counts, world, epoch, splits)
-            matrix, placed, _, _ = expert_blocks(counts, 0, world, experts_local, W_PAD, E_PAD)
-            sources = tl.arange(0, W_PAD)
-            tl.store(recv_count_ptr + experts, tl.sum(matrix, 0), mask=experts < experts_local)
+        if writes_layout:  # all of it, the padding's zero counts included: the combine reads whole rows
+            tl.store(recv_count_ptr + experts, tl.sum(matrix, 0), mask=local)
             tl.store(recv_layout_ptr + sources[:, None] * E_PAD + experts[None, :], matrix)
             tl.store(recv_layout_ptr + W_PAD * E_PAD + sources[:, None] * E_PAD + experts[None, :], placed)
         dl.shmem.quiet()
@@ -401,7 +369,7 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
             send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    stage = await_programs(arrivals_ptr, stage, world, epoch, splits)
+    stage = await_combine(arrivals_ptr, stage, epoch, splits)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     own_at = recv_layout_ptr + W_PAD * E_PAD + me * E_PAD  # where this rank's pairs start in each expert's block
     sum_parts(stage, out_ptr, first, stop, hidden, idx_ptr, weights_ptr, y_ptr, own_at, positions_ptr, max_tokens,
@@ -529,6 +497,7 @@ class EPBuffer:
         self.splits = max(1, _protocol.programs_for(w.device) // w.world_size)
         self._exchanges: dict = {}
         self._hook_pending = False
+        self._pair_ids = None
 
     # ---- checks ----
     def _check_routing(self, topk_idx: torch.Tensor) -> tuple[int, int]:
@@ -595,17 +564,25 @@ class EPBuffer:
         return self.hidden // 2
 
     # ---- layout ----
-    def _route(self, topk_idx: torch.Tensor):
+    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True):
         """Where this rank's tokens go, on the device: (positions [T, world]: each token's row among
-        those sent to each rank, -1 where not sent; routed: tokens per rank, then pairs per expert)."""
+        those sent to each rank, -1 where not sent; routed: tokens per rank, then pairs per expert;
+        pair positions [T * topk]: each pair's row among this rank's pairs of its expert). With
+        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset; without
+        (the low-latency mode, which sends pairs) the token positions and counts are."""
         w = self.world
         tokens = topk_idx.shape[0]
         positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
-        routed = torch.zeros(w.world_size + self.num_experts, dtype=torch.int32, device=w.device)
-        if tokens:
+        # `count` adds to the pairs per expert; `sort` sets them (the low-latency mode)
+        routed = (torch.zeros if per_rank or not tokens else torch.empty)(w.world_size + self.num_experts,
+                                                                         dtype=torch.int32, device=w.device)
+        pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
+        if tokens and per_rank:
             sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
             sort.count(topk_idx.view(-1), routed[w.world_size:], self.num_experts, 1)
-        return positions, routed
+        elif tokens:
+            sort.sort(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1, one_group=True)
+        return positions, routed, pair_positions
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor):
         """How this rank's tokens spread, computed on the device (no host synchronisation).
@@ -618,7 +595,7 @@ class EPBuffer:
             tokens_per_expert int64 [num_experts]; is_token_in_rank bool [T, world_size]).
         """
         self._check_routing(topk_idx)
-        positions, routed = self._route(topk_idx)
+        positions, routed, _ = self._route(topk_idx)
         w = self.world
         return routed[:w.world_size].long(), routed[w.world_size:].long(), positions >= 0
 
@@ -649,7 +626,7 @@ class EPBuffer:
         self._agree("dispatch", topk)
         w = self.world
         exchange_ = self._exchange("dispatch", topk)
-        positions, routed = self._route(topk_idx)
+        positions, routed, _ = self._route(topk_idx)
         capacity = w.world_size * self.max_tokens
         token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
         meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
@@ -735,7 +712,7 @@ class EPBuffer:
         self._agree("low_latency_dispatch fp8" if use_fp8 else "low_latency_dispatch", topk)
         w = self.world
         exchange_ = self._exchange("ll_dispatch_fp8" if use_fp8 else "ll_dispatch", topk)
-        positions = torch.empty(max(topk_idx.numel(), 1), dtype=torch.int32, device=w.device)
+        _, routed, positions = self._route(topk_idx, per_rank=False)
         rows = self._payload(x, use_fp8)
         width = self._ll_words(use_fp8)
         recv = torch.empty((self.experts_local, w.world_size * self.max_tokens, 4 * width), dtype=torch.uint8,
@@ -745,11 +722,13 @@ class EPBuffer:
         recv_count = torch.empty(self.experts_local, dtype=torch.int32, device=w.device)
         recv_layout = torch.empty((2, self.w_pad, self.e_pad), dtype=torch.int32, device=w.device)
         ex = exchange_
-        args = (_nonempty(rows), _nonempty(topk_idx), positions, ex.staging, ex.meta, ex.counts, ex.arrivals,
-                ex.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout, tokens, width, self.max_tokens,
-                self.experts_local, topk, ex.slot_numel, ex.meta.shape[1], w.local_world_size)
-        meta = {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_P": BLOCK_P, "BLOCK_R": BLOCK_R,
-                "BLOCK_W": _block_w(width), "num_warps": 8}
+        args = (_nonempty(rows), _nonempty(topk_idx), _nonempty(positions), routed[w.world_size:],
+                self._pair_index(topk), ex.staging, ex.meta,
+                ex.counts, ex.arrivals, ex.calls, recv.view(torch.int32), recv_src, recv_count, recv_layout,
+                tokens, width, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
+                w.local_world_size)
+        meta = {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(width),
+                "num_warps": 8}
         exchange_.fit(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": True})
         if return_recv_hook:
             exchange_.launch(ll_dispatch_kernel, w.world_size, args, {**meta, "SEND": True, "RECEIVE": False},
@@ -832,6 +811,13 @@ class EPBuffer:
         scales = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
         values = (groups / scales[..., None]).to(FP8).view(torch.uint8).view(x.shape[0], self.hidden)
         return torch.cat([values, scales.view(torch.uint8)], 1).view(torch.int32)
+
+    def _pair_index(self, topk: int) -> torch.Tensor:
+        """0, 1, 2, ...: the meta word each pair sends (its index), as rows of one int32."""
+        needed = self.max_tokens * topk
+        if self._pair_ids is None or self._pair_ids.numel() < needed:
+            self._pair_ids = torch.arange(needed, dtype=torch.int32, device=self.world.device)
+        return self._pair_ids
 
     def _check_handle(self, handle, mode: str) -> None:
         if not isinstance(handle, EPHandle) or handle.mode != mode:
