@@ -35,7 +35,7 @@ from tridist.ops.gemm import grouped
 from tridist.ops.moe import tp_routing
 
 from .results import relative_error, save, table
-from .timing import op_us, print_kernels, slowest
+from .timing import interleaved_us, op_us, print_kernels, slowest
 
 LAYERS = {"mixtral": (8, 1024, 4096, 14336, 2), "deepseek": (32, 128, 7168, 2048, 8),
           "decode": (32, 16, 7168, 2048, 8)}
@@ -252,9 +252,9 @@ def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_progr
         row = {"layer": name, "config": _config_name(op.config), "tiles by": "expert" if op.by_expert else "source"}
         if op_name == "moe_rs":
             row["comm programs"] = op.comm_programs
-        row[f"{op_name} us"] = op_us(lambda: op(*args))
         gemm_out = torch.empty(alone[0].shape[0], alone[1].shape[2], dtype=torch.bfloat16, device=w.device)
-        row["grouped GEMM alone us"] = op_us(lambda: ops.grouped_gemm(*alone, layer.offs, gemm_out))
+        row[f"{op_name} us"], row["grouped GEMM alone us"] = interleaved_us(
+            [lambda: op(*args), lambda: ops.grouped_gemm(*alone, layer.offs, gemm_out)])
         if _has("_grouped_mm"):
             row["torch._grouped_mm us"] = op_us(lambda: torch._grouped_mm(*alone, offs=layer.offs))
             row["sequential us"] = op_us(_sequential(op_name, layer, *alone))

@@ -63,6 +63,19 @@ def op_us(fn, graph_limit_us: float = GRAPH_LIMIT_US) -> float:
     return us
 
 
+def interleaved_us(fns, rounds: int = 3, graph_limit_us: float = GRAPH_LIMIT_US) -> list[float]:
+    """`op_us` of each of `fns`, taken in turns `rounds` times, and the median of each one's figures.
+    A chip's clocks drift within a run (a compute-bound GEMM heats it: on an H100, 2026-11-26, the
+    same grouped GEMM timed twice in one run took 1228 and 1329 us), so two ops timed one after the
+    other can differ by more than they do; in turns the drift moves both alike, and their ratio
+    holds."""
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for times, fn in zip(samples, fns):
+            times.append(op_us(fn, graph_limit_us))
+    return [statistics.median(times) for times in samples]
+
+
 def _start_together() -> None:
     """Returns once this rank's queued GPU work has finished and every rank has got here, with a
     busy-wait and an all-reduce queued that every GPU leaves at about the same time."""
