@@ -176,9 +176,9 @@ def _moe_cases():
                            "calls_ptr": "*i64", "tokens": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
                            "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
                            "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", "BY_EXPERT": "constexpr",
-                           "EVEN_K": "constexpr", **blocks},
+                           **blocks},
                           {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
-                           "BY_EXPERT": by_expert, "EVEN_K": not epochs, **config}, options))
+                           "BY_EXPERT": by_expert, **config}, options))
         # With peers moe_rs counts its tiles (COUNT), flattened or not, in both orders.
         cases += [(moe_reduce.moe_rs_gemm_kernel,
                    {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,

@@ -40,24 +40,19 @@ DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def gathered_product(a_rows, w_desc, expert, col, K, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A @ w[expert][:, col:col+BLOCK_N] in fp32, row i of A at a_rows[i] (K elements; every row an
-    address to read: rows past a tile's end point at a token too, and their products are not
-    stored). The loads are masked only where K is not a multiple of BLOCK_K (EVEN_K False): on an
-    H100 the loads masked by row and column left ag_moe 8% slower than the grouped GEMM's TMA loads
-    at mixtral, one rank (2026-11-26)."""
+def gathered_product(a_rows, row_mask, w_desc, expert, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """A @ w[expert][:, col:col+BLOCK_N] in fp32, row i of A at a_rows[i] (K elements; rows outside
+    `row_mask` read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Made 2-D before the loop: broadcast inside it, Triton 3.6 did not pipeline these loads (the
     # flattened tile loop then kept A in registers, 2026-11-25).
     starts = a_rows[:, None]
+    rows = row_mask[:, None]
     columns = tl.arange(0, BLOCK_K)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
         inner = k * BLOCK_K + columns
-        if EVEN_K:
-            a = tl.load(starts + inner[None, :])
-        else:
-            a = tl.load(starts + inner[None, :], mask=(inner < K)[None, :], other=0.0)
+        a = tl.load(starts + inner[None, :], mask=rows & (inner < K)[None, :], other=0.0)
         acc = dl.dot(a, grouped.expert_weights(w_desc, expert, k * BLOCK_K, col, BLOCK_N, BLOCK_K), acc)
     return acc
 
@@ -66,12 +61,11 @@ def gathered_product(a_rows, w_desc, expert, col, K, EVEN_K: tl.constexpr, BLOCK
 def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, base_ptr, flags_ptr, calls_ptr, tokens,
                   N, K, slot_rows, TOPK: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BY_EXPERT: tl.constexpr,
-                  EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   FLATTEN: tl.constexpr):
     """x_ptr: this rank's tokens; gathered_ptr: `ShardGather.gathered` (slots of `slot_rows` rows
     of K); out_ptr: h; pair_ptr, counts_ptr, base_ptr: the call's `MoEHandle`. Flags as ag_gemm's
-    (EPOCH_FLAGS: raised to the call epoch in slot epoch % 2; else slot 0's, raised to 1). EVEN_K: K is a
-    multiple of BLOCK_K."""
+    (EPOCH_FLAGS: raised to the call epoch in slot epoch % 2; else slot 0's, raised to 1)."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -108,7 +102,7 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
         row_mask = row + rows < end
         token = tl.load(pair_ptr + row + rows, mask=row_mask, other=0) // TOPK
         a_rows = tl.where(token // tokens == me, own, peers) + (offset + token).to(tl.int64) * K
-        acc = gathered_product(a_rows, w_desc, expert, tn * BLOCK_N, K, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = gathered_product(a_rows, row_mask, w_desc, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         persistent.store_tile(out_ptr, acc, row, tn * BLOCK_N, end, N, BLOCK_M, BLOCK_N)
     finish_call(calls_ptr)
 
@@ -214,7 +208,7 @@ class AllGatherMoE:
             handle.padded_counts, handle.padded_base, self.gather.flags, self.calls, self.tokens, self.n, self.k,
             self.gather.slot_rows, TOPK=self.topk, W_PAD=triton.next_power_of_2(w.world_size), E_PAD=handle.e_pad,
             FLAGS_PER_SHARD=self.gather.flags_per_shard, EPOCH_FLAGS=self.gather.epoch_flags, BY_EXPERT=self.by_expert,
-            EVEN_K=self.k % config["BLOCK_K"] == 0, **config)
+            **config)
         self.gather.finish()
         return out, handle
 
