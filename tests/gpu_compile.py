@@ -179,14 +179,14 @@ def _moe_cases():
                            **blocks},
                           {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
                            "BY_EXPERT": by_expert, **config}, options))
-        # With peers moe_rs counts its tiles (COUNT), flattened or not, in both orders.
+        # moe_rs counts its tiles (COUNT) by source with peers, flattened or not; by expert or at one rank not.
         cases += [(moe_reduce.moe_rs_gemm_kernel,
                    {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
                     "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
                     "calls_ptr": "*i64", "N": "i32", "K": "i32", "COUNT": "constexpr", "W_PAD": "constexpr",
                     "E_PAD": "constexpr", "BY_EXPERT": "constexpr", **blocks},
                    {"COUNT": count, "W_PAD": 8, "E_PAD": 256, "BY_EXPERT": by_expert, **config}, options)
-                  for count, by_expert in ((False, False), (True, False), (True, True))
+                  for count, by_expert in ((False, False), (True, False), (False, True))
                   if count or config["FLATTEN"]]
     combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
     combine.update(row_of_pair_ptr="*i32", counts_ptr="*i32", weights_ptr="*fp32", exchange_ptr="*fp32",
