@@ -75,8 +75,6 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
         slot = epoch % 2
         expected = epoch
     row_tiles, phase_ends = tp_routing.phases(counts_ptr, me, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
-    # By expert every tile reads these: loaded once here, not at the start of every tile.
-    per_expert, starts = tp_routing.expert_rows(counts_ptr, base_ptr, world, W_PAD, E_PAD)
     tiles_n = tl.cdiv(N, BLOCK_N)
     # Own tokens are read where they are; a peer's from its rows of this call's slot of `gathered`.
     own = x_ptr - me * tokens * K
@@ -92,9 +90,9 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
     arrived = me  # the last source whose flags this program has seen
     rows = tl.arange(0, BLOCK_M)
     for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
-        source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, per_expert, starts, me,
-                                                           world, counts_ptr, base_ptr, tiles_n, W_PAD, E_PAD,
-                                                           BLOCK_M, GROUP_M, BY_EXPERT)
+        source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, me, world, counts_ptr,
+                                                           base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
+                                                           BY_EXPERT)
         # The wait's token goes into an offset, not a pointer: a pointer chosen after a wait stopped
         # Triton from pipelining the loads computed from it (2026-11-25, tests/gpu_compile.py).
         offset = ready

@@ -14,9 +14,9 @@ Protocol (slots and call epochs as in `_protocol.py`)
   late (so that the tile's stores have drained when the release is made) it adds 1 to done[slot,
   source], the count of finished tiles of that source's rows, which the peers' combine beside it
   waits for. By expert the peers' combine runs after the GEMM on the same stream, so nothing counts
-  (each count is a system-scope release; without them moe_rs at 4 ranks took 199 us at deepseek
-  where it had taken 247, on 4 x H100, 2026-11-26); nor at world size 1, where nothing waits.
-  Program 0 zeroes the other slot's counts for the next call (this call's other kernels have
+  (each count is a system-scope release, and they made the GEMM of 2 ranks 24% slower than the
+  grouped GEMM alone at deepseek, 237.7 against 192.6 us on 2 x H100, 2026-11-26); nor at world
+  size 1, where nothing waits. Program 0 zeroes the other slot's counts for the next call (this call's other kernels have
   finished with it: each call waits for the last).
 - The combine for the peers (`moe_combine_kernel` with OWN=False), by source on a side stream
   beside the GEMM (a quarter of the SMs: `comm_programs`), by expert after it (every rank's sums
@@ -79,14 +79,12 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
     done = done_ptr + (epoch % 2) * world
     first = (me + 1) % world
     row_tiles, phase_ends = tp_routing.phases(counts_ptr, first, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
-    # By expert every tile reads these: loaded once here, not at the start of every tile.
-    per_expert, starts = tp_routing.expert_rows(counts_ptr, base_ptr, world, W_PAD, E_PAD)
     tiles_n = tl.cdiv(N, BLOCK_N)
     late = tl.cast(-1, tl.int32)  # the source of the tile stored last, whose count is still to raise
     for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
-        source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, per_expert, starts, first,
-                                                           world, counts_ptr, base_ptr, tiles_n, W_PAD, E_PAD,
-                                                           BLOCK_M, GROUP_M, BY_EXPERT)
+        source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
+                                                           base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
+                                                           BY_EXPERT)
         acc = grouped.group_product(h_desc, w_desc, row, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
         if COUNT:
             if late >= 0:

@@ -276,33 +276,21 @@ def phases(counts_ptr, first, world, W_PAD: tl.constexpr, E_PAD: tl.constexpr, B
 
 
 @triton.jit
-def expert_rows(counts_ptr, base_ptr, world, W_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    """What the walk by expert needs of every tile, for a program to load once before its tile loop:
-    each expert's rows (every rank's) and its first row (where rank 0's segment starts)."""
-    return _rows_per_expert(counts_ptr, 0, world, W_PAD, E_PAD, True), tl.load(base_ptr + tl.arange(0, E_PAD))
-
-
-@triton.jit
-def moe_tile(tile, row_tiles, phase_ends, per_expert, starts, first, world, counts_ptr, base_ptr, tiles_n,
-             W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
-             BY_EXPERT: tl.constexpr):
+def moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr, base_ptr, tiles_n, W_PAD: tl.constexpr,
+             E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, BY_EXPERT: tl.constexpr):
     """Tile `tile` of the walk `phases` counted -> (its phase's source rank, expert, first row of h,
     the end row of the expert's rows in that phase, column tile). BY_EXPERT, the source is `first`
-    for every tile, whose rows may be any rank's, and (per_expert, starts) are `expert_rows`'; by source
-    the tile's segment is read from counts_ptr and base_ptr."""
+    for every tile, whose rows may be any rank's."""
     phase = tl.sum((phase_ends * tiles_n <= tile).to(tl.int32), 0)
     source = (first + phase) % world
     phase_tiles = grouped.pick(row_tiles, phase)
     start = (grouped.pick(phase_ends, phase) - phase_tiles) * tiles_n
     tm, tn = persistent.tile_coords(tile - start, phase_tiles, tiles_n, GROUP_M)
-    if BY_EXPERT:
-        counts = per_expert
-    else:
-        counts = _rows_per_expert(counts_ptr, source, world, W_PAD, E_PAD, False)
+    counts = _rows_per_expert(counts_ptr, source, world, W_PAD, E_PAD, BY_EXPERT)
     expert, first_tile = grouped.locate(tm, tl.cdiv(counts, BLOCK_M))
+    at = source
     if BY_EXPERT:
-        base = grouped.pick(starts, expert)
-    else:
-        base = tl.load(base_ptr + source * E_PAD + expert)
+        at = 0  # every rank's rows of an expert start where rank 0's do
+    base = tl.load(base_ptr + at * E_PAD + expert)
     end = base + grouped.pick(counts, expert)
     return source, expert, base + (tm - first_tile) * BLOCK_M, end, tn
