@@ -14,9 +14,9 @@ Protocol (slots and call epochs as in `_protocol.py`)
   late (so that the tile's stores have drained when the release is made) it adds 1 to done[slot,
   source], the count of finished tiles of that source's rows, which the peers' combine beside it
   waits for. By expert the peers' combine runs after the GEMM on the same stream, so nothing counts
-  (each count is a system-scope release, and they made the GEMM of 2 ranks 24% slower than the
-  grouped GEMM alone at deepseek, 237.7 against 192.6 us on 2 x H100, 2026-11-26); nor at world
-  size 1, where nothing waits. Program 0 zeroes the other slot's counts for the next call (this call's other kernels have
+  (each count is a system-scope release; without them moe_rs at 4 ranks took 199 us at deepseek
+  where it had taken 247, on 4 x H100, 2026-11-26); nor at world size 1, where nothing waits.
+  Program 0 zeroes the other slot's counts for the next call (this call's other kernels have
   finished with it: each call waits for the last).
 - The combine for the peers (`moe_combine_kernel` with OWN=False), by source on a side stream
   beside the GEMM (a quarter of the SMs: `comm_programs`), by expert after it (every rank's sums
