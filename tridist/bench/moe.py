@@ -19,7 +19,9 @@ alone on this rank's share (tridist's and torch._grouped_mm, on the gathered tok
 no routing, no communication) and the sequential path (NCCL all-gather of tokens and routing, sort,
 gather, torch._grouped_mm). moe_rs: the down projection (h x N/world, w experts x N/world x K),
 against the grouped GEMM alone and the sequential path (torch._grouped_mm, the top-k weighted sum,
-NCCL reduce-scatter). Target on one GPU at one rank: within 1.05x of the grouped GEMM alone.
+NCCL reduce-scatter). Target on one GPU at one rank: within 1.05x of the grouped GEMM alone. The op
+and the grouped GEMM alone are timed in turns (`timing.interleaved_us`), so that a drift of the
+clocks within the run moves both alike.
 `--tile-orders source,expert` times both walks of the MoE ops' tiles (`tp_routing`) in one run.
 With TRIDIST_RANKS_PER_GPU > 1 (ranks sharing a GPU) only the checks run.
 """
