@@ -31,8 +31,8 @@ from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
 from tridist.ops.attention import decode as attention  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
-from tridist.ops.moe import allgather_moe, alltoall, exchange, expert_parallel, moe_reduce  # noqa: E402
-from tridist.ops.moe import sort, tp_routing  # noqa: E402
+from tridist.ops.moe import allgather_moe, alltoall, ep_low_latency, ep_normal, exchange, expert_parallel  # noqa: E402
+from tridist.ops.moe import moe_reduce, sort, tp_routing  # noqa: E402
 from tridist.ops.stencil import jacobi  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
@@ -250,25 +250,25 @@ def _expert_parallel_cases():
            {"LAYOUT": layout, "W_PAD": w_pad, "G_PAD": g_pad, "BLOCK_R": alltoall.BLOCK_R,
             "BLOCK_W": alltoall.TILE // alltoall.BLOCK_R})
           for word, layout, g_pad in (("*i16", 1, e_pad), ("*i8", 2, exchange.matrix_pad(1)))],
-        (expert_parallel.dispatch_kernel,
+        (ep_normal.dispatch_kernel,
          {**dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "slot_numel",
                                               "meta_slot", "local_world_size", "splits")},
           "W_PAD": "constexpr", "E_PAD": "constexpr", "K_PAD": "constexpr", "BLOCK_R": "constexpr",
           "BLOCK_W": "constexpr"}, {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks}, {"num_warps": 8}),
-        (expert_parallel.combine_kernel,
+        (ep_normal.combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
           "staging_ptr": "*bf16", "arrivals_ptr": "*i64", "calls_ptr": "*i64", "out_ptr": "*bf16",
           **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "slot_numel", "local_world_size", "splits")},
           "WORLD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
          {"WORLD": 8, "BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel.TILE // expert_parallel.BLOCK_R},
          {"num_warps": 8}),
-        (expert_parallel.ll_dispatch_kernel,
+        (ep_low_latency.ll_dispatch_kernel,
          {**ll_dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk",
                                                  "slot_numel", "meta_slot", "local_world_size", "splits")},
           "SEND": "constexpr", "RECEIVE": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
           "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
          {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, **blocks}, {"num_warps": 8}),
-        (expert_parallel.ll_combine_kernel,
+        (ep_low_latency.ll_combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
           "weights_ptr": "*fp32", "positions_ptr": "*i32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64",
           "calls_ptr": "*i64", "out_ptr": "*bf16",

@@ -35,9 +35,9 @@ from tridist.runtime.jit import jit
 from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
-from .._protocol import after_flags, call_epoch, finish_call
+from .._protocol import after_flags, finish_call
 from . import exchange
-from .exchange import chunk_of, gather, send_rows, send_values, split_rows
+from .exchange import chunk_of, exchange_program, gather, send_rows, send_values, split_rows
 
 # What the rows may hold: an all-to-all only moves them (fp8 as its bytes).
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8,
@@ -62,12 +62,7 @@ def all_to_all_v_kernel(x_ptr, splits_ptr, offsets_ptr, out_ptr, result_ptr, sta
     `region` rows; counts: per slot a row of G_PAD int32 per source; flags: per slot (source, split).
     LAYOUT 0: rank-major in and out; 1: rank-major in, expert-major out (aligned to `major_align`);
     2: expert-major in at offsets_ptr, rank-major out."""
-    epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
-    peer = tl.program_id(0)
-    split = tl.program_id(1)
-    stage = staging_ptr + (epoch % 2) * slot_numel
+    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
     counts = counts_ptr + (epoch % 2) * W_PAD * G_PAD
     flags = flags_ptr + (epoch % 2) * world * splits
     experts_ = tl.arange(0, G_PAD)

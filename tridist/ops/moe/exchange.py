@@ -1,6 +1,6 @@
-"""What the all-to-all ops share (`alltoall`, `expert_parallel`): rows sent into a peer's symmetric
-staging, the signal that says they are there, and the layout a receiver computes from the counts
-(the routing of tokens to ranks and experts is `sort`'s).
+"""What the all-to-all ops share (`alltoall`, EP's `ep_normal` and `ep_low_latency`): rows sent into
+a peer's symmetric staging, the signal that says they are there, the layout a receiver computes from
+the counts, and the combines' sums (the routing of tokens to ranks and experts is `sort`'s).
 
 Every op of this family follows one protocol, the same for every world and node layout:
 1. **Send.** For each destination rank p, programs (p, s) copy the rows this rank sends to p into
@@ -21,7 +21,18 @@ import triton.language as tl
 
 import tridist.language as dl
 
+from .._protocol import call_epoch
 from ..gemm.grouped import pick
+
+
+@triton.jit
+def exchange_program(calls_ptr, staging_ptr, slot_numel):
+    """Where every program of an exchange kernel (grid (world, splits)) starts: (the call's epoch,
+    this rank, the world size, the peer and the split the program serves, the call's slot of the
+    staging)."""
+    epoch = call_epoch(calls_ptr)
+    return (epoch, dl.rank(), dl.num_ranks(), tl.program_id(0), tl.program_id(1),
+            staging_ptr + (epoch % 2) * slot_numel)
 
 
 @triton.jit
@@ -195,6 +206,58 @@ def block_rows(rows, mine, mine_at, peer, world, max_tokens):
     return (expert * world + peer) * max_tokens + index, expert * world * max_tokens + gather(mine_at, expert) + index
 
 
+@triton.jit
+def sum_parts(stage, out_ptr, first, stop, hidden, present_ptr, weights_ptr, own_ptr, own_at_ptr, own_rows_ptr,
+              max_tokens, experts_local, PARTS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_W: tl.constexpr):
+    """What EP's combines (`ep_normal`, `ep_low_latency`) end with: out[t] = the sum over j < PARTS,
+    in j order, in fp32, of part j of token t, for the tokens t in [first, stop). Part j is there
+    where present[t * PARTS + j] >= 0.
+    The loop over the parts is unrolled, so that their loads are in flight together (a program may
+    have a single token: 128 tokens over 132 programs at one rank).
+    Parts that this rank's own experts made are read where they are, in y (`own_ptr`), which
+    nothing copied to the staging:
+    - WEIGHTED (low-latency mode): present holds the expert ids; part j is the pair (t, k = j)
+      times weights[t * PARTS + j], in staging row t * PARTS + j, or for an expert e of this rank
+      in y's row e * world * max_tokens + own_at[e] + own_rows[t * PARTS + j] (where the dispatch
+      placed the pair);
+    - else (normal mode): present holds the token's place among those sent to rank j; part j is
+      what rank j sent, already weighted, in staging row j * max_tokens + t, or for j = this rank
+      in y's row own_at[0] + the place."""
+    me = dl.rank()
+    world = dl.num_ranks()
+    columns = tl.arange(0, BLOCK_W)[None, :]
+    for token in range(first, stop, BLOCK_R):
+        rows = token + tl.arange(0, BLOCK_R)
+        inside = rows < stop
+        for column in range(0, hidden, BLOCK_W):
+            where = column + columns
+            total = tl.zeros([BLOCK_R, BLOCK_W], dtype=tl.float32)
+            for j in tl.static_range(PARTS):
+                index = rows.to(tl.int64) * PARTS + j
+                value = tl.load(present_ptr + index, mask=inside, other=-1)
+                present = inside & (value >= 0)
+                if WEIGHTED:
+                    own = present & (value // experts_local == me)
+                    expert = value - me * experts_local
+                    place = tl.load(own_rows_ptr + index, mask=own, other=0)
+                    present = present & ~(own & (place >= max_tokens))  # a pair the dispatch dropped
+                    own_row = expert * world * max_tokens + tl.load(own_at_ptr + expert, mask=own, other=0) + place
+                    row = index
+                    weight = tl.load(weights_ptr + index, mask=present, other=0.0)
+                else:
+                    own = present & (j == me)
+                    own_row = tl.load(own_at_ptr) + value
+                    row = (j * max_tokens + rows).to(tl.int64)
+                    weight = present.to(tl.float32)
+                source = tl.where(own[:, None], own_ptr + own_row.to(tl.int64)[:, None] * hidden,
+                                  stage + row[:, None] * hidden)
+                part = tl.load(source + where, mask=present[:, None] & (where < hidden), other=0.0)
+                total += weight[:, None] * part.to(tl.float32)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * hidden + where, total.to(out_ptr.dtype.element_ty),
+                     mask=inside[:, None] & (where < hidden))
+
+
 def matrix_pad(length: int) -> int:
     """W_PAD, E_PAD or G_PAD: a side of a receiver's count matrix (a row per source, a column per
     local expert), a power of two and at least 16. Triton 3.6 (sm_90) lowers a scan over a side
@@ -209,4 +272,3 @@ def matrix_pad(length: int) -> int:
       on an H100, 2026-11-26); compiled for sm_90 here, every one of them compiles with 16.
     16 covers every element size; the padding costs a few words of counts."""
     return max(16, triton.next_power_of_2(length))
-
