@@ -354,10 +354,10 @@ def test_moe_bench_layers():
         bench.parse_comm_programs("0")
 
 
-def _gemm_counts(w, config_index, one_program, flatten, by_expert):
-    """moe_rs's GEMM raises done[slot, source] once per tile of source's rows, and its calls counter
-    once per program: after two calls each slot holds the tile count of its call. Each config's tiles,
-    nested and flattened. The shape is the stress call that hung on 2 and 4 ranks sharing an H100
+def _gemm_counts(w, config_index, one_program, flatten):
+    """moe_rs's GEMM, by source (by expert it counts nothing), raises done[slot, source] once per tile
+    of source's rows, and its calls counter once per program: after two calls each slot holds the
+    tile count of its call. Each config's tiles, nested and flattened. The shape is the stress call that hung on 2 and 4 ranks sharing an H100
     (2026-11-26): the peers' combine waited for 2 tiles and saw 4 (3 and 6 at 4 ranks). Flattened,
     with `late = source` outside a branch, this test failed there for every config, at 1 and 2 ranks
     (the log: benchmarks/results/gpu-call-moe-rs-counts-flattened-nvidia-h100x1-2026-11-26.log)."""
@@ -385,17 +385,14 @@ def _gemm_counts(w, config_index, one_program, flatten, by_expert):
     def tiles_of(rows):  # GEMM tiles of segments of these rows
         return int(((rows + config["BLOCK_M"] - 1) // config["BLOCK_M"]).sum()) * -(-k // config["BLOCK_N"])
 
-    if by_expert:  # every tile counted at the rank after this one
-        tiles = [tiles_of(counts.sum(0)) if s == (w.rank + 1) % world else 0 for s in range(world)]
-    else:
-        tiles = [tiles_of(counts[s]) for s in range(world)]
+    tiles = [tiles_of(counts[s]) for s in range(world)]
     grid = 1 if one_program else max(1, min(sum(tiles), programs_for(w.device)))
     h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
     for call in (1, 2):
         moe_reduce.moe_rs_gemm_kernel[(grid,)](
             h_desc, grouped.weight_descriptor(weights, config), products, handle.padded_counts, handle.padded_base,
             done, calls, k, n, COUNT=True, W_PAD=triton.next_power_of_2(world), E_PAD=handle.e_pad,
-            BY_EXPERT=by_expert, **config)
+            BY_EXPERT=False, **config)
         slot = call % 2
         assert done.view(2, world)[slot].tolist() == tiles, (call, config, grid, done.tolist())
         assert calls.item() == call * grid, (call, config, grid, calls.item())
@@ -409,12 +406,10 @@ def _gemm_counts(w, config_index, one_program, flatten, by_expert):
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("one_program", [False, True], ids=["a tile per program", "one program"])
 @pytest.mark.parametrize("config_index", range(8))
-@pytest.mark.parametrize("by_expert", [False, True], ids=["by source", "by expert"])
-def test_moe_rs_gemm_counts_each_tile_once(world, config_index, one_program, flatten, by_expert):
+def test_moe_rs_gemm_counts_each_tile_once(world, config_index, one_program, flatten):
     if world.backend == "emulator" and (flatten or config_index):
         pytest.skip("the emulator runs the loops as written (flattening is the compiler's), the same for every "
                     "config: the first is enough there")
-    skipped = world.run(_gemm_counts, config_index=config_index, one_program=one_program, flatten=flatten,
-                        by_expert=by_expert)[0]
+    skipped = world.run(_gemm_counts, config_index=config_index, one_program=one_program, flatten=flatten)[0]
     if skipped:
         pytest.skip(skipped)
