@@ -235,8 +235,9 @@ class MoEReduceScatter:
         # layer of `tridist bench moe_rs` (deepseek 492 us, 803 at 8), and on 4 it beat 8 (614 us
         # against 1207), 2026-11-26.
         self.comm_programs = comm_programs or max(1, programs // 4)
-        self.count = w.world_size > 1  # the GEMM counts its tiles for the peers' combine
-        self.overlap = self.count and not self.by_expert  # the peers' combine runs beside the GEMM
+        self.peers = w.world_size > 1  # the peers' tokens get a combine of their own
+        # By source it runs beside the GEMM, which counts its tiles for it (COUNT); by expert after it.
+        self.overlap = self.peers and not self.by_expert
         self.gemm_programs = max(1, programs - self.comm_programs) if self.overlap else programs
         self.programs = programs
         kind = w.device.type
@@ -295,7 +296,7 @@ class MoEReduceScatter:
                  self.span, triton.cdiv(self.k, config["BLOCK_N"]))
         blocks = dict(TOPK=self.topk, GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad,
                       BY_EXPERT=self.by_expert, CHUNK=self.chunk, BLOCK_C=self.block_c)
-        if self.count:  # the peers' combine: beside the GEMM (by source) or after it (by expert)
+        if self.peers:
             programs = self.comm_programs if self.overlap else self.programs
             with self.side.fork() if self.overlap else contextlib.nullcontext():
                 moe_combine_kernel[(min(programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False, **blocks)
