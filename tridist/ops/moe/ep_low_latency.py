@@ -20,7 +20,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from .._protocol import call_epoch, finish_call
-from .exchange import (arrive, await_dispatch, await_own_counts, await_sources, block_rows, copy_rows,
+from .exchange import (arrive, await_combine, await_dispatch, await_own_counts, block_rows, copy_rows,
                        exchange_program, expert_blocks, gather, send_rows, send_values, split_rows, sum_parts)
 
 
@@ -142,7 +142,7 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
             send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    stage = await_sources(arrivals_ptr, stage, world, epoch * splits, -1)
+    stage = await_combine(arrivals_ptr, stage, epoch, splits)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     own_at = recv_layout_ptr + W_PAD * E_PAD + me * E_PAD  # where this rank's pairs start in each expert's block
     sum_parts(stage, out_ptr, first, stop, hidden, idx_ptr, weights_ptr, y_ptr, own_at, positions_ptr, max_tokens,

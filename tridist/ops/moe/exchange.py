@@ -119,24 +119,17 @@ def arrivals_at_least(counters_ptr, source, count):
 
 
 @triton.jit
-def await_sources(arrivals_ptr, ptr, sources, count, skip):
-    """`ptr` made to depend on waits until the arrival counters here of sources 0 ... sources - 1,
-    but `skip` (-1: none), are at least `count`."""
-    for source in range(sources):
-        ptr = dl.consume_token(ptr, arrivals_at_least(arrivals_ptr, source, tl.where(source == skip, 0, count)))
-    return ptr
-
-
-@triton.jit
 def await_counts(arrivals_ptr, counts, sources, epoch, splits):
     """Wait for the counts of sources 0 ... sources - 1 (one of each one's programs of this call has
     arrived); returns `counts` made to depend on the waits."""
-    return await_sources(arrivals_ptr, counts, sources, (epoch - 1) * splits + 1, -1)
+    for source in range(sources):
+        counts = dl.consume_token(counts, arrivals_at_least(arrivals_ptr, source, (epoch - 1) * splits + 1))
+    return counts
 
 
 @triton.jit
 def await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits):
-    """A low-latency receiver's wait: every source's counts, then all of `peer`'s parts. Returns
+    """A dispatch receiver's wait: every source's counts, then all of `peer`'s parts. Returns
     `counts`, `stage` and `meta_stage` made to depend on the waits, for the loads that read them."""
     counts = await_counts(arrivals_ptr, counts, dl.num_ranks(), epoch, splits)
     arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
@@ -145,7 +138,7 @@ def await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
 
 @triton.jit
 def await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout):
-    """The wait of a low-latency program that copies this rank's own rows from x: they go after the
+    """The wait of a dispatch program that copies this rank's own rows from x: they go after the
     rows of the ranks before it, so the counts of those are all it needs (`writes_layout`: the
     program that also writes the whole layout, which waits for every rank's). No grid-wide wait:
     at one rank, none at all."""
@@ -153,6 +146,15 @@ def await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout):
     if writes_layout:
         sources = dl.num_ranks()
     return await_counts(arrivals_ptr, counts, sources, epoch, splits)
+
+
+@triton.jit
+def await_combine(arrivals_ptr, stage, epoch, splits):
+    """A combine receiver's wait: every program of every source has arrived. Returns `stage` made to
+    depend on the waits."""
+    for source in range(dl.num_ranks()):
+        stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
+    return stage
 
 
 @triton.jit

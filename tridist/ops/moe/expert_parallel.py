@@ -101,7 +101,7 @@ class _Exchange:
             self.fitted = True
 
     def launch(self, kernel, grid_world: int, args: tuple, meta: dict, coresident: bool = True) -> None:
-        """Launch `kernel` over (grid_world, splits); co-resident unless it only sends or only receives."""
+        """Launch `kernel` over (world, splits); co-resident unless it only sends or only receives."""
         self.fit(kernel, grid_world, args, meta)
         kernel[(grid_world, self.splits)](*args, splits=self.splits, coresident=coresident, **meta)
 
@@ -166,9 +166,6 @@ class EPBuffer:
         self.w_pad = exchange.matrix_pad(w.world_size)
         self.e_pad = exchange.matrix_pad(self.experts_local)
         self.splits = max(1, _protocol.programs_for(w.device) // w.world_size)
-        # The normal mode's grid has a row per peer only (`ep_normal`): world - 1 rows, 1 at one rank.
-        self.lanes = max(1, w.world_size - 1)
-        self.lane_splits = max(1, _protocol.programs_for(w.device) // self.lanes)
         self._exchanges: dict = {}
         self._hook_pending = False
         self._pair_ids = None
@@ -216,9 +213,9 @@ class EPBuffer:
             w, rows = self.world, self.max_tokens
             if kind == "dispatch":
                 made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
-                                 self.w_pad * 2 * self.e_pad, self.lane_splits)
+                                 self.w_pad * 2 * self.e_pad, self.splits)
             elif kind == "combine":
-                made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.lane_splits)
+                made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits)
             elif kind == "ll_dispatch":
                 made = _Exchange(self.num_experts * rows, self._ll_words(False), torch.int32, 1,
                                  self.w_pad * self.e_pad, self.splits)
@@ -315,7 +312,7 @@ class EPBuffer:
                 ex.arrivals, ex.calls, _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert,
                 tokens, self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
                 w.local_world_size)
-        exchange_.launch(dispatch_kernel, self.lanes, args,
+        exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
                           "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "num_warps": 8})
         handle = EPHandle("normal", tokens, topk, recv_src, recv_layout, positions)
@@ -351,7 +348,7 @@ class EPBuffer:
         args = (y, handle.recv_src, handle.recv_layout, _nonempty(handle.positions), ex.staging, ex.arrivals, ex.calls,
                 out,
                 handle.tokens, self.hidden, self.max_tokens, ex.slot_numel, w.local_world_size)
-        exchange_.launch(combine_kernel, self.lanes, args, {"WORLD": w.world_size, **self._combine_blocks()})
+        exchange_.launch(combine_kernel, w.world_size, args, {"WORLD": w.world_size, **self._combine_blocks()})
         return out[:handle.tokens]
 
     # ---- low-latency mode ----
