@@ -13,7 +13,6 @@ import triton.language as tl
 
 import tridist
 from tridist import ops
-from tridist.bench import ep as ep_bench
 from tridist.ops.moe import exchange
 
 from .harness import backend
@@ -165,18 +164,6 @@ KINDS = ["random", "one expert", "sends nothing", "one rank", "no tokens"]
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")
 def test_dispatch_combine(world):
     world.run(_normal, kinds=KINDS)
-
-
-def _in_chunks(w):
-    """Parts of several chunks each (the normal dispatch's progress words, `ep_normal`): 150 tokens a
-    rank, random top-2 routing, checked exactly by the benchmark's check (every rank's rows alike)."""
-    rows = ep_bench.ep_rows(ep_bench.parse_layers(f"normal:150x64x2x{4 * w.world_size}"), timed=False)
-    assert rows == []
-
-
-@pytest.mark.worlds("2", "3", "2x2")
-def test_dispatch_in_chunks(world):
-    world.run(_in_chunks)
 
 
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")

@@ -22,12 +22,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from .._protocol import finish_call
-from .exchange import (arrive, await_combine, await_counts, copy_rows, exchange_program, raise_flag, send_rows,
+from .exchange import (arrive, await_combine, await_dispatch, await_own_counts, copy_rows, exchange_program, send_rows,
                        send_values, split_rows, sum_parts)
-
-# A progress word holds epoch x PROGRESS_EPOCH + the blocks sent so far in that call: it only grows,
-# from call to call too, so a receiver waits for at least a value and never for equality.
-PROGRESS_EPOCH = tl.constexpr(1 << 24)
 
 
 @triton.jit
@@ -52,43 +48,36 @@ def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv_x_ptr,
     tl.store(recv_src_ptr + out_rows, source * max_tokens + token, mask=inside)
 
 
-@triton.jit
-def _copy_out(stage, meta_stage, progress_ptr, epoch, first, stop, start, peer, recv_x_ptr, recv_idx_ptr,
-              recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr, chunk):
-    """Chunk `chunk` (CHUNK blocks of BLOCK_R rows) of the staging rows [first, stop) from `peer`, once
-    its sending program's progress word says they are here, to recv rows start + row."""
-    blocks = tl.cdiv(stop - first, BLOCK_R)
-    done = tl.minimum((chunk + 1) * CHUNK, blocks)
-    if (chunk >= 0) & (chunk * CHUNK < blocks):
-        here = dl.shmem.signal_wait_until(progress_ptr, dl.shmem.CMP_GE, epoch * PROGRESS_EPOCH + done)
-        stage = dl.consume_token(stage, here)
-        meta_stage = dl.consume_token(meta_stage, here)
-        for block in range(chunk * CHUNK, done):
-            rows = first + block * BLOCK_R + tl.arange(0, BLOCK_R)
-            _receive_tokens(stage, meta_stage, rows, start + rows, rows < stop, peer, recv_x_ptr, recv_idx_ptr,
-                            recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
-
-
 @jit
-def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
-                    arrivals_ptr, progress_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr,
-                    recv_layout_ptr, recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk, slot_numel,
-                    meta_slot, local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                    K_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
+def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
+                    arrivals_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
+                    recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot,
+                    local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """Normal mode. Grid (world, splits). x: T rows of `width` words; meta: T rows of 2 * topk + 1
     int32 (expert ids, weight bits, token index); positions: [T, world] from routing (-1: not for
-    that rank), order its inverse ([world, T]: the tokens for each rank in place order); routed:
-    tokens per rank [world], then pairs per expert [world * E_local]. Per slot, staging is [world,
-    max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the tokens it sent
-    here, word E_PAD + e its pairs for local expert e; progress: a word per (source, split)."""
+    that rank); routed: tokens per rank [world], then pairs per expert [world * E_local]. Per slot,
+    staging is [world, max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the
+    tokens it sent here, word E_PAD + e its pairs for local expert e."""
     epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
     meta_width = 2 * topk + 1
-    meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot + peer * max_tokens * meta_width
+    meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
     counts = counts_ptr + (epoch % 2) * W_PAD * 2 * E_PAD
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
 
+    # Send this program's share of the tokens for `peer`, each at its place among them. This rank's
+    # own tokens skip the staging: the receive below copies them straight from x.
+    first, stop = split_rows(tokens, split, splits)
+    if peer != me:
+        for token in range(first, stop, BLOCK_R):
+            rows = token + tl.arange(0, BLOCK_R)
+            place = tl.load(positions_ptr + rows.to(tl.int64) * world + peer, mask=rows < stop, other=-1)
+            going = place >= 0
+            send_rows(x_ptr, rows, stage + me * max_tokens * width, place, going, width, peer, local_world_size,
+                      BLOCK_R, BLOCK_W)
+            send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, place, going, meta_width, peer,
+                      local_world_size, BLOCK_R, K_PAD)
     words = tl.arange(0, 2 * E_PAD)
     pair_words = (words >= E_PAD) & (words - E_PAD < experts_local)
     routed = tl.load(routed_ptr + tl.where(words == 0, peer, world + peer * experts_local + words - E_PAD),
@@ -96,59 +85,28 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
     send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    # Rank p's tokens go after those of the ranks before it: the counts of those, and p's own (they
-    # cut its tokens in the parts that the programs of both ranks share), are what this program
-    # waits for; this rank's own tokens need only the ranks' before it, the layout every rank's.
     writes_layout = (peer == 0) & (split == 0)
-    waited = peer + 1
     if peer == me:
-        waited = me
-    if writes_layout:
-        waited = world
-    counts = await_counts(arrivals_ptr, counts, waited, epoch, splits)
+        counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout)
+    else:
+        counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
     sources = tl.arange(0, W_PAD)
-    received = tl.load(counts + sources * 2 * E_PAD, mask=sources < waited, other=0)
+    received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
     before = tl.cumsum(received, 0) - received
     start = tl.sum(tl.where(sources == peer, before, 0), 0)
     if peer == me:
-        first, stop = split_rows(tokens, split, splits)
         for token in range(first, stop, BLOCK_R):
             rows = token + tl.arange(0, BLOCK_R)
             place = tl.load(positions_ptr + rows.to(tl.int64) * world + me, mask=rows < stop, other=-1)
             _receive_tokens(x_ptr, meta_ptr, rows, start + place, place >= 0, me, recv_x_ptr, recv_idx_ptr,
                             recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
     else:
-        # Part `split` of the places both ways: this program sends places [first, stop) of the tokens
-        # for p and raises its progress word on p after every CHUNK blocks; between chunks it copies
-        # out the chunk before of p's part `split` of the tokens here, which p's program `split` sends
-        # the same way, so that the staging empties while the rows still travel.
-        first, stop = split_rows(tl.load(routed_ptr + peer), split, splits)
-        in_first, in_stop = split_rows(tl.sum(tl.where(sources == peer, received, 0), 0), split, splits)
-        sent_blocks = tl.cdiv(stop - first, BLOCK_R)
-        chunks = tl.cdiv(tl.maximum(sent_blocks, tl.cdiv(in_stop - in_first, BLOCK_R)), CHUNK)
-        to_peer = stage + me * max_tokens * width
-        meta_to_peer = meta_staging_ptr + (epoch % 2) * meta_slot + me * max_tokens * meta_width
-        from_peer = stage + peer * max_tokens * width
-        progress_here = progress_ptr + peer * splits + split
-        for chunk in range(0, chunks):
-            for block in range(chunk * CHUNK, tl.minimum((chunk + 1) * CHUNK, sent_blocks)):
-                places = first + block * BLOCK_R + tl.arange(0, BLOCK_R)
-                going = places < stop
-                rows = tl.load(order_ptr + peer.to(tl.int64) * tokens + places, mask=going, other=0)
-                send_rows(x_ptr, rows, to_peer, places, going, width, peer, local_world_size, BLOCK_R, BLOCK_W)
-                send_rows(meta_ptr, rows, meta_to_peer, places, going, meta_width, peer, local_world_size, BLOCK_R,
-                          K_PAD)
-            if chunk * CHUNK < sent_blocks:
-                raise_flag(progress_ptr + me * splits + split,
-                           epoch * PROGRESS_EPOCH + tl.minimum((chunk + 1) * CHUNK, sent_blocks), peer,
-                           local_world_size)
-            if chunk > 0:
-                _copy_out(from_peer, meta_stage, progress_here, epoch, in_first, in_stop, start, peer, recv_x_ptr,
-                          recv_idx_ptr, recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk,
-                          K_PAD, BLOCK_R, BLOCK_W, CHUNK, chunk - 1)
-        _copy_out(from_peer, meta_stage, progress_here, epoch, in_first, in_stop, start, peer, recv_x_ptr,
-                  recv_idx_ptr, recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD,
-                  BLOCK_R, BLOCK_W, CHUNK, chunks - 1)
+        first, stop = split_rows(tl.sum(tl.where(sources == peer, received, 0), 0), split, splits)
+        for at in range(first, stop, BLOCK_R):
+            rows = at + tl.arange(0, BLOCK_R)
+            _receive_tokens(stage + peer * max_tokens * width, meta_stage + peer * max_tokens * meta_width, rows,
+                            start + rows, rows < stop, peer, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
+                            recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
     if writes_layout:
         pairs = tl.load(counts + sources[:, None] * 2 * E_PAD + E_PAD + experts[None, :],
                         mask=(sources < world)[:, None] & local[None, :], other=0)

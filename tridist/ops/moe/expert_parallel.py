@@ -39,7 +39,6 @@ FP8 = torch.float8_e4m3fn
 FP8_GROUP = 128   # columns that share one fp8 scale
 FP8_MAX = 448.0   # the largest e4m3 value
 BLOCK_R = 8       # rows a step moves
-CHUNK = 2         # steps of the normal dispatch between two progress words (`ep_normal`)
 TILE = 8192       # elements a step moves at most
 CALLS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch fp8", "low_latency_combine")
 
@@ -78,11 +77,9 @@ class EPHandle:
 class _Exchange:
     """The symmetric buffers of one kind of launch of an `EPBuffer`: per slot, staging of `rows` rows
     of `width` elements of `dtype` (and `meta_width` int32 per row, if any) and `count_words` int32
-    of counts; an arrival counter per source (`exchange.arrive`), with `progress` a progress word per
-    (source, split) (`ep_normal`), and the calls counter."""
+    of counts; an arrival counter per source (`exchange.arrive`) and the calls counter."""
 
-    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int,
-                 progress: bool = False):
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int):
         w = tridist.world()
         _protocol.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.splits = splits
@@ -92,8 +89,6 @@ class _Exchange:
         self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
         self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None
         self.arrivals = tridist.signals(w.world_size)
-        # Sized for the splits asked for: `fit` only lowers them.
-        self.progress = tridist.signals(w.world_size * splits) if progress else None
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     def fit(self, kernel, grid_world: int, args: tuple, meta: dict) -> None:
@@ -111,7 +106,7 @@ class _Exchange:
         kernel[(grid_world, self.splits)](*args, splits=self.splits, coresident=coresident, **meta)
 
     def free(self) -> None:
-        for buffer in (self.staging, self.meta, self.counts, self.arrivals, self.progress):
+        for buffer in (self.staging, self.meta, self.counts, self.arrivals):
             if buffer is not None:
                 tridist.symm_free(buffer)
 
@@ -218,7 +213,7 @@ class EPBuffer:
             w, rows = self.world, self.max_tokens
             if kind == "dispatch":
                 made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
-                                 self.w_pad * 2 * self.e_pad, self.splits, progress=True)
+                                 self.w_pad * 2 * self.e_pad, self.splits)
             elif kind == "combine":
                 made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits)
             elif kind == "ll_dispatch":
@@ -240,13 +235,12 @@ class EPBuffer:
         return self.hidden // 2
 
     # ---- layout ----
-    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True, order: torch.Tensor | None = None):
+    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True):
         """Where this rank's tokens go, on the device: (positions [T, world]: each token's row among
         those sent to each rank, -1 where not sent; routed: tokens per rank, then pairs per expert;
         pair positions [T * topk]: each pair's row among this rank's pairs of its expert). With
-        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset, and
-        `order` ([world, T]), if given, gets each rank's tokens in place order; without (the
-        low-latency mode, which sends pairs) the token positions and counts are left unset."""
+        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset; without
+        (the low-latency mode, which sends pairs) the token positions and counts are."""
         w = self.world
         tokens = topk_idx.shape[0]
         positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
@@ -255,7 +249,7 @@ class EPBuffer:
                                                                          dtype=torch.int32, device=w.device)
         pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
         if tokens and per_rank:
-            sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False, order=order)
+            sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
             sort.count(topk_idx.view(-1), routed[w.world_size:], self.num_experts, 1)
         elif tokens:
             sort.sort(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1, one_group=True)
@@ -303,8 +297,7 @@ class EPBuffer:
         self._agree("dispatch", topk)
         w = self.world
         exchange_ = self._exchange("dispatch", topk)
-        order = torch.empty((w.world_size, max(tokens, 1)), dtype=torch.int32, device=w.device)
-        positions, routed, _ = self._route(topk_idx, order=order)
+        positions, routed, _ = self._route(topk_idx)
         capacity = w.world_size * self.max_tokens
         token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
         meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
@@ -315,13 +308,13 @@ class EPBuffer:
         recv_layout = torch.empty((2, w.world_size), dtype=torch.int32, device=w.device)
         recv_per_expert = torch.empty(self.experts_local, dtype=torch.int64, device=w.device)
         ex = exchange_
-        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), order, routed, ex.staging, ex.meta,
-                ex.counts, ex.arrivals, ex.progress, ex.calls, _words(recv_x), recv_idx, recv_weights, recv_src,
-                recv_layout, recv_per_expert, tokens, self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
+        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), routed, ex.staging, ex.meta, ex.counts,
+                ex.arrivals, ex.calls, _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert,
+                tokens, self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
                 w.local_world_size)
         exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
-                          "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "CHUNK": CHUNK, "num_warps": 8})
+                          "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "num_warps": 8})
         handle = EPHandle("normal", tokens, topk, recv_src, recv_layout, positions)
         if sync:
             received = int(recv_layout[0].sum())
