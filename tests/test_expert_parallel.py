@@ -13,6 +13,7 @@ import triton.language as tl
 
 import tridist
 from tridist import ops
+from tridist.bench import ep as ep_bench
 from tridist.ops.moe import exchange
 
 from .harness import backend
@@ -164,6 +165,17 @@ KINDS = ["random", "one expert", "sends nothing", "one rank", "no tokens"]
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")
 def test_dispatch_combine(world):
     world.run(_normal, kinds=KINDS)
+
+
+def _many_tokens(w):
+    """150 tokens a rank, random top-2 routing, checked exactly by the benchmark's check: each peer's
+    rows in several chunks, each with its progress word (the normal combine, `ep_normal`)."""
+    assert ep_bench.ep_rows(ep_bench.parse_layers(f"normal:150x64x2x{4 * w.world_size}"), timed=False) == []
+
+
+@pytest.mark.worlds("2", "3", "2x2")
+def test_normal_mode_many_tokens(world):
+    world.run(_many_tokens)
 
 
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")

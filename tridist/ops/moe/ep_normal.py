@@ -22,8 +22,12 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from .._protocol import finish_call
-from .exchange import (arrive, await_combine, await_dispatch, await_own_counts, copy_rows, exchange_program, send_rows,
+from .exchange import (arrive, await_dispatch, await_own_counts, copy_rows, exchange_program, raise_flag, send_rows,
                        send_values, split_rows, sum_parts)
+
+# A progress word holds epoch x PROGRESS_EPOCH + a token index: it only grows, from call to call
+# too, so a receiver waits for at least a value, never for equality (max_tokens_per_rank is below).
+PROGRESS_EPOCH = tl.constexpr(1 << 24)
 
 
 @triton.jit
@@ -117,30 +121,72 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     finish_call(calls_ptr)
 
 
+@triton.jit
+def _rows_below(src_ptr, count, first, stop, BLOCK: tl.constexpr):
+    """Of the `count` ascending values at src_ptr, how many are below `first`, and how many below
+    `stop` (>= first)."""
+    below_first = 0
+    below_stop = 0
+    for at in range(0, count, BLOCK):
+        i = at + tl.arange(0, BLOCK)
+        value = tl.load(src_ptr + i, mask=i < count, other=stop)
+        below_first += tl.sum((value < first).to(tl.int32), 0)
+        below_stop += tl.sum((value < stop).to(tl.int32), 0)
+    return below_first, below_stop
+
+
 @jit
-def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, arrivals_ptr, calls_ptr, out_ptr,
-                   tokens, hidden, max_tokens, slot_numel, local_world_size, splits, WORLD: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, progress_ptr, claims_ptr,
+                   calls_ptr, out_ptr, tokens, hidden, max_tokens, slot_numel, local_world_size, splits,
+                   WORLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
     """Normal mode, the way back. Grid (world, splits). y: the received tokens' outputs (rows of
     `hidden`); per slot, staging is [world, max_tokens] rows: row (q, t) holds rank q's output for
-    this rank's token t. Program (p, s) sends part s of the tokens received from p (none from
-    itself: the sum reads those from y), then sums part p * splits + s of this rank's tokens. WORLD:
-    the world size, the parts of each sum."""
+    this rank's token t; progress: a word per (source, part); claims: this rank's two counters of
+    blocks claimed (one per slot). WORLD: the world size, the parts of each sum."""
     epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
-    count = tl.load(recv_layout_ptr + peer)
-    start = tl.load(recv_layout_ptr + world + peer)
-    first, stop = split_rows(count, split, splits)
+    per_part = tl.cdiv(max_tokens, splits)
+    if (peer == 0) & (split == 0):
+        tl.store(claims_ptr + (epoch + 1) % 2, 0)  # the next call's: every program of the last one has ended
     if peer != me:  # this rank's own outputs are read from y in the sum below
-        for at in range(first, stop, BLOCK_R):
-            rows = start + at + tl.arange(0, BLOCK_R)
-            inside = at + tl.arange(0, BLOCK_R) < stop
-            token = tl.load(recv_src_ptr + rows, mask=inside, other=0) - peer * max_tokens
-            send_rows(y_ptr, rows, stage + me * max_tokens * hidden, token, inside, hidden, peer, local_world_size,
-                      BLOCK_R, BLOCK_W)
-    arrive(arrivals_ptr + me, peer, local_world_size)
+        first = split * per_part
+        stop = tl.minimum(first + per_part, max_tokens)
+        start = tl.load(recv_layout_ptr + world + peer)
+        rows_from = recv_src_ptr + start
+        lo, hi = _rows_below(rows_from, tl.load(recv_layout_ptr + peer), peer * max_tokens + first,
+                             peer * max_tokens + stop, 1024)
+        progress = progress_ptr + me * splits + split
+        for chunk in range(lo, hi, CHUNK * BLOCK_R):
+            chunk_end = tl.minimum(chunk + CHUNK * BLOCK_R, hi)
+            for at in range(chunk, chunk_end, BLOCK_R):
+                rows = at + tl.arange(0, BLOCK_R)
+                inside = rows < chunk_end
+                token = tl.load(rows_from + rows, mask=inside, other=0) - peer * max_tokens
+                send_rows(y_ptr, start + rows, stage + me * max_tokens * hidden, token, inside, hidden, peer,
+                          local_world_size, BLOCK_R, BLOCK_W)
+            last = tl.load(rows_from + chunk_end - 1) - peer * max_tokens
+            raise_flag(progress, epoch * PROGRESS_EPOCH + last + 1, peer, local_world_size)
+        raise_flag(progress, epoch * PROGRESS_EPOCH + stop, peer, local_world_size)
+        # Every call hears from every peer (what makes two staging slots enough, `_protocol.py`).
+        dl.shmem.signal_wait_until(progress_ptr + peer * splits + split, dl.shmem.CMP_GE,
+                                   epoch * PROGRESS_EPOCH + stop)
 
-    stage = await_combine(arrivals_ptr, stage, epoch, splits)
-    first, stop = split_rows(tokens, peer * splits + split, world * splits)
-    sum_parts(stage, out_ptr, first, stop, hidden, positions_ptr, positions_ptr, y_ptr, recv_layout_ptr + world + me,
-              positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W)
+    # The sums, a block of BLOCK_R tokens at a time, claimed from this rank's counter by whichever
+    # program is free: this rank's own row at once, the others once they have sent. Block c lies in
+    # part c % splits, whose rows the peers' programs of that part send in token order, so that
+    # the blocks claimed first are those that arrive first.
+    blocks = splits * tl.cdiv(per_part, BLOCK_R)
+    claim = dl.atomic_add(claims_ptr + epoch % 2, 1, scope="gpu", semantic="relaxed")
+    while claim < blocks:
+        part = claim % splits
+        first = part * per_part + (claim // splits) * BLOCK_R
+        stop = tl.minimum(tl.minimum(first + BLOCK_R, (part + 1) * per_part), tokens)
+        if first < stop:
+            here = stage
+            for source in range(world):
+                target = tl.where(source == me, 0, epoch * PROGRESS_EPOCH + stop)
+                here = dl.consume_token(here, dl.shmem.signal_wait_until(progress_ptr + source * splits + part,
+                                                                         dl.shmem.CMP_GE, target))
+            sum_parts(here, out_ptr, first, stop, hidden, positions_ptr, positions_ptr, y_ptr,
+                      recv_layout_ptr + world + me, positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W)
+        claim = dl.atomic_add(claims_ptr + epoch % 2, 1, scope="gpu", semantic="relaxed")
     finish_call(calls_ptr)

@@ -32,13 +32,14 @@ from tridist.runtime.tensors import check_tensor
 from .. import _protocol
 from . import exchange, sort
 from .ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
-from .ep_normal import combine_kernel, dispatch_kernel
+from .ep_normal import PROGRESS_EPOCH, combine_kernel, dispatch_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)
 FP8 = torch.float8_e4m3fn
 FP8_GROUP = 128   # columns that share one fp8 scale
 FP8_MAX = 448.0   # the largest e4m3 value
 BLOCK_R = 8       # rows a step moves
+COMBINE_CHUNK = 4  # steps of the normal combine's sends between two progress words
 TILE = 8192       # elements a step moves at most
 CALLS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch fp8", "low_latency_combine")
 
@@ -77,9 +78,12 @@ class EPHandle:
 class _Exchange:
     """The symmetric buffers of one kind of launch of an `EPBuffer`: per slot, staging of `rows` rows
     of `width` elements of `dtype` (and `meta_width` int32 per row, if any) and `count_words` int32
-    of counts; an arrival counter per source (`exchange.arrive`) and the calls counter."""
+    of counts; an arrival counter per source (`exchange.arrive`), or with `progress` a progress word
+    per (source, part) and two counters of claimed blocks (`ep_normal.combine_kernel`); the calls
+    counter."""
 
-    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int):
+    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int,
+                 progress: bool = False):
         w = tridist.world()
         _protocol.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.splits = splits
@@ -88,7 +92,10 @@ class _Exchange:
         self.staging = tridist.symm_zeros((2, self.slot_numel), dtype)
         self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
         self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None
-        self.arrivals = tridist.signals(w.world_size)
+        self.arrivals = None if progress else tridist.signals(w.world_size)
+        # Sized for the splits asked for: `fit` only lowers them.
+        self.progress = tridist.signals(w.world_size * splits) if progress else None
+        self.claims = torch.zeros(2, dtype=torch.int32, device=w.device) if progress else None
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     def fit(self, kernel, grid_world: int, args: tuple, meta: dict) -> None:
@@ -106,7 +113,7 @@ class _Exchange:
         kernel[(grid_world, self.splits)](*args, splits=self.splits, coresident=coresident, **meta)
 
     def free(self) -> None:
-        for buffer in (self.staging, self.meta, self.counts, self.arrivals):
+        for buffer in (self.staging, self.meta, self.counts, self.arrivals, self.progress):
             if buffer is not None:
                 tridist.symm_free(buffer)
 
@@ -155,6 +162,9 @@ class EPBuffer:
                             ("max_tokens_per_rank", max_tokens_per_rank)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EPBuffer: {name} must be a positive int, got {value!r}")
+        if max_tokens_per_rank >= PROGRESS_EPOCH.value:
+            raise ValueError(f"EPBuffer: max_tokens_per_rank must be below {PROGRESS_EPOCH.value}, got "
+                             f"{max_tokens_per_rank}")
         if num_experts % w.world_size:
             raise ValueError(f"EPBuffer: {num_experts} experts do not split evenly across {w.world_size} ranks")
         if hidden % 2:
@@ -215,7 +225,7 @@ class EPBuffer:
                 made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
                                  self.w_pad * 2 * self.e_pad, self.splits)
             elif kind == "combine":
-                made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits)
+                made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits, progress=True)
             elif kind == "ll_dispatch":
                 made = _Exchange(self.num_experts * rows, self._ll_words(False), torch.int32, 1,
                                  self.w_pad * self.e_pad, self.splits)
@@ -345,10 +355,11 @@ class EPBuffer:
         exchange_ = self._exchange("combine", 1)
         out = torch.empty((max(handle.tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
-        args = (y, handle.recv_src, handle.recv_layout, _nonempty(handle.positions), ex.staging, ex.arrivals, ex.calls,
-                out,
-                handle.tokens, self.hidden, self.max_tokens, ex.slot_numel, w.local_world_size)
-        exchange_.launch(combine_kernel, w.world_size, args, {"WORLD": w.world_size, **self._combine_blocks()})
+        args = (y, handle.recv_src, handle.recv_layout, _nonempty(handle.positions), ex.staging, ex.progress,
+                ex.claims, ex.calls, out, handle.tokens, self.hidden, self.max_tokens, ex.slot_numel,
+                w.local_world_size)
+        exchange_.launch(combine_kernel, w.world_size, args,
+                         {"WORLD": w.world_size, "CHUNK": COMBINE_CHUNK, **self._combine_blocks()})
         return out[:handle.tokens]
 
     # ---- low-latency mode ----
