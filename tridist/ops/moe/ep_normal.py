@@ -13,7 +13,15 @@ copies them from x once the counts of the ranks before it are in.
 
 `combine_kernel` runs the way back: each received token's output goes to row (rank, token) of its
 source's combine staging, and each token sums what every rank that got it sent, in rank order
-(`exchange.sum_parts`; its own experts' outputs read where they are, in y).
+(`exchange.sum_parts`; its own experts' outputs read where they are, in y). The sums overlap the
+sends. A rank's token indices are cut in `splits` parts; program (p, s) sends the outputs of p's
+tokens of part s, in token order, and after every CHUNK steps sets its progress word (rank, s) on
+p to epoch x PROGRESS_EPOCH + the next token index (at the end, + the part's end). The sums go
+by blocks of tokens, which every program claims from a counter of this rank, in the order the
+rows arrive (block c in part c % splits): this rank's own programs, which send nothing, start at
+once, the others once they have sent. A block waits for its part's progress word of every peer.
+On a 2 x H100, deepseek's 4096 tokens: 212 us where summing after all the sends took 236 (4 ranks:
+504 against 575).
 """
 import triton
 import triton.language as tl
