@@ -212,10 +212,10 @@ def _sort_cases(one_group: bool, clamp: bool, groups: int):
              {"idx_ptr": "*i64", "block_counts_ptr": "*i32", **sizes, "CLAMP": "constexpr", "ADD": "constexpr",
               "GROUPS": "constexpr", "STEP": "constexpr"}, {**constexprs, "ADD": one_group and not clamp}),
             (sort.positions_kernel,
-             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", "positions_ptr": "*i32", "counts_ptr": "*i32", **sizes,
-              "blocks": "i32", "ONE_GROUP": "constexpr", "CLAMP": "constexpr", "GROUPS": "constexpr",
-              "STEP": "constexpr", "BLOCKS": "constexpr"},
-             {**constexprs, "ONE_GROUP": one_group, "BLOCKS": triton.next_power_of_2(blocks)})]
+             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", "positions_ptr": "*i32", "order_ptr": "*i32",
+              "counts_ptr": "*i32", **sizes, "blocks": "i32", "ONE_GROUP": "constexpr", "ORDER": "constexpr",
+              "CLAMP": "constexpr", "GROUPS": "constexpr", "STEP": "constexpr", "BLOCKS": "constexpr"},
+             {**constexprs, "ONE_GROUP": one_group, "ORDER": not one_group, "BLOCKS": triton.next_power_of_2(blocks)})]
 
 
 def _expert_parallel_cases():
@@ -229,9 +229,10 @@ def _expert_parallel_cases():
     i32 = {"width": "i32", "max_tokens": "i32", "experts_local": "i32", "topk": "i32", "slot_numel": "i32",
            "meta_slot": "i32", "local_world_size": "i32", "splits": "i32", "tokens": "i32", "hidden": "i32"}
     block_w = expert_parallel._block_w(7168 // 2)
-    dispatch = {"x_ptr": "*i32", "meta_ptr": "*i32", "positions_ptr": "*i32", "routed_ptr": "*i32",
-                "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32", "arrivals_ptr": "*i64",
-                "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_idx_ptr": "*i64", "recv_weights_ptr": "*fp32",
+    dispatch = {"x_ptr": "*i32", "meta_ptr": "*i32", "positions_ptr": "*i32", "order_ptr": "*i32",
+                "routed_ptr": "*i32", "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32",
+                "arrivals_ptr": "*i64", "progress_ptr": "*i64", "claims_ptr": "*i32", "calls_ptr": "*i64",
+                "recv_x_ptr": "*i32", "recv_idx_ptr": "*i64", "recv_weights_ptr": "*fp32",
                 "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "recv_per_expert_ptr": "*i64"}
     ll_dispatch = {"x_ptr": "*i32", "idx_ptr": "*i64", "positions_ptr": "*i32", "routed_ptr": "*i32",
                    "pair_ids_ptr": "*i32", "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32",
@@ -254,7 +255,8 @@ def _expert_parallel_cases():
          {**dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "slot_numel",
                                               "meta_slot", "local_world_size", "splits")},
           "W_PAD": "constexpr", "E_PAD": "constexpr", "K_PAD": "constexpr", "BLOCK_R": "constexpr",
-          "BLOCK_W": "constexpr"}, {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks}, {"num_warps": 8}),
+          "BLOCK_W": "constexpr", "CHUNK": "constexpr"},
+         {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks, "CHUNK": expert_parallel.CHUNK}, {"num_warps": 8}),
         (ep_normal.combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
           "staging_ptr": "*bf16", "progress_ptr": "*i64", "claims_ptr": "*i32", "calls_ptr": "*i64",
@@ -262,7 +264,7 @@ def _expert_parallel_cases():
           **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "slot_numel", "local_world_size", "splits")},
           "WORLD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr", "CHUNK": "constexpr"},
          {"WORLD": 8, "BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel.TILE // expert_parallel.BLOCK_R,
-          "CHUNK": expert_parallel.COMBINE_CHUNK},
+          "CHUNK": expert_parallel.CHUNK},
          {"num_warps": 8}),
         (ep_low_latency.ll_dispatch_kernel,
          {**ll_dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk",

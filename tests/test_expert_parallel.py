@@ -169,7 +169,7 @@ def test_dispatch_combine(world):
 
 def _many_tokens(w):
     """150 tokens a rank, random top-2 routing, checked exactly by the benchmark's check: each peer's
-    rows in several chunks, each with its progress word (the normal combine, `ep_normal`)."""
+    rows in several chunks, each with its progress word (the normal dispatch and combine, `ep_normal`)."""
     assert ep_bench.ep_rows(ep_bench.parse_layers(f"normal:150x64x2x{4 * w.world_size}"), timed=False) == []
 
 

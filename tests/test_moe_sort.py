@@ -1,6 +1,7 @@
 """The routing's stable counting sort (`tridist.ops.moe.sort`) against a sort on the host: pairs
 over many experts and tokens over ranks, several blocks each, ids of -1 and out of range, the
-clamped ids of the tensor-parallel routing, no items; and `count`, which adds the totals alone."""
+clamped ids of the tensor-parallel routing, no items; each group's items in place order; and
+`count`, which adds the totals alone."""
 import pytest
 import torch
 import triton
@@ -31,8 +32,9 @@ def _sort_body(w):
         idx = torch.randint(-1, groups * per_group + 2, (items, topk), generator=generator)
         counts = torch.full((groups,), -7, dtype=torch.int32, device=w.device)
         positions = torch.full((items,) if one_group else (items, groups), -7, dtype=torch.int32, device=w.device)
+        order = None if one_group else torch.full((groups, max(items, 1)), -7, dtype=torch.int32, device=w.device)
         sort.sort(idx.view(-1).to(w.device) if one_group else idx.to(w.device), positions, counts, groups,
-                  per_group, one_group=one_group, clamp=clamp)
+                  per_group, one_group=one_group, clamp=clamp, order=order)
         member, place, expected_counts = _expected(idx, groups, per_group, clamp)
         what = f"{items} items of top-{topk} over {groups} groups"
         assert torch.equal(counts.cpu(), expected_counts.int()), what
@@ -44,6 +46,9 @@ def _sort_body(w):
             expected = torch.where(member.any(1), (place * member).sum(1), -7).int()
         else:
             expected = torch.where(member, place, -1).int()
+            for group in range(groups):  # the inverse: each group's items in place order
+                items_of = member[:, group].nonzero().flatten().int()
+                assert torch.equal(order[group, :len(items_of)].cpu(), items_of), f"order of group {group}: {what}"
         assert torch.equal(positions.cpu(), expected), what
 
 

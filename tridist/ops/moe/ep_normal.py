@@ -2,26 +2,38 @@
 `EPBuffer.combine` (`expert_parallel.py` is the host side). A token goes once to every rank that
 holds one of its experts.
 
-Routing (`sort`, before the dispatch) gives each token its place among the tokens for each rank.
-`dispatch_kernel` then runs the family's protocol (`exchange.py`): program (p, s) puts its share s
-of the tokens for rank p into region `rank` of p's staging (rows of x, and a meta row: the token's
-expert ids, weights and index), writes the count and the pairs per expert of p there, and adds 1
-to p's arrival counter for this rank (`exchange.arrive`); then, as a receiver, it waits until every
-source's counts are here and all of rank p's programs have arrived, and copies p's tokens into
-recv_x after those of ranks before p. A rank's own tokens skip the staging: program (rank, s)
-copies them from x once the counts of the ranks before it are in.
+Both kernels overlap the local pass over what arrives (the dispatch's copy out of the staging, the
+combine's sums) with the sends: the senders set a progress word per part as rows land, and the
+work on arrived rows goes in blocks that every program claims from a counter of this rank
+(`exchange.claim`) in the order the rows arrive. This rank's own programs, which send nothing,
+start on them at once, the others when they have sent. (Copying out between the same programs'
+sends was slower: a program's stores are already held back by the link while it sends.)
+
+Routing (`sort`, before the dispatch) gives each token its place among the tokens for each rank,
+and each rank's tokens in place order. `dispatch_kernel` then runs the family's protocol
+(`exchange.py`):
+1. Counts. Program (p, s) writes the count and the pairs per expert of p into row `rank` of p's
+   counts, and adds 1 to p's arrival counter for this rank (`exchange.arrive`).
+2. Rows. For p != rank it puts part s of the places of the tokens for p (`split_rows` of their
+   count) into region `rank` of p's staging, in place order (rows of x, and a meta row: the
+   token's expert ids, weights and index), and after every CHUNK steps sets its progress word
+   (rank, s) on p to epoch x PROGRESS_EPOCH + the places sent. Program (rank, s) instead copies
+   part s of this rank's own tokens from x into recv_x, once the counts of the ranks before it
+   are in.
+3. Copy-out. Once every source's counts are here, every program claims blocks of places of the
+   peers' parts and copies each, when its part's progress word covers it, into recv_x after the
+   rows of the ranks before its source.
 
 `combine_kernel` runs the way back: each received token's output goes to row (rank, token) of its
 source's combine staging, and each token sums what every rank that got it sent, in rank order
-(`exchange.sum_parts`; its own experts' outputs read where they are, in y). The sums overlap the
-sends. A rank's token indices are cut in `splits` parts; program (p, s) sends the outputs of p's
-tokens of part s, in token order, and after every CHUNK steps sets its progress word (rank, s) on
-p to epoch x PROGRESS_EPOCH + the next token index (at the end, + the part's end). The sums go
-by blocks of tokens, which every program claims from a counter of this rank, in the order the
-rows arrive (block c in part c % splits): this rank's own programs, which send nothing, start at
-once, the others once they have sent. A block waits for its part's progress word of every peer.
-On a 2 x H100, deepseek's 4096 tokens: 212 us where summing after all the sends took 236 (4 ranks:
-504 against 575).
+(`exchange.sum_parts`; its own experts' outputs read where they are, in y). A rank's token indices
+are cut in `splits` parts; program (p, s) sends the outputs of p's tokens of part s, in token
+order (it finds them by counting recv_src), sets its progress word (rank, s) on p to epoch x
+PROGRESS_EPOCH + the next token index after every CHUNK steps and to the part's end at the end,
+then waits for p's word of part s here (so that every call hears from every peer, which keeps two
+staging slots enough). The claimed blocks are blocks of tokens, each waiting for its part's word
+of every peer. On a 2 x H100, deepseek's 4096 tokens: 212 us where summing after all the sends
+took 236 (4 ranks: 504 against 575).
 """
 import triton
 import triton.language as tl
@@ -30,11 +42,13 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from .._protocol import finish_call
-from .exchange import (arrive, await_dispatch, await_own_counts, copy_rows, exchange_program, raise_flag, send_rows,
+from ..gemm.grouped import pick
+from .exchange import (arrive, await_counts, claim, copy_rows, exchange_program, raise_flag, reset_claims, send_rows,
                        send_values, split_rows, sum_parts)
 
-# A progress word holds epoch x PROGRESS_EPOCH + a token index: it only grows, from call to call
-# too, so a receiver waits for at least a value, never for equality (max_tokens_per_rank is below).
+# A progress word holds epoch x PROGRESS_EPOCH + a row's index (a token's, or a place's among the
+# tokens sent to a rank): it only grows, from call to call too, so a receiver waits for at least a
+# value, never for equality (max_tokens_per_rank is below).
 PROGRESS_EPOCH = tl.constexpr(1 << 24)
 
 
@@ -61,35 +75,28 @@ def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv_x_ptr,
 
 
 @jit
-def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
-                    arrivals_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, recv_layout_ptr,
-                    recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk, slot_numel, meta_slot,
-                    local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
+                    arrivals_ptr, progress_ptr, claims_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
+                    recv_src_ptr, recv_layout_ptr, recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk,
+                    slot_numel, meta_slot, local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                    K_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
     """Normal mode. Grid (world, splits). x: T rows of `width` words; meta: T rows of 2 * topk + 1
     int32 (expert ids, weight bits, token index); positions: [T, world] from routing (-1: not for
-    that rank); routed: tokens per rank [world], then pairs per expert [world * E_local]. Per slot,
-    staging is [world, max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the
-    tokens it sent here, word E_PAD + e its pairs for local expert e."""
+    that rank), order its inverse ([world, T]: the tokens for each rank in place order); routed:
+    tokens per rank [world], then pairs per expert [world * E_local]. Per slot, staging is [world,
+    max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the tokens it sent
+    here, word E_PAD + e its pairs for local expert e; progress: a word per (source, part); claims:
+    this rank's two counters of claimed blocks."""
     epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
     meta_width = 2 * topk + 1
     meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
     counts = counts_ptr + (epoch % 2) * W_PAD * 2 * E_PAD
+    sources = tl.arange(0, W_PAD)
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
+    if (peer == 0) & (split == 0):
+        reset_claims(claims_ptr, epoch)
 
-    # Send this program's share of the tokens for `peer`, each at its place among them. This rank's
-    # own tokens skip the staging: the receive below copies them straight from x.
-    first, stop = split_rows(tokens, split, splits)
-    if peer != me:
-        for token in range(first, stop, BLOCK_R):
-            rows = token + tl.arange(0, BLOCK_R)
-            place = tl.load(positions_ptr + rows.to(tl.int64) * world + peer, mask=rows < stop, other=-1)
-            going = place >= 0
-            send_rows(x_ptr, rows, stage + me * max_tokens * width, place, going, width, peer, local_world_size,
-                      BLOCK_R, BLOCK_W)
-            send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, place, going, meta_width, peer,
-                      local_world_size, BLOCK_R, K_PAD)
     words = tl.arange(0, 2 * E_PAD)
     pair_words = (words >= E_PAD) & (words - E_PAD < experts_local)
     routed = tl.load(routed_ptr + tl.where(words == 0, peer, world + peer * experts_local + words - E_PAD),
@@ -97,29 +104,57 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, routed_ptr, staging_ptr, met
     send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
     arrive(arrivals_ptr + me, peer, local_world_size)
 
-    writes_layout = (peer == 0) & (split == 0)
-    if peer == me:
-        counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout)
+    if peer != me:
+        first, stop = split_rows(tl.load(routed_ptr + peer), split, splits)
+        progress = progress_ptr + me * splits + split
+        for chunk in range(first, stop, CHUNK * BLOCK_R):
+            chunk_end = tl.minimum(chunk + CHUNK * BLOCK_R, stop)
+            for at in range(chunk, chunk_end, BLOCK_R):
+                places = at + tl.arange(0, BLOCK_R)
+                going = places < chunk_end
+                rows = tl.load(order_ptr + peer.to(tl.int64) * tokens + places, mask=going, other=0)
+                send_rows(x_ptr, rows, stage + me * max_tokens * width, places, going, width, peer, local_world_size,
+                          BLOCK_R, BLOCK_W)
+                send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, places, going, meta_width, peer,
+                          local_world_size, BLOCK_R, K_PAD)
+            raise_flag(progress, epoch * PROGRESS_EPOCH + chunk_end, peer, local_world_size)
     else:
-        counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
-    sources = tl.arange(0, W_PAD)
-    received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
-    before = tl.cumsum(received, 0) - received
-    start = tl.sum(tl.where(sources == peer, before, 0), 0)
-    if peer == me:
+        counts = await_counts(arrivals_ptr, counts, me, epoch, splits)
+        received = tl.load(counts + sources * 2 * E_PAD, mask=sources < me, other=0)
+        start = tl.sum(received, 0)
+        first, stop = split_rows(tokens, split, splits)
         for token in range(first, stop, BLOCK_R):
             rows = token + tl.arange(0, BLOCK_R)
             place = tl.load(positions_ptr + rows.to(tl.int64) * world + me, mask=rows < stop, other=-1)
             _receive_tokens(x_ptr, meta_ptr, rows, start + place, place >= 0, me, recv_x_ptr, recv_idx_ptr,
                             recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
-    else:
-        first, stop = split_rows(tl.sum(tl.where(sources == peer, received, 0), 0), split, splits)
-        for at in range(first, stop, BLOCK_R):
-            rows = at + tl.arange(0, BLOCK_R)
-            _receive_tokens(stage + peer * max_tokens * width, meta_stage + peer * max_tokens * meta_width, rows,
-                            start + rows, rows < stop, peer, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
-                            recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
-    if writes_layout:
+
+    # The peers' rows, by blocks of BLOCK_R places that every program claims in the order they
+    # arrive: block c is block c // ((world - 1) x splits) of part (c // (world - 1)) % splits of the
+    # (c % (world - 1) + 1)-th rank after this one.
+    counts = await_counts(arrivals_ptr, counts, world, epoch, splits)
+    received = tl.load(counts + sources * 2 * E_PAD, mask=sources < world, other=0)
+    before = tl.cumsum(received, 0) - received
+    others = tl.maximum(world - 1, 1)
+    per_part = tl.cdiv(tl.max(tl.where(sources == me, 0, received), 0), splits)
+    blocks = (world - 1) * splits * tl.cdiv(per_part, BLOCK_R)
+    block = claim(claims_ptr, epoch)
+    while block < blocks:
+        source = (me + 1 + block % others) % world
+        part = (block // others) % splits
+        part_first, part_stop = split_rows(pick(received, source), part, splits)
+        first = part_first + (block // (others * splits)) * BLOCK_R
+        stop = tl.minimum(first + BLOCK_R, part_stop)
+        if first < stop:
+            here = dl.shmem.signal_wait_until(progress_ptr + source * splits + part, dl.shmem.CMP_GE,
+                                              epoch * PROGRESS_EPOCH + stop)
+            rows = first + tl.arange(0, BLOCK_R)
+            _receive_tokens(dl.consume_token(stage + source * max_tokens * width, here),
+                            dl.consume_token(meta_stage + source * max_tokens * meta_width, here), rows,
+                            pick(before, source) + rows, rows < stop, source, recv_x_ptr, recv_idx_ptr,
+                            recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
+        block = claim(claims_ptr, epoch)
+    if (peer == 0) & (split == 0):
         pairs = tl.load(counts + sources[:, None] * 2 * E_PAD + E_PAD + experts[None, :],
                         mask=(sources < world)[:, None] & local[None, :], other=0)
         tl.store(recv_per_expert_ptr + experts, tl.sum(pairs, 0).to(tl.int64), mask=local)
@@ -154,7 +189,7 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
     epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
     per_part = tl.cdiv(max_tokens, splits)
     if (peer == 0) & (split == 0):
-        tl.store(claims_ptr + (epoch + 1) % 2, 0)  # the next call's: every program of the last one has ended
+        reset_claims(claims_ptr, epoch)
     if peer != me:  # this rank's own outputs are read from y in the sum below
         first = split * per_part
         stop = tl.minimum(first + per_part, max_tokens)
@@ -183,10 +218,10 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
     # part c % splits, whose rows the peers' programs of that part send in token order, so that
     # the blocks claimed first are those that arrive first.
     blocks = splits * tl.cdiv(per_part, BLOCK_R)
-    claim = dl.atomic_add(claims_ptr + epoch % 2, 1, scope="gpu", semantic="relaxed")
-    while claim < blocks:
-        part = claim % splits
-        first = part * per_part + (claim // splits) * BLOCK_R
+    block = claim(claims_ptr, epoch)
+    while block < blocks:
+        part = block % splits
+        first = part * per_part + (block // splits) * BLOCK_R
         stop = tl.minimum(tl.minimum(first + BLOCK_R, (part + 1) * per_part), tokens)
         if first < stop:
             here = stage
@@ -196,5 +231,5 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
                                                                          dl.shmem.CMP_GE, target))
             sum_parts(here, out_ptr, first, stop, hidden, positions_ptr, positions_ptr, y_ptr,
                       recv_layout_ptr + world + me, positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W)
-        claim = dl.atomic_add(claims_ptr + epoch % 2, 1, scope="gpu", semantic="relaxed")
+        block = claim(claims_ptr, epoch)
     finish_call(calls_ptr)

@@ -158,6 +158,21 @@ def await_combine(arrivals_ptr, stage, epoch, splits):
 
 
 @triton.jit
+def claim(claims_ptr, epoch):
+    """The index of the next block of this call's shared work, for the calling program: blocks go to
+    whichever program asks first (relaxed: each index is handed out once, which is all it takes).
+    claims: this rank's two counters, one per slot (`reset_claims`)."""
+    return dl.atomic_add(claims_ptr + epoch % 2, 1, scope="gpu", semantic="relaxed")
+
+
+@triton.jit
+def reset_claims(claims_ptr, epoch):
+    """Zero the next call's counter (one program of the launch): every program of the last call to
+    use it, the one before this, has ended."""
+    tl.store(claims_ptr + (epoch + 1) % 2, 0)
+
+
+@triton.jit
 def split_rows(total, split, splits):
     """Part `split` [start, stop) of `total` rows cut in `splits` nearly equal parts."""
     per_split = tl.cdiv(total, splits)

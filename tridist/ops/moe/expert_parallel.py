@@ -39,7 +39,7 @@ FP8 = torch.float8_e4m3fn
 FP8_GROUP = 128   # columns that share one fp8 scale
 FP8_MAX = 448.0   # the largest e4m3 value
 BLOCK_R = 8       # rows a step moves
-COMBINE_CHUNK = 4  # steps of the normal combine's sends between two progress words
+CHUNK = 4         # steps of the normal mode's sends between two progress words (`ep_normal`)
 TILE = 8192       # elements a step moves at most
 CALLS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch fp8", "low_latency_combine")
 
@@ -78,9 +78,8 @@ class EPHandle:
 class _Exchange:
     """The symmetric buffers of one kind of launch of an `EPBuffer`: per slot, staging of `rows` rows
     of `width` elements of `dtype` (and `meta_width` int32 per row, if any) and `count_words` int32
-    of counts; an arrival counter per source (`exchange.arrive`), or with `progress` a progress word
-    per (source, part) and two counters of claimed blocks (`ep_normal.combine_kernel`); the calls
-    counter."""
+    of counts; an arrival counter per source (`exchange.arrive`); with `progress` a progress word per
+    (source, part) and this rank's two counters of claimed blocks (`ep_normal`); the calls counter."""
 
     def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int,
                  progress: bool = False):
@@ -92,7 +91,7 @@ class _Exchange:
         self.staging = tridist.symm_zeros((2, self.slot_numel), dtype)
         self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
         self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None
-        self.arrivals = None if progress else tridist.signals(w.world_size)
+        self.arrivals = tridist.signals(w.world_size)
         # Sized for the splits asked for: `fit` only lowers them.
         self.progress = tridist.signals(w.world_size * splits) if progress else None
         self.claims = torch.zeros(2, dtype=torch.int32, device=w.device) if progress else None
@@ -223,7 +222,7 @@ class EPBuffer:
             w, rows = self.world, self.max_tokens
             if kind == "dispatch":
                 made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
-                                 self.w_pad * 2 * self.e_pad, self.splits)
+                                 self.w_pad * 2 * self.e_pad, self.splits, progress=True)
             elif kind == "combine":
                 made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits, progress=True)
             elif kind == "ll_dispatch":
@@ -245,12 +244,13 @@ class EPBuffer:
         return self.hidden // 2
 
     # ---- layout ----
-    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True):
+    def _route(self, topk_idx: torch.Tensor, per_rank: bool = True, order: torch.Tensor | None = None):
         """Where this rank's tokens go, on the device: (positions [T, world]: each token's row among
         those sent to each rank, -1 where not sent; routed: tokens per rank, then pairs per expert;
         pair positions [T * topk]: each pair's row among this rank's pairs of its expert). With
-        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset; without
-        (the low-latency mode, which sends pairs) the token positions and counts are."""
+        `per_rank` (the normal mode, which sends tokens) the pair positions are left unset, and
+        `order` ([world, T]), if given, gets each rank's tokens in place order; without (the
+        low-latency mode, which sends pairs) the token positions and counts are left unset."""
         w = self.world
         tokens = topk_idx.shape[0]
         positions = torch.empty((tokens, w.world_size), dtype=torch.int32, device=w.device)
@@ -259,7 +259,7 @@ class EPBuffer:
                                                                          dtype=torch.int32, device=w.device)
         pair_positions = torch.empty(topk_idx.numel(), dtype=torch.int32, device=w.device)
         if tokens and per_rank:
-            sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False)
+            sort.sort(topk_idx, positions, routed, w.world_size, self.experts_local, one_group=False, order=order)
             sort.count(topk_idx.view(-1), routed[w.world_size:], self.num_experts, 1)
         elif tokens:
             sort.sort(topk_idx.view(-1), pair_positions, routed[w.world_size:], self.num_experts, 1, one_group=True)
@@ -307,7 +307,8 @@ class EPBuffer:
         self._agree("dispatch", topk)
         w = self.world
         exchange_ = self._exchange("dispatch", topk)
-        positions, routed, _ = self._route(topk_idx)
+        order = torch.empty((w.world_size, max(tokens, 1)), dtype=torch.int32, device=w.device)
+        positions, routed, _ = self._route(topk_idx, order=order)
         capacity = w.world_size * self.max_tokens
         token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
         meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
@@ -318,13 +319,13 @@ class EPBuffer:
         recv_layout = torch.empty((2, w.world_size), dtype=torch.int32, device=w.device)
         recv_per_expert = torch.empty(self.experts_local, dtype=torch.int64, device=w.device)
         ex = exchange_
-        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), routed, ex.staging, ex.meta, ex.counts,
-                ex.arrivals, ex.calls, _words(recv_x), recv_idx, recv_weights, recv_src, recv_layout, recv_per_expert,
-                tokens, self.hidden // 2, self.max_tokens, self.experts_local, topk, ex.slot_numel, ex.meta.shape[1],
-                w.local_world_size)
+        args = (_nonempty(_words(x)), _nonempty(meta), _nonempty(positions), order, routed, ex.staging, ex.meta,
+                ex.counts, ex.arrivals, ex.progress, ex.claims, ex.calls, _words(recv_x), recv_idx, recv_weights,
+                recv_src, recv_layout, recv_per_expert, tokens, self.hidden // 2, self.max_tokens, self.experts_local,
+                topk, ex.slot_numel, ex.meta.shape[1], w.local_world_size)
         exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
-                          "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "num_warps": 8})
+                          "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "CHUNK": CHUNK, "num_warps": 8})
         handle = EPHandle("normal", tokens, topk, recv_src, recv_layout, positions)
         if sync:
             received = int(recv_layout[0].sum())
@@ -359,7 +360,7 @@ class EPBuffer:
                 ex.claims, ex.calls, out, handle.tokens, self.hidden, self.max_tokens, ex.slot_numel,
                 w.local_world_size)
         exchange_.launch(combine_kernel, w.world_size, args,
-                         {"WORLD": w.world_size, "CHUNK": COMBINE_CHUNK, **self._combine_blocks()})
+                         {"WORLD": w.world_size, "CHUNK": CHUNK, **self._combine_blocks()})
         return out[:handle.tokens]
 
     # ---- low-latency mode ----

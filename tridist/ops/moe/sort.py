@@ -66,14 +66,14 @@ def block_counts_kernel(idx_ptr, block_counts_ptr, items, topk, groups, per_grou
 
 
 @jit
-def positions_kernel(idx_ptr, block_counts_ptr, positions_ptr, counts_ptr, items, topk, groups, per_group, per_block,
-                     blocks, ONE_GROUP: tl.constexpr, CLAMP: tl.constexpr, GROUPS: tl.constexpr,
-                     STEP: tl.constexpr, BLOCKS: tl.constexpr):
+def positions_kernel(idx_ptr, block_counts_ptr, positions_ptr, order_ptr, counts_ptr, items, topk, groups, per_group,
+                     per_block, blocks, ONE_GROUP: tl.constexpr, ORDER: tl.constexpr, CLAMP: tl.constexpr,
+                     GROUPS: tl.constexpr, STEP: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (b, c), for the groups c * GROUPS ... (c + 1) * GROUPS - 1 and block b's items:
     - ONE_GROUP (topk 1: an item is a (token, expert) pair): positions[i] for items with a group
       (others are left alone);
     - else (an item is a token, a group a rank): positions[i * groups + group], -1 where item i is
-      not in that group.
+      not in that group; and with ORDER the inverse, order[group * items + position] = i.
     The last block's programs write counts[group]. With one block, block_counts is not read."""
     block = tl.program_id(0)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -92,6 +92,8 @@ def positions_kernel(idx_ptr, block_counts_ptr, positions_ptr, counts_ptr, items
         else:
             tl.store(positions_ptr + item.to(tl.int64)[:, None] * groups + group[None, :],
                      tl.where(hits > 0, position, -1), mask=inside[:, None] & real[None, :])
+            if ORDER:
+                tl.store(order_ptr + group.to(tl.int64)[None, :] * items + position, item[:, None], mask=hits > 0)
         before += tl.sum(hits, 0)
     if block == blocks - 1:
         tl.store(counts_ptr + group, before, mask=real)
@@ -110,11 +112,13 @@ def sort_shape(items: int, groups: int, one_group: bool) -> tuple[int, int, int,
     return chunk, step, per_block, triton.cdiv(items, per_block)
 
 
-def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, clamp: bool = False) -> None:
+def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, clamp: bool = False,
+         order=None) -> None:
     """Queue the sort of `idx` (int64: [items, topk]; `one_group`: [pairs], topk 1) into `positions`
     and `counts` (int32; see `positions_kernel`). `clamp`: ids outside [0, groups * per_group) are
     brought into it (the tensor-parallel routing, whose ids the host checks where it can) instead
-    of belonging to no group."""
+    of belonging to no group. `order` (int32 [groups, items], not with `one_group`): each group's
+    items in place order."""
     items, topk = (idx.numel(), 1) if one_group else idx.shape
     if items == 0:
         counts.zero_()
@@ -126,8 +130,9 @@ def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, c
         block_counts = torch.empty((blocks, groups), dtype=torch.int32, device=idx.device)
         block_counts_kernel[grid](idx, block_counts, items, topk, groups, per_group, per_block, CLAMP=clamp,
                                   ADD=False, GROUPS=chunk, STEP=step, num_warps=4)
-    positions_kernel[grid](idx, block_counts, positions, counts, items, topk, groups, per_group, per_block, blocks,
-                           ONE_GROUP=one_group, CLAMP=clamp, GROUPS=chunk, STEP=step,
+    positions_kernel[grid](idx, block_counts, positions, positions if order is None else order, counts, items, topk,
+                           groups, per_group, per_block, blocks, ONE_GROUP=one_group, ORDER=order is not None,
+                           CLAMP=clamp, GROUPS=chunk, STEP=step,
                            BLOCKS=triton.next_power_of_2(blocks), num_warps=4)
 
 
