@@ -6,8 +6,10 @@ Both kernels overlap the local pass over what arrives (the dispatch's copy out o
 combine's sums) with the sends: the senders set a progress word per part as rows land, and the
 work on arrived rows goes in blocks that every program claims from a counter of this rank
 (`exchange.claim`) in the order the rows arrive. This rank's own programs, which send nothing,
-start on them at once, the others when they have sent. (Copying out between the same programs'
-sends was slower: a program's stores are already held back by the link while it sends.)
+start on them at once, the others when they have sent. On 2 x H100 at 4096 tokens a rank (DeepSeek's
+shape), the dispatch took 222 us where copying out after all the sends took 254, the combine 212
+where summing after them took 236 (4 ranks: 504 against 575). Copying out between the same
+programs' sends was slower: a program's stores are already held back by the link while it sends.
 
 Routing (`sort`, before the dispatch) gives each token its place among the tokens for each rank,
 and each rank's tokens in place order. `dispatch_kernel` then runs the family's protocol
@@ -32,8 +34,7 @@ order (it finds them by counting recv_src), sets its progress word (rank, s) on 
 PROGRESS_EPOCH + the next token index after every CHUNK steps and to the part's end at the end,
 then waits for p's word of part s here (so that every call hears from every peer, which keeps two
 staging slots enough). The claimed blocks are blocks of tokens, each waiting for its part's word
-of every peer. On a 2 x H100, deepseek's 4096 tokens: 212 us where summing after all the sends
-took 236 (4 ranks: 504 against 575).
+of every peer.
 """
 import triton
 import triton.language as tl
