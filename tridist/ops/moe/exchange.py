@@ -15,6 +15,9 @@ rows will land, because each source has a region of its own in the receiver's st
 the most rows it may send. Epochs and two slots (see `_protocol.py`) make back-to-back calls safe:
 every call waits for a flag from every peer. Where a receiver needs every sending program's part,
 the senders add to an arrival counter per source instead of raising a flag each (`arrive`).
+EP's normal mode sends its rows in parts that set progress words as they land, and hands the work
+on arrived rows, in blocks, to whichever program asks first (`claim`): the programs with nothing to
+send start at once (`ep_normal`).
 """
 import triton
 import triton.language as tl
