@@ -292,6 +292,7 @@ def _bad_input(w):
          "split evenly" if w.world_size > 1 else "positive"),
         (lambda: ops.EPBuffer(experts, 7, TOKENS), "even"),
         (lambda: ops.EPBuffer(experts, HIDDEN, TOKENS, torch.float32), "takes"),
+        (lambda: ops.EPBuffer(experts, HIDDEN, 1 << 24), "max_tokens_per_rank must be below"),
         (lambda: ops.EPBuffer(experts, 64, TOKENS).low_latency_dispatch(x[:, :64].contiguous(), idx, use_fp8=True),
          "multiple"),
     ]

@@ -95,7 +95,8 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
     sources = tl.arange(0, W_PAD)
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
-    if (peer == 0) & (split == 0):
+    first_program = (peer == 0) & (split == 0)  # resets the claims, writes the layout
+    if first_program:
         reset_claims(claims_ptr, epoch)
 
     words = tl.arange(0, 2 * E_PAD)
@@ -155,7 +156,7 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
                             pick(before, source) + rows, rows < stop, source, recv_x_ptr, recv_idx_ptr,
                             recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
         block = claim(claims_ptr, epoch)
-    if (peer == 0) & (split == 0):
+    if first_program:
         pairs = tl.load(counts + sources[:, None] * 2 * E_PAD + E_PAD + experts[None, :],
                         mask=(sources < world)[:, None] & local[None, :], other=0)
         tl.store(recv_per_expert_ptr + experts, tl.sum(pairs, 0).to(tl.int64), mask=local)
