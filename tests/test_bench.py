@@ -1,6 +1,7 @@
 """The benchmark kernels, checked without timing (the timing needs GPUs), and `sleep_async`."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -215,6 +216,23 @@ def _host_references(w, folder):
 @pytest.mark.worlds("3")
 def test_references_through_the_host_group(world, tmp_path):
     world.run(_host_references, folder=str(tmp_path))
+
+
+def test_results_are_named_by_device_and_date_and_never_replaced(tmp_path):
+    env = {"date": "2026-11-28", "device": "NVIDIA H200", "ranks": 2}
+    assert results.file_name("allreduce", env) == "allreduce-h200x2-2026-11-28.json"
+    assert results.file_name("allreduce", env, repeat=2) == "allreduce-h200x2-2026-11-28-2.json"
+    assert [results.device_tag(name) for name in ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", None]] == \
+        ["h100", "a100", "cpu"]
+    first, second = (results.save("x", [{"us": float(i)}], str(tmp_path)) for i in range(2))
+    assert os.path.basename(second) == os.path.basename(first).replace(".json", "-2.json")
+    with open(first) as f:
+        saved = json.load(f)
+    assert saved["rows"] == [{"us": 0.0}] and saved["tridist"] == tridist.__version__
+    assert {"date", "torch", "triton"} <= set(saved)
+    if results.CHECKOUT.joinpath(".git").exists():  # the suite runs from a clone: the commit is recorded
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", saved["tridist_commit"])
+    assert results.title("allreduce, 2 ranks", env) == "allreduce, 2 ranks: NVIDIA H200, 2026-11-28"
 
 
 def test_results_say_when_ranks_share_a_gpu(tmp_path, monkeypatch, capsys):

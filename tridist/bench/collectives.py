@@ -20,7 +20,7 @@ from tridist.ops.collectives import allgather, allreduce
 
 from ..runtime.config import parse_bytes
 from . import shared_gpu
-from .results import save, table
+from .results import save, table, title
 from .timing import all_ranks, slowest, time_us
 
 CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
@@ -204,7 +204,7 @@ def plot(name: str, rows: list[dict], path: str) -> None:
     axis.set_yscale("log")
     axis.set_xlabel("bytes")
     axis.set_ylabel("us (lower is better)")
-    axis.set_title(f"{name}, {tridist.world().world_size} ranks")
+    axis.set_title(title(f"{name}, {tridist.world().world_size} ranks"))
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -18,7 +18,7 @@ import tridist
 from tridist.ops import Jacobi2D, jacobi_reference
 
 from . import shared_gpu
-from .results import save, table
+from .results import save, table, title
 from .timing import slowest, time_us
 
 SIZES = "64,128,256,512,1024,2048,4096,8192"
@@ -96,7 +96,7 @@ def plot(rows: list[dict], path: str, world_size: int) -> None:
     axis.set_yscale("log")
     axis.set_xlabel("interior points of the domain")
     axis.set_ylabel("us per iteration (lower is better)")
-    axis.set_title(f"Jacobi 2D, {world_size} rank(s)")
+    axis.set_title(title(f"Jacobi 2D, {world_size} rank(s)"))
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)

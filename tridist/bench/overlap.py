@@ -25,7 +25,7 @@ from tridist import ops
 from tridist.ops import gemm
 
 from . import shared_gpu
-from .results import latest, relative_error, save, table
+from .results import latest, relative_error, save, table, title
 from .timing import op_us, slowest
 
 SHAPES = {
@@ -235,7 +235,7 @@ def plot(name: str, rows: list[dict], path: str, world_size: int) -> None:
     axis.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], [r["shape"] for r in rows], fontsize=8)
     axis.set_yscale("log")
     axis.set_ylabel("us (lower is better)")
-    axis.set_title(f"{name}, {world_size} ranks")
+    axis.set_title(title(f"{name}, {world_size} ranks"))
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

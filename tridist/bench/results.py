@@ -1,26 +1,93 @@
-"""Benchmark results: printed as a table, saved as JSON with the device, the date and the versions."""
+"""Benchmark results: printed as a table, saved as JSON named after the benchmark, the device and
+the date, recording the code and the versions that ran.
+
+Files are named `<benchmark>-<device>x<ranks>-<date>.json` (`allreduce-h200x2-2026-11-28.json`),
+with `-shared<K>` before the date where K ranks share each GPU; a second run of the same benchmark
+on the same device and day adds `-2` (then `-3`, ...) instead of replacing the first, so that a
+figure once cited keeps its file. Plots take the JSON's name with `.png`.
+"""
 import datetime
 import glob
+import importlib.metadata
+import itertools
 import json
 import os
+import pathlib
 import platform
+import re
+import subprocess
 
 import torch
+import torch.distributed as dist
 import triton
 
+from .. import __version__
 from . import shared_gpu
+
+CHECKOUT = pathlib.Path(__file__).resolve().parents[2]  # the repository root when tridist runs from a clone
+NVSHMEM_WHEELS = ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
+
+
+def tridist_commit() -> str | None:
+    """The commit tridist runs from, with `-dirty` where tracked files differ from it; None outside a
+    git checkout (an installed wheel: `environment()` records the version then)."""
+    if not (CHECKOUT / ".git").exists():
+        return None
+    try:
+        def git(*args):
+            return subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        commit = git("rev-parse", "HEAD")
+        return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _nvshmem_version() -> str | None:
+    for wheel in NVSHMEM_WHEELS:
+        try:
+            return f"{wheel} {importlib.metadata.version(wheel)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def environment() -> dict:
-    info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version()}
+    """Where and with what a benchmark ran: date, tridist (its commit in a checkout), torch, triton,
+    python; on GPUs also the device, the GPUs and ranks, CUDA, NCCL and the NVSHMEM wheel."""
+    info = {"date": datetime.date.today().isoformat(), "tridist": __version__}
+    commit = tridist_commit()
+    if commit:
+        info["tridist_commit"] = commit
+    info.update({"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()})
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
         info["gpus"] = torch.cuda.device_count()
         # ranks that ran the benchmark; name the file after them, not after the GPUs the machine has
         info["ranks"] = int(os.environ.get("WORLD_SIZE", info["gpus"]))
         info["cuda"] = torch.version.cuda
+        if dist.is_nccl_available():
+            info["nccl"] = ".".join(str(part) for part in torch.cuda.nccl.version())
+        nvshmem = _nvshmem_version()
+        if nvshmem:
+            info["nvshmem"] = nvshmem
     return info
+
+
+def device_tag(device: str | None) -> str:
+    """The device's short name in file names: its name's first word that holds a digit, up to a dash
+    ("NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100"); "cpu" without a GPU."""
+    if not device:
+        return "cpu"
+    words = [word for word in device.split() if re.search(r"\d", word)] or device.split()[-1:]
+    return words[0].split("-")[0].lower()
+
+
+def title(what: str, env: dict | None = None) -> str:
+    """A plot's title: what it shows, then the device and the date it was measured on."""
+    env = env or environment()
+    return f"{what}: {env.get('device', 'CPU')}, {env['date']}"
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -40,21 +107,24 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def file_name(name: str, env: dict, ranks: int | None = None) -> str:
+def file_name(name: str, env: dict, ranks: int | None = None, repeat: int = 1) -> str:
     """`<name>-<device>x<ranks>-<date>.json` for results measured in `env` (`environment()`), with
-    `-shared<K>` before the date where K ranks share each GPU (`shared_gpu.fields`)."""
-    device = env.get("device", "cpu").replace(" ", "-").lower()
+    `-shared<K>` before the date where K ranks share each GPU (`shared_gpu.fields`), and `-<repeat>`
+    after it for the day's second and later runs."""
     sharing = shared_gpu.fields()
     shared = f"-shared{sharing['ranks_per_gpu']}" if sharing else ""
-    return f"{name}-{device}x{ranks or env.get('ranks', 1)}{shared}-{env['date']}.json"
+    again = f"-{repeat}" if repeat > 1 else ""
+    return f"{name}-{device_tag(env.get('device'))}x{ranks or env.get('ranks', 1)}{shared}-{env['date']}{again}.json"
 
 
 def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) -> str:
-    """Writes the JSON; where ranks share a GPU it records so (`shared_gpu.fields`) and its name says
-    "shared", so that it never replaces a result measured on GPUs of their own."""
+    """Writes the JSON under the first name of `file_name`'s that is free in `folder`, and returns its
+    path. Where ranks share a GPU it records so (`shared_gpu.fields`) and its name says "shared", so
+    that it is never taken for a result measured on GPUs of their own."""
     env = environment()
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, file_name(name, env))
+    path = next(path for path in (os.path.join(folder, file_name(name, env, repeat=repeat))
+                                  for repeat in itertools.count(1)) if not os.path.exists(path))
     with open(path, "w") as f:
         json.dump({"benchmark": name, **env, **shared_gpu.fields(), **(extra or {}), "rows": rows}, f, indent=1)
     return path
