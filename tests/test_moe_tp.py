@@ -361,7 +361,7 @@ def _gemm_counts(w, config_index, one_program, flatten):
     that hung on 2 and 4 ranks sharing an H100 (2026-11-26): the peers' combine waited for 2 tiles
     and saw 4 (3 and 6 at 4 ranks). Flattened, with `late = source` outside a branch, this test
     failed there for every config, at 1 and 2 ranks
-    (the log: benchmarks/results/gpu-call-moe-rs-counts-flattened-nvidia-h100x1-2026-11-26.log)."""
+    (the log: benchmarks/results/moe_rs-counts-flattened-h100x1-2026-11-26.log)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from tridist.ops._protocol import programs_for

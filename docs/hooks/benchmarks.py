@@ -43,10 +43,11 @@ def on_files(files, config):
 
 
 def listing() -> str:
-    """A line per benchmark (the name before the device), linking each of its files."""
+    """A line per benchmark (the name before `-<device>x<ranks>-<date>`), linking each of its files."""
     groups = {}
     for path in sorted(RESULTS.iterdir()):
-        groups.setdefault(re.split(r"-nvidia-", path.name)[0], []).append(path.name)
+        benchmark = re.sub(r"-[a-z0-9]+(x\d+)?(-shared\d+)?-\d{4}-\d{2}-\d{2}(-\d+)?\.\w+$", "", path.name)
+        groups.setdefault(benchmark, []).append(path.name)
     return "\n".join(f"- **{name}**: " + ", ".join(f"[{file}](results/{file})" for file in files)
                      for name, files in groups.items())
 

@@ -66,7 +66,7 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # Throughput of a full wave of each tile shape, relative to 128 x 256: the TFLOP/s of the GEMM
-# benchmark on 2 x H200 at 1024 x 4096 x 8192 (gemm-nvidia-h200x2-2026-11-22.json: 769, 652, 487,
+# benchmark on 2 x H200 at 1024 x 4096 x 8192 (gemm-h200x2-2026-11-22.json: 769, 652, 487,
 # 608, 359 TFLOP/s).
 TILE_RATES = {(128, 256): 1.0, (128, 128): 0.85, (128, 64): 0.63, (64, 128): 0.79, (64, 64): 0.47}
 
