@@ -58,7 +58,7 @@ from tridist.ops.moe.expert_parallel import FP8_GROUP
 
 from . import shared_gpu
 from .results import relative_error, save, table
-from .timing import GRAPH_LIMIT_US, all_ranks, op_us, print_kernels, slowest, time_us
+from .timing import GRAPH_LIMIT_US, all_ranks, copy_rate, op_us, print_kernels, slowest, time_us
 
 LAYERS = {"deepseek-ll": ("ll", 128, 7168, 8, 256), "deepseek": ("normal", 4096, 7168, 8, 256),
           "mixtral": ("normal", 4096, 4096, 2, 8)}
@@ -120,18 +120,6 @@ def _check_exact(what: str, ok: bool) -> None:
     """Raises on every rank when any rank's data movement went wrong."""
     if not all_ranks(ok):
         raise AssertionError(f"{what}: wrong rows, counts or layout on some rank")
-
-
-COPY_BYTES = 1 << 30  # the copy whose rate "of copy" divides by: far larger than L2 (50 MB on an H100)
-
-
-def copy_rate(device) -> float:
-    """Bytes read and written per microsecond by a device-to-device copy of COPY_BYTES. A copy of one
-    dispatch's payload (14.7 MB at deepseek-ll) stays in L2 and ran at 4815 GB/s on an H100
-    (2026-11-25), which no transfer from HBM can match."""
-    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    return 2 * COPY_BYTES / op_us(lambda: target.copy_(source))
 
 
 def _eager_us(fn) -> float:
