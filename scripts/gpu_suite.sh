@@ -132,6 +132,8 @@ if wants tests; then
   fi
 fi
 if wants bench; then
+  # One id for this run's benchmarks: ag_gemm and gemm_rs read only the torch_fused JSON of the same run.
+  export TRIDIST_BENCH_RUN=${TRIDIST_BENCH_RUN:-$(date -u +%Y%m%dT%H%M%S)-$$}
   benches=" ${BENCHES:-torch_fused primitives allgather reducescatter allreduce gemm ag_gemm gemm_rs gemm_ar} "
   if [[ $benches == *" ag_gemm "* || $benches == *" gemm_rs "* || $benches == *" torch_fused "* ]]; then
     benches="torch_fused ${benches// torch_fused / }"

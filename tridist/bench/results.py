@@ -10,10 +10,16 @@ import triton
 
 from . import shared_gpu
 
+RUN_VARIABLE = "TRIDIST_BENCH_RUN"  # an id of one benchmark run, recorded in every JSON it saves
+
 
 def environment() -> dict:
+    """Date, versions, device, and the run id (RUN_VARIABLE) where one is set: benchmarks that read
+    another's JSON (ag_gemm and gemm_rs read torch_fused's) take only that of the same run."""
     info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
             "python": platform.python_version()}
+    if os.environ.get(RUN_VARIABLE):
+        info["run"] = os.environ[RUN_VARIABLE]
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
         info["gpus"] = torch.cuda.device_count()
@@ -61,11 +67,15 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
 
 
 def latest(name: str, folder: str, **fields) -> tuple[str, dict] | None:
-    """(path, contents) of the newest JSON that `save(name, ...)` left in `folder` on this device
-    today with these `fields` (e.g. world_size=2), or None: numbers measured elsewhere, another day
-    or on other ranks are not comparable with this run's."""
+    """(path, contents) of the newest JSON that `save(name, ...)` left in `folder` in this run (the
+    same RUN_VARIABLE, which must be set) on this device today with these `fields` (e.g.
+    world_size=2), or None: numbers measured in another run, elsewhere, another day or on other
+    ranks are not comparable with this run's."""
     env = environment()
-    wanted = {"benchmark": name, "date": env["date"], "device": env.get("device"), "gpus": env.get("gpus"), **fields}
+    if "run" not in env:
+        return None
+    wanted = {"benchmark": name, "run": env["run"], "date": env["date"], "device": env.get("device"),
+              "gpus": env.get("gpus"), **fields}
     found = []
     for path in glob.glob(os.path.join(folder, f"{name}-*.json")):
         try:
