@@ -269,6 +269,17 @@ def ep_tolerance(reference: torch.Tensor, magnitude: torch.Tensor, terms: int, q
     return 2 * bound
 
 
+def e4m3_error(x: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of what `use_fp8` moves the values of tokens `x` [..., hidden] by: e4m3
+    keeps 3 bits, 2^-4 of |x|; the token's scale per 128 columns maps the group's largest |x| to 448,
+    and below e4m3's normals (2^-6) values land on multiples of 2^-9: half a step, 2^-10 scale =
+    2^-10 / 448 of the group's largest."""
+    magnitude = x.double().abs()
+    groups = magnitude.unflatten(-1, (-1, expert_parallel.FP8_GROUP))
+    floor = (groups.amax(-1, keepdim=True) * 2.0 ** -10 / expert_parallel.FP8_MAX).expand_as(groups)
+    return 2.0 ** -4 * magnitude + floor.flatten(-2)
+
+
 class EPCases(OpCases):
     name, family = "ep_dispatch_combine", "moe"
     forms = ("class",)  # EPBuffer has no function
@@ -351,15 +362,8 @@ class EPTrial(Trial):
         reference = x.double() * valid.sum(1, keepdim=True)
         magnitude = x.double().abs() * valid.abs().sum(1, keepdim=True)
         quantised = 0.0
-        if self.fp8:
-            # e4m3 keeps 3 bits: 2^-4 of |x|; the token's scale per 128 columns maps the group's
-            # largest |x| to 448, and below e4m3's normals (2^-6) values land on multiples of 2^-9:
-            # half a step, 2^-10 scale = 2^-10 / 448 of the group's largest. Then bf16 rounds the
-            # dequantised value (u of it, already in `magnitude`'s term, to first order).
-            group = expert_parallel.FP8_GROUP
-            groups = x.double().abs().unflatten(-1, (self.hidden // group, group))
-            floor = (groups.amax(-1, keepdim=True) * 2.0 ** -10 / expert_parallel.FP8_MAX).expand_as(groups)
-            quantised = (2.0 ** -4 * x.double().abs() + floor.flatten(-2)) * valid.abs().sum(1, keepdim=True)
+        if self.fp8:  # then bf16 rounds the dequantised value (u of it, in `magnitude`'s term, to first order)
+            quantised = e4m3_error(x) * valid.abs().sum(1, keepdim=True)
         tolerance = ep_tolerance(reference, magnitude, self.topk + W, quantised)
         parts = {"combined token": (reference, tolerance),
                  **self._received(torch.cat(xs), idx_all, torch.cat(every_weights))}
@@ -400,12 +404,8 @@ class EPTrial(Trial):
         recv_x[expert, place] = x_all[token]
         if not self.fp8:
             return {"pairs received by local expert": (counts, None), "received (expert, row)": (recv_x, None)}
-        # Dequantised: e4m3's rounding of each value (see `fill`), then bf16's of the product.
-        rows = recv_x.double().abs()
-        group = expert_parallel.FP8_GROUP
-        floor = (rows.unflatten(-1, (-1, group)).amax(-1, keepdim=True) * 2.0 ** -10 / expert_parallel.FP8_MAX
-                 ).expand(*rows.shape[:-1], -1, group).flatten(-2)
-        bound = 2 * ((2.0 ** -4 + _UNIT_ROUNDOFF[torch.bfloat16]) * rows + floor)
+        # Dequantised: e4m3's rounding of each value, then bf16's of the product; twice that allowed.
+        bound = 2 * (e4m3_error(recv_x) + _UNIT_ROUNDOFF[torch.bfloat16] * recv_x.double().abs())
         return {"pairs received by local expert": (counts, None), "received (expert, row), dequantised": (recv_x, bound)}
 
     def build(self):
