@@ -63,6 +63,15 @@ def test_plan_is_the_seed_s_and_valid_for_the_world():
         cases.select("alltoall")
 
 
+def test_registry_keeps_the_families_order(monkeypatch):
+    """A seed's plan does not depend on which family's module was imported first (a test module that
+    imported tridist.stress.alltoall early changed seed 972's plan)."""
+    ordered = list(cases.registry())
+    early = {op: c for op, c in cases.REGISTRY.items() if type(c).__module__.endswith(".alltoall")}
+    monkeypatch.setattr(cases, "REGISTRY", {**early, **cases.REGISTRY})
+    assert list(cases.REGISTRY)[:len(early)] == list(early) and list(cases.registry()) == ordered
+
+
 def test_plan_keeps_each_op_to_its_forms_and_modes():
     """On GPUs Jacobi2D (whose load synchronises on the host) is never captured in a graph, while
     the other ops are; a FlashDecode config with fixed splits goes to the class only."""
