@@ -7,12 +7,18 @@
 #   RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 ranks share each GPU, so one GPU runs worlds 2, 2x1,
 #     4 and 2x2 with peers: a CUDA MPS daemon is started for the run and quit however it ends; the
 #     benchmarks then check results only: see docs/guide/one-gpu.md)
-#   STRESS="2:10000 4:2000" bash scripts/gpu_suite.sh stress   (`tridist stress` runs of N ranks and C calls,
-#     N:C:S with a seed other than 0, N:C:S:F for calls F to C - 1 of the seed's plan (--first-call),
-#     with TRIDIST_DEBUG=1 unless STRESS_DEBUG=0, each job stopped after STRESS_TIME_LIMIT seconds (default
-#     400); their figures go to benchmarks/results. With RANKS_PER_GPU > 1 and a GPU for each job, the
-#     jobs run at once, job i on GPU i with all its ranks; else one after the other. Runs joined by +
-#     (4:145:2:144+2:3000:3:1500) are one job: one after the other on its GPU)
+#   STRESS="debug=2:10000 plain=2:3000" STRESS_PLACES="gpus shared" bash scripts/gpu_suite.sh stress
+#     (`tridist stress` jobs, MODE=N:C[:S[:F]]: N ranks, C calls of seed S's plan (default 0), from call F
+#     (--first-call); MODE debug (TRIDIST_DEBUG=1) or plain (without), no MODE: debug unless STRESS_DEBUG=0.
+#     Runs joined by + (4:145:2:144+2:3000:3:1500) are one job, one after the other. Default: those above
+#     where the machine has 2 GPUs or more, else 2:1000. Each job runs in every place of STRESS_PLACES:
+#     gpus, one rank per GPU (NVLink and copy engines between GPUs; the jobs one after the other), and
+#     shared, all of a job's ranks on one GPU through CUDA MPS (a GPU per job, at once where there are
+#     enough); default both with 2 GPUs or more, else shared; only shared with RANKS_PER_GPU > 1. All the
+#     runs of one call end within STRESS_TIME_LIMIT seconds of the stress phase's start (default 480, for
+#     a 10-minute device call), split evenly among the runs that take turns. A run stopped by it fails
+#     and says `stopped early: C of N calls`; this script then prints the STRESS and STRESS_PLACES that
+#     continue it. The figures go to benchmarks/results, a file per part)
 #   PARALLEL=4 RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 pytest-xdist workers, each with a GPU
 #     of its own whose ranks share it: the suite with peers on 4 GPUs at once, 4 kernels compiling at a time)
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
@@ -42,22 +48,31 @@ export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
 # once. Refresh it from a returned cache (entries repeat in a log; precompile reads each once):
 #   gzip -9 -c .triton-cache/compile-log.jsonl > tests/gpu-compile-log.jsonl.gz
 gunzip -c tests/gpu-compile-log.jsonl.gz >> "$TRIDIST_COMPILE_LOG"  # precompile reads each entry once
+gpus=$(nvidia-smi -L | wc -l)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(tr , '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+if [ "$gpus" -ge 2 ]; then stress_jobs=(${STRESS:-debug=2:10000 plain=2:3000}); else stress_jobs=(${STRESS:-2:1000}); fi
+if [ "${RANKS_PER_GPU:-1}" != 1 ] || [ "$gpus" -lt 2 ]; then places=${STRESS_PLACES:-shared}
+else places=${STRESS_PLACES:-gpus shared}; fi
+stress_mode() {  # TRIDIST_DEBUG of a job: debug=... 1, plain=... 0, else STRESS_DEBUG (default 1)
+  case $1 in debug=*) echo 1 ;; plain=*) echo 0 ;; *) echo "${STRESS_DEBUG:-1}" ;; esac
+}
 status=0
 if [ -f "$TRIDIST_COMPILE_LOG" ]; then
   # Before MPS starts: the compiling processes need no GPU share. Each mode the run needs, once:
-  # the tests' (TRIDIST_DEBUG as set) and the stress runs' (TRIDIST_DEBUG=STRESS_DEBUG).
+  # the tests' (TRIDIST_DEBUG as set) and the stress jobs'.
   modes=()
   wants tests && modes+=("${TRIDIST_DEBUG:-0}")
-  wants stress && [[ " ${modes[*]} " != *" ${STRESS_DEBUG:-1} "* ]] && modes+=("${STRESS_DEBUG:-1}")
+  if wants stress; then
+    for job in "${stress_jobs[@]}"; do
+      mode=$(stress_mode "$job"); [[ " ${modes[*]} " != *" $mode "* ]] && modes+=("$mode")
+    done
+  fi
   for mode in "${modes[@]}"; do
     TRIDIST_DEBUG=$mode timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 \
       | tail -n 20 | tee -a "$OUT/precompile.log"
   done
 fi
-gpus=$(nvidia-smi -L | wc -l)
-[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(tr , '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
-if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
-  export TRIDIST_RANKS_PER_GPU=$RANKS_PER_GPU
+start_mps() {  # a CUDA MPS daemon for the rest of the run, quit however the run ends
   mps=$(mktemp -d /tmp/tridist-mps-XXXXXX)
   export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -69,11 +84,16 @@ if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
   trap quit_mps EXIT
   trap 'exit 130' INT; trap 'exit 143' TERM; trap 'exit 129' HUP  # through the EXIT trap
   nvidia-cuda-mps-control -d || { echo "could not start the MPS control daemon"; exit 1; }
+  mps_started=1
   # One client first, alone, to start the MPS server. Twice on 2026-11-26 (4 test workers, a GPU
   # each, TRIDIST_DEBUG=1) the first world on GPU 0 lost a rank in NVSHMEM's init (an illegal address
   # in its barrier) and every later world there started; whether a new server was the cause is a guess.
   python -c "import torch; [torch.ones(1, device=i).item() for i in range(torch.cuda.device_count())]" \
     || echo "no CUDA client could start through the MPS daemon"
+}
+if [ "${RANKS_PER_GPU:-1}" != 1 ]; then
+  export TRIDIST_RANKS_PER_GPU=$RANKS_PER_GPU
+  start_mps
 fi
 nproc=${NPROC:-$((gpus * ${RANKS_PER_GPU:-1}))}
 python -m tridist info 2>&1 | tee "$OUT/info.txt"
@@ -112,6 +132,8 @@ if wants tests; then
   fi
 fi
 if wants bench; then
+  # One id for this run's benchmarks: ag_gemm and gemm_rs read only the torch_fused JSON of the same run.
+  export TRIDIST_BENCH_RUN=${TRIDIST_BENCH_RUN:-$(date -u +%Y%m%dT%H%M%S)-$$}
   benches=" ${BENCHES:-torch_fused primitives allgather reducescatter allreduce gemm ag_gemm gemm_rs gemm_ar} "
   if [[ $benches == *" ag_gemm "* || $benches == *" gemm_rs "* || $benches == *" torch_fused "* ]]; then
     benches="torch_fused ${benches// torch_fused / }"
@@ -124,39 +146,69 @@ if wants bench; then
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
 fi
-stress_job() {  # index ranks:calls[:seed[:first]][+ranks:calls...] [one-gpu: all of a run's ranks on one GPU]
-  local run ranks calls seed first per_gpu left code=0 deadline=$((SECONDS + ${STRESS_TIME_LIMIT:-400}))
-  for run in ${2//+/ }; do
+stress_job() {  # place index job; place gpus (a rank per GPU) or shared (all of a run's ranks on one GPU)
+  local run ranks calls seed first per_gpu left code=0 log=$OUT/stress-$1-$2.log mode stopped
+  mode=$(stress_mode "$3")
+  for run in ${3//+/ }; do
+    run=${run#*=}
     IFS=: read -r ranks calls seed first <<< "$run"
-    if [ "${3:-}" = one-gpu ]; then per_gpu=$ranks
-    elif [ "${RANKS_PER_GPU:-1}" = 1 ]; then per_gpu=1
-    else per_gpu=$(( (ranks + gpus - 1) / gpus ))  # sharing: as many ranks per GPU as the run needs
-    fi
-    left=$((deadline - SECONDS))
-    [ "$left" -gt 0 ] || { echo "no time left for stress run $run" >> "$OUT/stress-$1.log"; break; }
+    if [ "$1" = shared ]; then per_gpu=$ranks; else per_gpu=1; fi
+    left=$((stress_deadline - SECONDS))
+    [ "$left" -gt 0 ] || { echo "no time left for stress run $run" | tee -a "$log"; code=$((code | 5)); continue; }
+    echo "== stress $1 $run, TRIDIST_DEBUG=$mode, --time-limit $left" >> "$log"
     # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
-    PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=${STRESS_DEBUG:-1} \
+    PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=$mode \
       timeout $((left + 150)) python -m tridist stress -n "$ranks" --calls "$calls" \
       --seed "${seed:-0}" --first-call "${first:-0}" --ranks-per-gpu "$per_gpu" \
-      --time-limit "$left" --out benchmarks/results >> "$OUT/stress-$1.log" 2>&1
+      --time-limit "$left" --out benchmarks/results > "$log.run" 2>&1
     code=$((code | $?))
+    cat "$log.run" >> "$log"
+    stopped=$(sed -n 's/^stopped early: \([0-9]*\) of .*/\1/p' "$log.run")
+    rm -f "$log.run"
+    if [ -n "$stopped" ]; then
+      echo "stress $1 $run stopped early; continue it with: STRESS=$([ "$mode" = 1 ] && echo debug || echo plain)=$ranks:$calls:${seed:-0}:$((${first:-0} + stopped)) STRESS_PLACES=$1" \
+        | tee -a "$log" "$OUT/stress-continue.txt"
+    fi
   done
   return $code
 }
 if wants stress; then
-  stress_jobs=(${STRESS:-2:1000})
-  if [ "${RANKS_PER_GPU:-1}" != 1 ] && [ "$gpus" -ge ${#stress_jobs[@]} ]; then
-    # A GPU for each job, all of its ranks sharing it, the jobs at once (never two on one GPU).
-    pids=()
-    for i in "${!stress_jobs[@]}"; do
-      job=${stress_jobs[$i]}
-      CUDA_VISIBLE_DEVICES=$i stress_job "$i" "$job" one-gpu & pids+=($!)
-    done
-    for pid in "${pids[@]}"; do wait "$pid"; status=$((status | $?)); done
-  else
-    for i in "${!stress_jobs[@]}"; do stress_job "$i" "${stress_jobs[$i]}"; status=$((status | $?)); done
-  fi
-  for i in "${!stress_jobs[@]}"; do grep -v '^\[rank' "$OUT/stress-$i.log" | tail -n 20; done
+  rm -f "$OUT/stress-continue.txt"
+  at_once=0  # shared jobs run at once, a GPU each, where there are enough
+  [ "$gpus" -ge ${#stress_jobs[@]} ] && at_once=1
+  turns=0
+  for place in $places; do
+    if [ "$place" = shared ] && [ $at_once = 1 ]; then turns=$((turns + 1)); else turns=$((turns + ${#stress_jobs[@]})); fi
+  done
+  per_turn=$((${STRESS_TIME_LIMIT:-480} / (turns > 0 ? turns : 1)))
+  for place in $places; do
+    case $place in
+      gpus)
+        if [ "${mps_started:-0}" = 1 ]; then
+          echo "stress across GPUs: not while MPS runs (RANKS_PER_GPU > 1, or shared before gpus in STRESS_PLACES)"
+          status=2; continue
+        fi
+        for i in "${!stress_jobs[@]}"; do
+          stress_deadline=$((SECONDS + per_turn)); stress_job gpus "$i" "${stress_jobs[$i]}"; status=$((status | $?))
+        done ;;
+      shared)
+        [ "${mps_started:-0}" = 1 ] || start_mps
+        if [ $at_once = 1 ]; then
+          pids=(); stress_deadline=$((SECONDS + per_turn))
+          for i in "${!stress_jobs[@]}"; do
+            CUDA_VISIBLE_DEVICES=$i stress_job shared "$i" "${stress_jobs[$i]}" & pids+=($!)
+          done
+          for pid in "${pids[@]}"; do wait "$pid"; status=$((status | $?)); done
+        else
+          for i in "${!stress_jobs[@]}"; do
+            stress_deadline=$((SECONDS + per_turn)); stress_job shared "$i" "${stress_jobs[$i]}"; status=$((status | $?))
+          done
+        fi ;;
+      *) echo "STRESS_PLACES takes gpus and shared, not $place"; status=2 ;;
+    esac
+  done
+  for log in "$OUT"/stress-*.log; do echo "== $log"; grep -v '^\[rank' "$log" | tail -n 20; done
+  [ -f "$OUT/stress-continue.txt" ] && { echo "== stress runs to continue:"; cat "$OUT/stress-continue.txt"; }
   tar czf "$OUT/stress-results.tar.gz" benchmarks/results/stress-*
 fi
 exit $status

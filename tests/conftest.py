@@ -1,6 +1,6 @@
 import pytest
 
-from .harness import WorldPool, default_worlds, parse_world, pin_worker_gpu
+from .harness import WorldPool, default_worlds, parse_world, pin_worker_gpu, worlds_not_started
 
 pin_worker_gpu()  # before default_worlds() below counts the GPUs
 
@@ -27,16 +27,25 @@ def pytest_collection_modifyitems(config, items):
     torch.compile, examples, benchmarks' own kernels), which worlds of 1 to 4 ranks already cover.
     Tests marked `worlds(...)` run in the worlds they name only (of those TRIDIST_TEST_WORLDS
     starts); the others are deselected, so that a test whose checks need only some shapes of world
-    costs CI nothing in the rest."""
-    kept, deselected = [], []
+    costs CI nothing in the rest. A test none of whose worlds this run starts (e.g. one for world 1
+    where ranks share a GPU) is reported as skipped, once per its other parameters, not dropped."""
+    kept, deselected, unrun = [], [], {}
     for item in items:
         world = getattr(item, "callspec", None) and item.callspec.params.get("world")
         only = item.get_closest_marker("worlds")
+        params = item.callspec.params if world else {}
+        test = (item.path, item.originalname, repr(sorted((k, v) for k, v in params.items() if k != "world")))
         if world and only and world not in only.args:
             deselected.append(item)
+            unrun.setdefault(test, item)
             continue
+        unrun[test] = None  # runs in some world
         if world and item.get_closest_marker("at_most_4_ranks") and parse_world(world)[0] > 4:
             item.add_marker(pytest.mark.skip(reason=f"marked at_most_4_ranks; world {world} has more"))
+        kept.append(item)
+    for item in filter(None, unrun.values()):
+        item.add_marker(pytest.mark.skip(reason=worlds_not_started(item.get_closest_marker("worlds").args)))
+        deselected.remove(item)
         kept.append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)

@@ -61,10 +61,18 @@ def ranks_per_gpu() -> int:
 
 def gpu_worlds(gpus: int, per_gpu: int) -> list[str]:
     """The worlds that `gpus` GPUs of `per_gpu` ranks each hold; world 1 only without sharing, where
-    the point is peers."""
+    the point is peers (tests for world 1 alone are then listed as skipped: conftest.py)."""
     ranks = gpus * per_gpu
     return ((["1"] if per_gpu == 1 else []) + (["2", "2x1"] if ranks >= 2 else [])
             + (["4", "2x2"] if ranks >= 4 else []) + (["8", "2x4", "4x2"] if ranks >= 8 else []))
+
+
+def worlds_not_started(marked) -> str:
+    """Why a test marked for `marked` worlds is skipped where this run starts none of them."""
+    started = default_worlds()
+    why = " (ranks share a GPU: no world 1, whose point is peers)" if "1" not in started and ranks_per_gpu() > 1 else ""
+    return (f"runs in worlds {', '.join(marked)}; this run starts {', '.join(started)}{why}; "
+            "TRIDIST_TEST_WORLDS picks them")
 
 
 def default_worlds() -> list[str]:

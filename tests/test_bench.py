@@ -111,14 +111,17 @@ def test_torch_fused_without_gpus_says_why(monkeypatch):
         tridist.world()
 
 
-def test_overlap_takes_torch_fused_numbers_of_this_device_today(tmp_path):
+def test_overlap_takes_torch_fused_numbers_of_this_run(tmp_path, monkeypatch):
+    """Only a torch_fused JSON that records this run's id (TRIDIST_BENCH_RUN), device and day; none
+    without a run id."""
     folder = str(tmp_path)
+    monkeypatch.setenv(results.RUN_VARIABLE, "run-1")
     assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16") == ({}, None)
     rows = [{"shape": "8x8x8", "torch fused ag_gemm us": 10.0, "torch fused gemm_rs us": 20.0},
             {"shape": "16x8x8", "torch fused gemm_rs us": 40.0}]  # ag_gemm failed at 16x8x8
     path = results.save("torch_fused", rows, folder, {"world_size": 2, "dtype": "bfloat16"})
     us, source = overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")
-    assert us == {"8x8x8": 10.0} and "separate process" in source
+    assert us == {"8x8x8": 10.0} and "separate process" in source and "TRIDIST_BENCH_RUN=run-1" in source
     assert overlap._torch_fused_us("gemm_rs", folder, 2, "bfloat16")[0] == {"8x8x8": 20.0, "16x8x8": 40.0}
     assert overlap._torch_fused_us("gemm_ar", folder, 2, "bfloat16") == ({}, None)
     # other ranks or another dtype are not comparable
@@ -137,6 +140,10 @@ def test_overlap_takes_torch_fused_numbers_of_this_device_today(tmp_path):
     assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")[0] == {"8x8x8": 11.0}
     write("torch_fused-other-day.json", 1.0, "2000-01-01", 2)  # newer still, but another day's
     assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16")[0] == {"8x8x8": 11.0}
+    monkeypatch.setenv(results.RUN_VARIABLE, "run-2")  # the same day and device, another run
+    assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16") == ({}, None)
+    monkeypatch.delenv(results.RUN_VARIABLE)
+    assert overlap._torch_fused_us("ag_gemm", folder, 2, "bfloat16") == ({}, None)
 
 
 def test_collective_bench_arguments(capsys):

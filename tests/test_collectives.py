@@ -25,6 +25,14 @@ def _inputs(w, shape, dtype, call):
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(w.world_size)]
 
 
+def _small_integers(n, dtype, rank, call):
+    """Rank `rank`'s input of call `call`: random integers from -8 to 8, drawn per (call, rank,
+    element), so that an element moved within a shard shows, and sums of up to 8 ranks of them are
+    exact in every dtype: results compare bit for bit."""
+    g = torch.Generator().manual_seed(call * 64 + rank)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+
 def _poisoned(shape, dtype, device):
     return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
 
@@ -500,7 +508,8 @@ def test_custom_ops_under_torch_compile(world):
 
 def _graph_replays(w, replays):
     """Every method captured once in a CUDA graph and replayed `replays` times back to back with new
-    inputs; every 50th replay is checked."""
+    inputs (`_small_integers`); every 50th replay is checked, exactly, against torch on every rank's
+    inputs."""
     n = 4096
     cases = [(ops.AllGather(n, torch.bfloat16, m), "gather") for m in ("push", "pull", "ll", "ce", "2d", "ring")
              if w.nnodes == 1 or m in ("push", "2d", "ring")]
@@ -517,16 +526,14 @@ def _graph_replays(w, replays):
         with torch.cuda.graph(graph):
             op(x, out)
         for i in range(replays):
-            value = float((i % 50) + w.rank)
-            x.fill_(value)
+            x.copy_(_small_integers(n, torch.bfloat16, w.rank, i))
             graph.replay()
             if i % 50 == 49:
-                values = [float((i % 50) + r) for r in range(w.world_size)]
-                if kind == "gather":
-                    expected = torch.tensor(values).repeat_interleave(n)
-                else:
-                    expected = torch.full((out.numel(),), sum(values))
-                assert torch.equal(out.float().cpu(), expected), (type(op).__name__, getattr(op, "method", ""), i)
+                everyone = [_small_integers(n, torch.bfloat16, r, i) for r in range(w.world_size)]
+                total = sum(e.float() for e in everyone).to(torch.bfloat16)
+                expected = {"gather": torch.cat(everyone), "reduce": total,
+                            "scatter": total.view(w.world_size, -1)[w.rank]}[kind]
+                assert torch.equal(out.cpu(), expected), (type(op).__name__, getattr(op, "method", ""), i)
         tridist.barrier_all()
         op.free()
 
@@ -539,12 +546,14 @@ def test_cuda_graph_replays(world):
 
 def _two_streams(w, calls, gather, scatter):
     """Instances used at once from two streams, with no synchronisation between them: an all-reduce
-    and a reduce-scatter (method `scatter`) on one, an all-gather (method `gather`) on the other."""
+    and a reduce-scatter (method `scatter`) on one, an all-gather (method `gather`) on the other;
+    inputs `_small_integers`, results exact."""
     n = 3 << 13  # a multiple of every world size up to 8 but 5 and 7
     a, b = ops.AllReduce(n, torch.float32), ops.AllGather(n, torch.float32, gather)
     c = ops.ReduceScatter(n, torch.float32, scatter)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    xs = [torch.full((n,), float(w.rank + i), device=w.device) for i in range(calls)]
+    everyone = [[_small_integers(n, torch.float32, r, i) for r in range(w.world_size)] for i in range(calls)]
+    xs = [e[w.rank].to(w.device) for e in everyone]
     reduced = [torch.empty(n, device=w.device) for _ in range(calls)]
     scattered = [torch.empty(n // w.world_size, device=w.device) for _ in range(calls)]
     gathered = [torch.empty(n * w.world_size, device=w.device) for _ in range(calls)]
@@ -558,11 +567,10 @@ def _two_streams(w, calls, gather, scatter):
             b(xs[i], gathered[i])
     torch.cuda.synchronize()
     for i in range(calls):
-        total = float(sum(r + i for r in range(w.world_size)))
-        assert torch.equal(reduced[i].cpu(), torch.full((n,), total))
-        assert torch.equal(scattered[i].cpu(), torch.full((n // w.world_size,), total))
-        expected = torch.cat([torch.full((n,), float(r + i)) for r in range(w.world_size)])
-        assert torch.equal(gathered[i].cpu(), expected)
+        total = sum(everyone[i])
+        assert torch.equal(reduced[i].cpu(), total), f"call {i}: all_reduce"
+        assert torch.equal(scattered[i].cpu(), total.view(w.world_size, -1)[w.rank]), f"call {i}: reduce_scatter"
+        assert torch.equal(gathered[i].cpu(), torch.cat(everyone[i])), f"call {i}: all_gather"
     tridist.barrier_all()
     for op in (a, b, c):
         op.free()

@@ -203,7 +203,8 @@ def test_fp8_bad_input(world):
 
 def _graph_replays(w, replays):
     """Each op captured once in a CUDA graph and replayed back to back with inputs scaled by 1..4;
-    every 25th replay is checked against the op's own eager result for that scale."""
+    every 25th replay is checked against torch on every rank's inputs for that scale, and for the
+    same bits as the op's eager result."""
     dtype, m, k, n = torch.bfloat16, 256, 128, 256
     cases = [ops.AllGatherGEMM(m // w.world_size, k, n, dtype, comm) for comm in ("ce", "sm")
              if w.nnodes == 1 or comm == "sm"]
@@ -211,13 +212,26 @@ def _graph_replays(w, replays):
     cases += [ops.GemmAllReduce(64, k, n, dtype, method) for method in ("one_shot", "ll")
               if w.nnodes == 1 or method != "ll"]
     for op in cases:
+        what = (type(op).__name__, getattr(op, "comm", getattr(op, "method", "")))
         rows = op.m_shard if isinstance(op, ops.AllGatherGEMM) else op.m
-        base = _random((rows, k), dtype, w.rank).to(w.device)
-        a, b = base.clone(), _random((k, n), dtype, 5 + w.rank).to(w.device)
-        expected = []
+        bases = [_random((rows, k), dtype, r) for r in range(w.world_size)]
+        bs = [_random((k, n), dtype, 5 + r) for r in range(w.world_size)]
+        references = []
+        for scale in range(1, 5):
+            every_a = [(base * scale).float() for base in bases]
+            if isinstance(op, ops.AllGatherGEMM):
+                references.append(torch.cat(every_a) @ bs[w.rank].float())
+            else:
+                total = sum(a @ b.float() for a, b in zip(every_a, bs))
+                references.append(total[w.rank * op.m // w.world_size:][:op.m // w.world_size]
+                                  if isinstance(op, ops.GemmReduceScatter) else total)
+        base = bases[w.rank].to(w.device)
+        a, b = base.clone(), bs[w.rank].to(w.device)
+        eager = []
         for scale in range(1, 5):
             a.copy_(base * scale)
-            expected.append(op(a, b).clone())
+            eager.append(op(a, b).clone())
+            _assert_close(eager[-1], references[scale - 1], dtype, f"{what}, eager, scale {scale}")
         out = op(a, b)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -226,7 +240,8 @@ def _graph_replays(w, replays):
             a.copy_(base * (i % 4 + 1))
             graph.replay()
             if i % 25 == 24:
-                assert torch.equal(out, expected[i % 4]), (type(op).__name__, getattr(op, "comm", ""), i)
+                _assert_close(out, references[i % 4], dtype, f"{what}, replay {i}")
+                assert torch.equal(out, eager[i % 4]), (*what, i, "bits differ from the eager call's")
         tridist.barrier_all()
         op.free()
 

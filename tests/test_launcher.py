@@ -13,7 +13,7 @@ import pytest
 
 from tridist.runtime import info, launcher, mps, sharing
 
-from .harness import backend, gpu_worlds
+from .harness import backend, gpu_worlds, worlds_not_started
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,6 +166,20 @@ def test_sharing_settings(monkeypatch):
         config.ranks_per_gpu()
     assert gpu_worlds(1, 1) == ["1"] and gpu_worlds(2, 1) == ["1", "2", "2x1"]
     assert gpu_worlds(1, 2) == ["2", "2x1"] and gpu_worlds(1, 4) == ["2", "2x1", "4", "2x2"]
+    monkeypatch.setenv("TRIDIST_RANKS_PER_GPU", "4")
+    monkeypatch.setenv("TRIDIST_TEST_WORLDS", "2,2x1")
+    assert worlds_not_started(("1",)) == ("runs in worlds 1; this run starts 2, 2x1 (ranks share a GPU: no world 1, "
+                                          "whose point is peers); TRIDIST_TEST_WORLDS picks them")
+
+
+def test_tests_of_worlds_not_started_are_skipped_not_dropped():
+    """Where none of a test's worlds starts (world 1 with ranks sharing a GPU), pytest lists it as
+    skipped, once for each of its other parameters, and starts no world for it."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests/test_expert_parallel.py", "-q", "-rs", "-p",
+                             "no:cacheprovider", "-k", "test_low_latency_placement"],
+                            env={**os.environ, "TRIDIST_TEST_WORLDS": "2"}, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    assert "4 skipped" in result.stdout and "runs in worlds 1; this run starts 2" in result.stdout, result.stdout
 
 
 def test_rank_environments():

@@ -64,7 +64,9 @@ class Layer:
         x, idx = torch.cat(self.x).float(), torch.cat(self.idx).reshape(-1)
         return torch.stack([x[p // self.topk] @ self.w1[rank][int(idx[p])].float() for p in self.rows])
 
-    def expected_y(self, rank):
+    def expected_y(self, rank, h=None):
+        """moe_rs's result on `rank`, of every rank's `h` (default: the layer's)."""
+        h = self.h if h is None else h
         row_of_pair = {p: row for row, p in enumerate(self.rows)}
         idx = torch.cat(self.idx).reshape(-1)
         y = torch.zeros(self.tokens, self.w2[0].shape[2], dtype=torch.float64)
@@ -72,8 +74,7 @@ class Layer:
             for k in range(self.topk):
                 pair = (rank * self.tokens + t) * self.topk + k
                 expert = int(idx[pair])
-                total = sum(self.h[r][row_of_pair[pair]].double() @ self.w2[r][expert].double()
-                            for r in range(len(self.h)))
+                total = sum(h[r][row_of_pair[pair]].double() @ self.w2[r][expert].double() for r in range(len(h)))
                 y[t] += self.weights[rank][t, k].double() * total
         return y.float()
 
@@ -224,8 +225,10 @@ def _custom_ops(w):
     y, h = torch.compile(mlp, backend="eager", fullgraph=True)(x, idx, weights)
     error = relative_error(h, layer.expected_h(w.rank))
     assert error <= TOLERANCE[torch.bfloat16], f"h under torch.compile: relative error {error:.2e}"
+    every_h = [torch.relu(layer.expected_h(r)).to(torch.bfloat16) for r in range(w.world_size)]
+    error = relative_error(y, layer.expected_y(w.rank, every_h))
+    assert error <= TOLERANCE[torch.bfloat16], f"y under torch.compile: relative error {error:.2e}"
     handle = ops.ag_moe(x, idx, w1)[1]
-    assert torch.equal(y, ops.moe_rs(torch.relu(h), w2, handle, weights))
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in (x, idx, w1, w2, weights)]
         h, layout = torch.ops.tridist.ag_moe(*fake[:3])
@@ -268,13 +271,15 @@ def test_moe_tuned_config(world, tmp_path):
 
 def _graph_replays(w, replays):
     """AllGatherMoE and MoEReduceScatter captured in one CUDA graph, replayed back to back with new
-    tokens, routing and weights copied in; every 10th replay checked against eager calls."""
+    tokens, routing and weights copied in; every 10th replay checked against the float references
+    and for the same bits as eager calls."""
     layers = [Layer(w, "random", torch.bfloat16, call) for call in range(3)]
     inputs = [layer.inputs(w.rank, w.device) for layer in layers]
     x, idx, w1, h, w2, weights = buffers = [t.clone() for t in inputs[0]]
     up = ops.AllGatherMoE(x.shape[0], x.shape[1], w1.shape[2], layers[0].experts, layers[0].topk, torch.bfloat16)
     down = ops.MoEReduceScatter(x.shape[0], w2.shape[1], w2.shape[2], layers[0].experts, layers[0].topk,
                                 torch.bfloat16)
+    references = [(layer.expected_h(w.rank), layer.expected_y(w.rank)) for layer in layers]
     eager = []
     for args in inputs:
         result, handle = up(*args[:3])
@@ -288,6 +293,9 @@ def _graph_replays(w, replays):
             buffer.copy_(value)
         graph.replay()
         if i % 10 == 9:
+            for got, reference, name in zip((result, y), references[i % 3], ("h", "y")):
+                error = relative_error(got, reference)
+                assert error <= TOLERANCE[torch.bfloat16], f"replay {i}: {name}: relative error {error:.2e}"
             assert torch.equal(result, eager[i % 3][0]) and torch.equal(y, eager[i % 3][1]), i
     torch.cuda.synchronize()
     tridist.barrier_all()

@@ -63,6 +63,15 @@ def test_plan_is_the_seed_s_and_valid_for_the_world():
         cases.select("alltoall")
 
 
+def test_registry_keeps_the_families_order(monkeypatch):
+    """A seed's plan does not depend on which family's module was imported first (a test module that
+    imported tridist.stress.alltoall early changed seed 972's plan)."""
+    ordered = list(cases.registry())
+    early = {op: c for op, c in cases.REGISTRY.items() if type(c).__module__.endswith(".alltoall")}
+    monkeypatch.setattr(cases, "REGISTRY", {**early, **cases.REGISTRY})
+    assert list(cases.REGISTRY)[:len(early)] == list(early) and list(cases.registry()) == ordered
+
+
 def test_plan_keeps_each_op_to_its_forms_and_modes():
     """On GPUs Jacobi2D (whose load synchronises on the host) is never captured in a graph, while
     the other ops are; a FlashDecode config with fixed splits goes to the class only."""
@@ -201,3 +210,34 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
     assert stress.main(part) == 0
     figures = json.loads((tmp_path / "stress-seed3-from4-cpux2-2026-11-24.json").read_text())
     assert (figures["calls"], figures["first_call"], figures["requested_calls"]) == (5, 4, 5), "a part of a plan"
+
+
+def test_stopped_early_fails_unless_time_boxed(tmp_path, monkeypatch, capsys):
+    """A run that --time-limit stops before its calls says so and fails, so that a run of 119 of
+    10,000 calls is not taken for a pass; with --time-box (the limit is the intended end) it passes."""
+    import argparse
+
+    from tridist import stress
+    from tridist.runtime import launcher
+
+    def launch(nproc, script, **options):
+        folder = script[script.index("--reports") + 1]
+        stop = {"kind": "time limit", "what": "call 119", "message": "--time-limit 60 s"}
+        for r in (0, 1):
+            with open(f"{folder}/rank{r}.json", "w") as f:
+                json.dump({"rank": r, "calls": 119, "wrong": [], "stop": stop, "skipped": {}}, f)
+        return 0
+
+    monkeypatch.setattr(launcher, "run", launch)
+    parser = argparse.ArgumentParser()
+    stress.add_arguments(parser)
+    common = ["-n", "2", "--calls", "10000", "--time-limit", "60", "--out", str(tmp_path / "s.json")]
+    assert stress.main(parser.parse_args(common)) == stress.EXIT_STOPPED_EARLY
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("stopped early: 119 of 10000 calls (--time-limit 60 s; calls from 119 on"), lines
+    assert re.fullmatch(r"stress: 119 calls, 0 wrong, 0 hangs, [0-9.]+ s", lines[-1])
+    assert json.loads((tmp_path / "s.json").read_text())["stopped_early"] is True
+    assert stress.main(parser.parse_args(common + ["--time-box"])) == 0
+    assert capsys.readouterr().out.splitlines()[-2] == "stopped early: 119 of 10000 calls (--time-limit 60 s, --time-box)"
+    with pytest.raises(SystemExit, match="--time-box makes --time-limit"):
+        stress.main(parser.parse_args(["-n", "2", "--time-box"]))

@@ -27,7 +27,7 @@ NAME:
   gemm            tridist's GEMM alone, every config, against cuBLAS on ag_gemm's local shapes
   ag_gemm, gemm_rs, gemm_ar
                   the overlapped GEMMs against NCCL + cuBLAS one after the other, and against
-                  PyTorch's fused ops where torch_fused saved their times today
+                  PyTorch's fused ops where torch_fused saved their times in this run (TRIDIST_BENCH_RUN)
   torch_fused     PyTorch's fused ag_gemm and gemm_rs, in a process that never starts tridist
   jacobi          the 2D Jacobi solver per iteration, host loop against one fused co-resident kernel
   flash_decode    the split-KV decode kernel's bandwidth against a copy and SDPA on one GPU (-n 1)

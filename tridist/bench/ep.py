@@ -58,7 +58,7 @@ from tridist.ops.moe.expert_parallel import FP8_GROUP
 
 from . import shared_gpu
 from .results import relative_error, save, table
-from .timing import GRAPH_LIMIT_US, all_ranks, op_us, print_kernels, slowest, time_us
+from .timing import GRAPH_LIMIT_US, all_ranks, copy_rate, op_us, print_kernels, slowest, time_us
 
 LAYERS = {"deepseek-ll": ("ll", 128, 7168, 8, 256), "deepseek": ("normal", 4096, 7168, 8, 256),
           "mixtral": ("normal", 4096, 4096, 2, 8)}
@@ -122,24 +122,37 @@ def _check_exact(what: str, ok: bool) -> None:
         raise AssertionError(f"{what}: wrong rows, counts or layout on some rank")
 
 
-COPY_BYTES = 1 << 30  # the copy whose rate "of copy" divides by: far larger than L2 (50 MB on an H100)
-
-
-def copy_rate(device) -> float:
-    """Bytes read and written per microsecond by a device-to-device copy of COPY_BYTES. A copy of one
-    dispatch's payload (14.7 MB at deepseek-ll) stays in L2 and ran at 4815 GB/s on an H100
-    (2026-11-25), which no transfer from HBM can match."""
-    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    return 2 * COPY_BYTES / op_us(lambda: target.copy_(source))
-
-
 def _eager_us(fn) -> float:
     """The slowest rank's median microseconds of `fn()` without a CUDA graph (it reads the host)."""
     return slowest(time_us(fn, inner=10, repetitions=15, warmup=3))
 
 
 # ---- ep ----------------------------------------------------------------------------------------------
+def normal_receipt(x_all, idx_all, weights_all, rank: int, experts_local: int):
+    """What `rank` must receive from `EPBuffer.dispatch`, given every rank's tokens, expert ids (-1:
+    none) and weights concatenated in rank order: (rows, their expert ids among `rank`'s (-1: another
+    rank's), their weights), every token with an expert on `rank`, rank 0's first, in token order.
+    Shared with the stress run (`tridist/stress/alltoall.py`)."""
+    here = (idx_all // experts_local == rank).any(1)  # -1 // experts_local is -1: no rank's
+    ids = idx_all[here]
+    local_ids = torch.where(ids // experts_local == rank, ids - rank * experts_local, -1)
+    return x_all[here], local_ids, weights_all[here]
+
+
+def low_latency_receipt(idx_all, rank: int, experts_local: int):
+    """(row of every rank's tokens, local expert) of each (token, expert) pair `rank`'s experts
+    receive from `EPBuffer.low_latency_dispatch`, given every rank's expert ids (-1: none)
+    concatenated in rank order: expert-major, within an expert in that order (rank 0's first), as
+    the dispatch packs them. Shared with the stress run."""
+    topk = idx_all.shape[1]
+    flat = idx_all.reshape(-1)
+    token = torch.arange(flat.numel(), device=flat.device) // topk
+    here = flat // experts_local == rank
+    token, expert = token[here], flat[here] - rank * experts_local
+    order = torch.sort(expert * idx_all.shape[0] + token).indices
+    return token[order], expert[order]
+
+
 class _Layer:
     """Every rank's tokens, routing and weights (drawn alike on every rank), this rank's share, and what
     this rank must receive."""
@@ -159,19 +172,9 @@ class _Layer:
         self.x, self.idx, self.weights = (t[mine].contiguous() for t in (self.x_all, self.idx_all, self.weights_all))
         self.expected = (self.x.float() * self.weights.sum(1, keepdim=True)).to(torch.bfloat16)
 
-    def received_pairs(self):
-        """(token of each pair this rank's experts receive, its local expert), expert-major and within an
-        expert in global token order (rank 0's first), as the low-latency dispatch packs them."""
-        flat = self.idx_all.reshape(-1)
-        token = torch.arange(flat.numel(), device=flat.device) // self.topk
-        here = flat // self.local == self.rank
-        token, expert = token[here], flat[here] - self.rank * self.local
-        order = torch.sort(expert * self.x_all.shape[0] + token).indices
-        return token[order], expert[order]
-
     def per_expert(self) -> torch.Tensor:
         """Pairs each local expert receives."""
-        return torch.bincount(self.received_pairs()[1], minlength=self.local)
+        return torch.bincount(low_latency_receipt(self.idx_all, self.rank, self.local)[1], minlength=self.local)
 
     def payload(self, fp8: bool = False) -> float:
         """Bytes of received rows per rank, the mean over ranks (one way)."""
@@ -185,13 +188,11 @@ class _Layer:
 def _check_normal(buffer: ops.EPBuffer, layer: _Layer, name: str):
     """Checks dispatch and combine in normal mode; returns what timing them needs: (y, handle)."""
     recv_x, recv_idx, recv_weights, per_expert, handle = buffer.dispatch(layer.x, layer.idx, layer.weights)
-    here = (layer.idx_all // layer.local == layer.rank).any(1)
-    received = int(here.sum())
-    ids = layer.idx_all[here]
-    local_ids = torch.where(ids // layer.local == layer.rank, ids - layer.rank * layer.local, -1)
-    _check_exact(f"ep {name} dispatch", torch.equal(recv_x[:received], layer.x_all[here])
+    rows, local_ids, weights = normal_receipt(layer.x_all, layer.idx_all, layer.weights_all, layer.rank, layer.local)
+    received = rows.shape[0]
+    _check_exact(f"ep {name} dispatch", torch.equal(recv_x[:received], rows)
                  and torch.equal(recv_idx[:received], local_ids)
-                 and torch.equal(recv_weights[:received], layer.weights_all[here])
+                 and torch.equal(recv_weights[:received], weights)
                  and bool((recv_idx[received:] == -1).all()) and torch.equal(per_expert, layer.per_expert()))
     y = (recv_x.float() * (recv_weights * (recv_idx >= 0)).sum(1, keepdim=True)).to(torch.bfloat16)
     _check(f"ep {name} combine(dispatch(x))", relative_error(buffer.combine(y, handle), layer.expected), TOLERANCE)
@@ -200,7 +201,7 @@ def _check_normal(buffer: ops.EPBuffer, layer: _Layer, name: str):
 
 def _check_ll(buffer: ops.EPBuffer, layer: _Layer, name: str):
     """Checks the low-latency dispatch (bf16 and fp8) and combine; returns (y, handle) of the bf16 one."""
-    token, _ = layer.received_pairs()
+    token, _ = low_latency_receipt(layer.idx_all, layer.rank, layer.local)
     counts = layer.per_expert()
     recv_x, recv_count, handle, _ = buffer.low_latency_dispatch(layer.x, layer.idx)
     packed = torch.arange(recv_x.shape[1], device=recv_x.device)[None, :] < recv_count[:, None]

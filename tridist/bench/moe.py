@@ -1,5 +1,6 @@
 """`tridist bench grouped_gemm|ag_moe|moe_rs`: the grouped GEMM and the tensor-parallel MoE ops,
-each checked against a float32 reference first, then timed next to PyTorch in the same run.
+each checked against a float32 reference first, then timed next to PyTorch in the same run (every
+baseline checked against the same reference before it is timed).
 
 Layers (`--layers`, LAYERS): experts x rows per expert, K (hidden), N (the experts' inner size),
 topk. The routing is balanced, pair p of the layer's tokens to expert p % experts, so every expert
@@ -130,11 +131,16 @@ def grouped_rows(layers, dtype, timed: bool = True, configs: bool = False) -> li
         weight_bytes = w.numel() * w.element_size()
         copy = torch.empty_like(w)
         copy_us = op_us(lambda: copy.copy_(w))
-        torch_us = None
+        torch_us = torch_call = None
         if fp8 and _has("_scaled_grouped_mm"):
-            torch_us = op_us(lambda: torch._scaled_grouped_mm(x, w, *scales, offs=offs, out_dtype=torch.bfloat16))
+            def torch_call():
+                return torch._scaled_grouped_mm(x, w, *scales, offs=offs, out_dtype=torch.bfloat16)
         elif not fp8 and _has("_grouped_mm"):
-            torch_us = op_us(lambda: torch._grouped_mm(x, w, offs=offs))
+            def torch_call():
+                return torch._grouped_mm(x, w, offs=offs)
+        if torch_call is not None:  # checked, as tridist's is, before it is timed
+            _check(f"grouped_gemm {name}: torch", torch_call(), expected)
+            torch_us = op_us(torch_call)
         for label, config in candidates.items():
             us = op_us(lambda: ops.grouped_gemm(x, w, offs, out, config, *scales))
             row = {"layer": name, "config": label if config else _config_name(grouped.default_config(
@@ -240,26 +246,34 @@ def _moe_layer(op_name, name, experts, per_expert, k, n, topk, timed, comm_progr
     ag = ops.AllGatherMoE(layer.tokens, k, layer.n, experts, topk, torch.bfloat16, tile_order=tile_order)
     h, handle = ag(layer.x_shard, layer.idx_shard, up)
     if op_name == "ag_moe":
-        _check(f"ag_moe {name}", h, _reference_grouped(layer.sorted_tokens(), up, layer.offs))
-        op, args = ag, (layer.x_shard, layer.idx_shard, up, h)
         alone = (layer.sorted_tokens(), up)
+        expected = products = _reference_grouped(*alone, layer.offs)
+        _check(f"ag_moe {name}", h, expected)
+        op, args = ag, (layer.x_shard, layer.idx_shard, up, h)
     else:
         down, h = layer.down(w.rank), layer.h(w.rank)
         op = ops.MoEReduceScatter(layer.tokens, layer.n, k, experts, topk, torch.bfloat16, comm_programs,
                                   tile_order=tile_order)
         args = (h, down, handle, layer.weights_shard)
-        _check(f"moe_rs {name}", op(*args), layer.expected_y())
+        expected = layer.expected_y()
+        _check(f"moe_rs {name}", op(*args), expected)
         alone = (h, down)
+        products = _reference_grouped(*alone, layer.offs)
     if timed:
         row = {"layer": name, "config": _config_name(op.config), "tiles by": "expert" if op.by_expert else "source"}
         if op_name == "moe_rs":
             row["comm programs"] = op.comm_programs
         gemm_out = torch.empty(alone[0].shape[0], alone[1].shape[2], dtype=torch.bfloat16, device=w.device)
+        # Every baseline is checked, as the op was, before it is timed.
+        _check(f"{op_name} {name}: grouped GEMM alone", ops.grouped_gemm(*alone, layer.offs, gemm_out), products)
         row[f"{op_name} us"], row["grouped GEMM alone us"] = interleaved_us(
             [lambda: op(*args), lambda: ops.grouped_gemm(*alone, layer.offs, gemm_out)])
         if _has("_grouped_mm"):
+            _check(f"{op_name} {name}: torch._grouped_mm", torch._grouped_mm(*alone, offs=layer.offs), products)
             row["torch._grouped_mm us"] = op_us(lambda: torch._grouped_mm(*alone, offs=layer.offs))
-            row["sequential us"] = op_us(_sequential(op_name, layer, *alone))
+            sequential = _sequential(op_name, layer, *alone)
+            _check(f"{op_name} {name}: sequential NCCL + torch", sequential(), expected)
+            row["sequential us"] = op_us(sequential)
         row["/ GEMM alone"] = row[f"{op_name} us"] / row["grouped GEMM alone us"]
         if w.rank == 0:
             print(f"  {op_name} {name}: {row[f'{op_name} us']:.1f} us, grouped GEMM alone "

@@ -4,7 +4,9 @@ same run, after checking tridist's result against the sequential one.
 
 PyTorch's fused ops cannot run in this process (they refuse the NVSHMEM backend tridist puts
 PyTorch's symmetric memory on): `tridist bench torch_fused` measures them in a process of its own,
-and the "torch fused us" column here is read from the newest JSON it saved for this device today.
+and the "torch fused us" column here is read from the JSON it saved in the same run: the same
+TRIDIST_BENCH_RUN, an id that both commands record (scripts/gpu_suite.sh sets one for its
+benchmarks), on this device today. Without a run id there is no such column.
 
 Shapes are (M, N, K) of the whole layer, tensor-parallel over the ranks:
 - ag_gemm: column-parallel; a_shard is M/world x K, b is K x N/world, out M x N/world.
@@ -25,7 +27,7 @@ from tridist import ops
 from tridist.ops import gemm
 
 from . import shared_gpu
-from .results import latest, relative_error, save, table, title
+from .results import RUN_VARIABLE, latest, relative_error, save, table, title
 from .timing import op_us, slowest
 
 SHAPES = {
@@ -173,7 +175,7 @@ def torch_fused_column(name: str) -> str:
 
 def _torch_fused_us(name: str, folder: str, world_size: int, dtype: str) -> tuple[dict, str | None]:
     """PyTorch's fused op for `name`, microseconds per shape, from the newest torch_fused JSON of
-    this device today on as many ranks in `dtype`, and a sentence saying where they come from."""
+    this run (`results.latest`) on as many ranks in `dtype`, and a sentence saying where they come from."""
     if name not in ("ag_gemm", "gemm_rs"):
         return {}, None
     found = latest(TORCH_FUSED, folder, world_size=world_size, dtype=dtype)
@@ -183,8 +185,8 @@ def _torch_fused_us(name: str, folder: str, world_size: int, dtype: str) -> tupl
     column = torch_fused_column(name)
     us = {row["shape"]: row[column] for row in data["rows"] if row.get(column) is not None}
     return us, (f"from {os.path.basename(path)}: measured by tridist.bench.torch_fused in a separate process of "
-                "the same run (same device and day; that process never starts tridist, so PyTorch's symmetric "
-                "memory stays on its CUDA backend)")
+                f"the same run ({RUN_VARIABLE}={data['run']}; that process never starts tridist, so PyTorch's "
+                "symmetric memory stays on its CUDA backend)")
 
 
 def _config_name(config: dict) -> str:
@@ -271,8 +273,9 @@ def main(argv=None) -> int:
             extra["torch fused us"] = source
             print(f"torch fused us: {source}")
         elif args.op in ("ag_gemm", "gemm_rs") and dtype != gemm.FP8 and not shared:
-            print(f"(no {TORCH_FUSED} results of {w.world_size} ranks in {args.dtype} for this device today in "
-                  f"{args.out}: run `tridist bench torch_fused` first for the 'torch fused us' column)")
+            print(f"(no {TORCH_FUSED} results of {w.world_size} ranks in {args.dtype} of this run in {args.out}: "
+                  f"run `tridist bench torch_fused` first, both with the same {RUN_VARIABLE}, for the "
+                  "'torch fused us' column)")
         path = save(args.op if args.dtype == "bfloat16" else f"{args.op}-{args.dtype}", rows, args.out, extra)
         plot(args.op, rows, path.replace(".json", ".png"), w.world_size)
         print(f"saved {path}" + (f" ({shared_gpu.SPEED}: no speed claim)" if shared else ""))

@@ -26,6 +26,7 @@ from . import shared_gpu
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]  # the repository root when tridist runs from a clone
 NVSHMEM_WHEELS = ("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12")
+RUN_VARIABLE = "TRIDIST_BENCH_RUN"  # an id of one benchmark run, recorded in every JSON it saves
 
 
 def tridist_commit() -> str | None:
@@ -55,12 +56,16 @@ def _nvshmem_version() -> str | None:
 
 def environment() -> dict:
     """Where and with what a benchmark ran: date, tridist (its commit in a checkout), torch, triton,
-    python; on GPUs also the device, the GPUs and ranks, CUDA, NCCL and the NVSHMEM wheel."""
+    python; the run id (RUN_VARIABLE) where one is set: benchmarks that read another's JSON (ag_gemm
+    and gemm_rs read torch_fused's) take only that of the same run; on GPUs also the device, the GPUs
+    and ranks, CUDA, NCCL and the NVSHMEM wheel."""
     info = {"date": datetime.date.today().isoformat(), "tridist": __version__}
     commit = tridist_commit()
     if commit:
         info["tridist_commit"] = commit
     info.update({"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()})
+    if os.environ.get(RUN_VARIABLE):
+        info["run"] = os.environ[RUN_VARIABLE]
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
         info["gpus"] = torch.cuda.device_count()
@@ -131,11 +136,15 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
 
 
 def latest(name: str, folder: str, **fields) -> tuple[str, dict] | None:
-    """(path, contents) of the newest JSON that `save(name, ...)` left in `folder` on this device
-    today with these `fields` (e.g. world_size=2), or None: numbers measured elsewhere, another day
-    or on other ranks are not comparable with this run's."""
+    """(path, contents) of the newest JSON that `save(name, ...)` left in `folder` in this run (the
+    same RUN_VARIABLE, which must be set) on this device today with these `fields` (e.g.
+    world_size=2), or None: numbers measured in another run, elsewhere, another day or on other
+    ranks are not comparable with this run's."""
     env = environment()
-    wanted = {"benchmark": name, "date": env["date"], "device": env.get("device"), "gpus": env.get("gpus"), **fields}
+    if "run" not in env:
+        return None
+    wanted = {"benchmark": name, "run": env["run"], "date": env["date"], "device": env.get("device"),
+              "gpus": env.get("gpus"), **fields}
     found = []
     for path in glob.glob(os.path.join(folder, f"{name}-*.json")):
         try:

@@ -87,6 +87,18 @@ def _start_together() -> None:
             dist.all_reduce(torch.zeros(1, device=torch.cuda.current_device()))
 
 
+COPY_BYTES = 1 << 30  # the copy whose rate the benchmarks' "of copy" divides by: far larger than L2 (50 MB on an H100)
+
+
+def copy_rate(device) -> float:
+    """Bytes read and written per microsecond by a device-to-device copy of COPY_BYTES. A copy that L2
+    holds is no ceiling for a kernel that reads HBM: it runs faster than HBM can deliver
+    (benchmarks/NOTES.md, 2026-11-25 and -28)."""
+    source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    return 2 * COPY_BYTES / op_us(lambda: target.copy_(source))
+
+
 def all_ranks(ok: bool) -> bool:
     """Whether `ok` holds on every rank. A collective that gives every rank the same answer: a rank
     that went on to time an op while a peer skipped it would wait for that peer forever."""

@@ -4,7 +4,8 @@
 Why a process of its own: tridist puts PyTorch's symmetric memory on its NVSHMEM backend, whose
 allocator refuses the group name these ops allocate their workspace with ("must not be called with
 a group_name"). Here PyTorch keeps its default CUDA backend. `tridist bench ag_gemm|gemm_rs` then
-read the JSON saved here (same device, same day) into their "torch fused us" column.
+read the JSON saved here into their "torch fused us" column, when it records the same run id as
+they do (TRIDIST_BENCH_RUN, set for both: `results.latest`).
 
 Shapes and operands follow `overlap.py`: (M, N, K) of the whole layer; ag_gemm's a_shard is
 M/world x K and b K x N/world, gemm_rs's a is M x K/world and b K/world x N. Each op's result is

@@ -131,4 +131,7 @@ SETTINGS = {
                               "calls (needs llvmlite; kernels compile about ten times faster), or whole",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
     "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",
+    "TRIDIST_BENCH_RUN": "an id of one benchmark run, recorded in each JSON `tridist bench` saves: ag_gemm and "
+                         "gemm_rs take PyTorch's fused times only from torch_fused's JSON of the same run "
+                         "(scripts/gpu_suite.sh sets one)",
 }

@@ -1,7 +1,7 @@
 """`tridist stress`: a seeded random sequence of calls of every op, every result checked, no quiet hangs.
 
     tridist stress -n N [--nnodes K] [--ranks-per-gpu K] [--calls C] [--seed S] [--first-call I]
-                   [--watchdog SECONDS] [--ops LIST] [--time-limit SECONDS] [--out PATH]
+                   [--watchdog SECONDS] [--ops LIST] [--time-limit SECONDS [--time-box]] [--out PATH]
 
 starts N ranks (as `tridist run` does) that make the same C calls, drawn from the seed by every rank
 alone: every op of `tridist.ops`, with every method (all_gather, reduce_scatter, all_reduce with
@@ -37,12 +37,14 @@ and the launcher stops the others.
 made): `--seed S --first-call I --calls I+1` replays call I alone, on a fresh job. --ops takes op
 names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the modules of
 `tridist.ops`), comma-separated; --time-limit stops starting new calls after that many seconds
-(kernels compile on first use: a first run on a GPU spends most of its time compiling); --out
+(kernels compile on first use: a first run on a GPU spends most of its time compiling): a run it
+stops prints `stopped early: C of N calls` before the summary and fails (EXIT_STOPPED_EARLY), unless
+--time-box says the time limit is the run's intended end; --out
 writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as the
 benchmarks' results are, `stress-seed<S>-...` for a seed other than 0, `stress[-seed<S>]-from<I>-...`
 for a run from call I: a long plan split into runs of consecutive calls, a GPU each, keeps a file
 per run). Exit codes: 0 right, 1
-wrong results, 3 a hang, 4 a call failed.
+wrong results, 3 a hang, 4 a call failed, 5 stopped early by --time-limit (without --time-box).
 """
 import argparse
 import json
@@ -54,6 +56,7 @@ import time
 EXIT_WRONG = 1
 EXIT_HANG = 3
 EXIT_STOPPED = 4  # a call raised on some rank (it is counted wrong too)
+EXIT_STOPPED_EARLY = 5  # --time-limit ended the run before its calls, and --time-box was not given
 
 
 def description() -> str:
@@ -72,7 +75,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watchdog", type=float, default=120.0,
                         help="seconds a call may run before it counts as a hang and ends the job (default 120)")
     parser.add_argument("--time-limit", type=float, default=None,
-                        help="start no new call after this many seconds; the summary counts the calls made")
+                        help="start no new call after this many seconds; the summary counts the calls made, and "
+                             "a run stopped so fails unless --time-box is given")
     # For the tests: a wrong result, and a hang, planted at call I on the last rank.
     parser.add_argument("--plant-wrong", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--plant-hang", type=int, default=None, help=argparse.SUPPRESS)
@@ -89,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start a CUDA MPS daemon for the job (see tridist run)")
     parser.add_argument("--out", default=None,
                         help="write the figures as JSON: a .json file, or a folder (e.g. benchmarks/results)")
+    parser.add_argument("--time-box", action="store_true",
+                        help="--time-limit is the run's intended end: stopping there before all calls is not a "
+                             "failure")
     add_run_arguments(parser)
 
 
@@ -97,6 +104,8 @@ def main(args: argparse.Namespace) -> int:
     if args.calls < 0 or args.watchdog <= 0 or not 0 <= args.first_call <= args.calls:
         raise SystemExit("tridist stress: --calls must be 0 or more, --first-call from 0 to --calls, and --watchdog "
                          "above 0 seconds")
+    if args.time_box and args.time_limit is None:
+        raise SystemExit("tridist stress: --time-box makes --time-limit the run's intended end: give --time-limit too")
     from ..runtime.launcher import run as launch
 
     folder = tempfile.mkdtemp(prefix="tridist-stress-")
@@ -123,11 +132,20 @@ def main(args: argparse.Namespace) -> int:
     figures.update(wall_s=round(wall, 1), seed=args.seed, world=args.nproc, nnodes=args.nnodes or 1,
                    ranks_per_gpu=args.ranks_per_gpu, requested_calls=args.calls - args.first_call,
                    first_call=args.first_call, ops=args.ops or "all", watchdog_s=args.watchdog,
-                   debug=os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0"), exit_code=code)
+                   debug=os.environ.get("TRIDIST_DEBUG", "0") not in ("", "0"), time_limit_s=args.time_limit,
+                   time_box=args.time_box, exit_code=code)
+    requested = figures["requested_calls"]
+    stopped_early = any(stop["kind"] == "time limit" for stop in figures["stops"]) and figures["calls"] < requested
+    figures["stopped_early"] = stopped_early
     if code and not (figures["wrong"] or figures["hangs"]):
         print(f"tridist stress: the job ended with code {code}, and no rank said why (see above)", flush=True)
     if args.out:
         print(f"tridist stress: wrote {_save(args.out, figures)}", flush=True)
+    if stopped_early:
+        print(f"stopped early: {figures['calls']} of {requested} calls (--time-limit {args.time_limit:g} s"
+              + (", --time-box)" if args.time_box else f"; calls from {args.first_call + figures['calls']} on were "
+                 "not made: continue with --first-call there, or give --time-box if the limit is the intended end)"),
+              flush=True)
     print(f"stress: {figures['calls']} calls, {figures['wrong']} wrong, {figures['hangs']} hangs, {wall:.1f} s",
           flush=True)
     if figures["hangs"]:
@@ -136,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_STOPPED
     if figures["wrong"]:
         return EXIT_WRONG
+    if stopped_early and not args.time_box:
+        return EXIT_STOPPED_EARLY
     return code
 
 

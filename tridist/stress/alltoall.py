@@ -16,8 +16,13 @@ and EPBuffer's dispatch followed by its combine.
   `return_recv_hook`, in `config`; dtype float8_e4m3fn: `use_fp8`, dequantized before the
   combine). Tokens per rank from 0 to the buffer's max, top-k distinct experts with -1 entries,
   1 to 4 experts per rank; routing drawn per call (and per graph replay) alike on every rank.
-  The combined tokens must be x times the sum of their valid weights within `ep_tolerance`; the
-  received pairs per local expert (recv_tokens_per_expert, recv_count) must be exact.
+  The combined tokens must be x times the sum of their valid weights within `ep_tolerance`; what
+  the dispatch returns must be exact (with identity experts, a token sent to the wrong local expert
+  comes back right from the combine): the received pairs per local expert (recv_tokens_per_expert,
+  recv_count), and the received rows, in normal mode with their local expert ids (all of recv_idx:
+  -1 past the rows received) and weights, in low-latency mode each expert's packed rows (fp8:
+  dequantised, within e4m3's rounding of the token's values). The rows expected come from
+  `tridist.bench.ep`'s `normal_receipt` and `low_latency_receipt`, on every rank's inputs.
 
 Shapes (`Call.shape`): all_to_all_v (rows of x, rows of out, experts per rank, *row shape);
 ep_dispatch_combine (hidden, experts per rank, topk, max tokens per rank, tokens of rank 0, 1, ...),
@@ -33,6 +38,7 @@ import random
 import torch
 
 from tridist import ops
+from tridist.bench.ep import low_latency_receipt, normal_receipt
 from tridist.ops.moe import alltoall, expert_parallel
 
 from .cases import (Expected, Invalid, OpCases, Trial, _UNIT_ROUNDOFF, composition, count_with_edges, log_uniform,
@@ -263,6 +269,17 @@ def ep_tolerance(reference: torch.Tensor, magnitude: torch.Tensor, terms: int, q
     return 2 * bound
 
 
+def e4m3_error(x: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of what `use_fp8` moves the values of tokens `x` [..., hidden] by: e4m3
+    keeps 3 bits, 2^-4 of |x|; the token's scale per 128 columns maps the group's largest |x| to 448,
+    and below e4m3's normals (2^-6) values land on multiples of 2^-9: half a step, 2^-10 scale =
+    2^-10 / 448 of the group's largest."""
+    magnitude = x.double().abs()
+    groups = magnitude.unflatten(-1, (-1, expert_parallel.FP8_GROUP))
+    floor = (groups.amax(-1, keepdim=True) * 2.0 ** -10 / expert_parallel.FP8_MAX).expand_as(groups)
+    return 2.0 ** -4 * magnitude + floor.flatten(-2)
+
+
 class EPCases(OpCases):
     name, family = "ep_dispatch_combine", "moe"
     forms = ("class",)  # EPBuffer has no function
@@ -296,6 +313,11 @@ class EPCases(OpCases):
 
 
 class EPTrial(Trial):
+    """`call` returns, as float64: the combined tokens, the pairs received per local expert, then
+    the received rows (zeros past those received: which rows those are, `self.received`, is set by
+    `fill`, so that graph replays with new routing check theirs), and in normal mode the received
+    expert ids and weights."""
+
     def __init__(self, call, world):
         self.spec, self.world = call, world
         self.hidden, self.experts, self.topk, self.most, *self.tokens = call.shape
@@ -305,6 +327,9 @@ class EPTrial(Trial):
         self.x = torch.empty((mine, self.hidden), dtype=torch.bfloat16, device=device)
         self.idx = torch.empty((mine, self.topk), dtype=torch.int64, device=device)
         self.weights = torch.empty((mine, self.topk), dtype=torch.float32, device=device)
+        capacity = world.world_size * self.most  # the rows the dispatch returns (per local expert: low latency)
+        rows = (capacity,) if call.method == "normal" else (self.experts, capacity)
+        self.received = torch.zeros(rows, dtype=torch.bool, device=device)
 
     def _routing(self, rng: random.Random, tokens: int) -> list[list[int]]:
         """topk distinct experts a token, some -1; now and then every token to one rank's experts."""
@@ -320,10 +345,15 @@ class EPTrial(Trial):
         W, me, device = self.world.world_size, self.world.rank, self.world.device
         rng = random.Random(seed_of(seed, "routing"))
         routing = [self._routing(rng, n) for n in self.tokens]
-        x = random_tensor((self.tokens[me], self.hidden), torch.bfloat16, seed_of(seed, me), device)
-        g = torch.Generator(device).manual_seed(seed_of(seed, me, "weights"))
-        weights = 0.5 + torch.rand((self.tokens[me], self.topk), generator=g, device=device)
-        idx = torch.tensor(routing[me], dtype=torch.int64, device=device).reshape(self.tokens[me], self.topk)
+        xs = [random_tensor((n, self.hidden), torch.bfloat16, seed_of(seed, r), device)
+              for r, n in enumerate(self.tokens)]
+        every_weights = [0.5 + torch.rand((n, self.topk), device=device,
+                                          generator=torch.Generator(device).manual_seed(seed_of(seed, r, "weights")))
+                         for r, n in enumerate(self.tokens)]
+        idx_all = torch.tensor([e for tokens in routing for token in tokens for e in token], dtype=torch.int64,
+                               device=device).reshape(-1, self.topk)
+        x, weights = xs[me], every_weights[me]
+        idx = idx_all[sum(self.tokens[:me]):sum(self.tokens[:me + 1])]
         self.x.copy_(x)
         self.idx.copy_(idx)
         self.weights.copy_(weights)
@@ -332,28 +362,51 @@ class EPTrial(Trial):
         reference = x.double() * valid.sum(1, keepdim=True)
         magnitude = x.double().abs() * valid.abs().sum(1, keepdim=True)
         quantised = 0.0
-        if self.fp8:
-            # e4m3 keeps 3 bits: 2^-4 of |x|; the token's scale per 128 columns maps the group's
-            # largest |x| to 448, and below e4m3's normals (2^-6) values land on multiples of 2^-9:
-            # half a step, 2^-10 scale = 2^-10 / 448 of the group's largest. Then bf16 rounds the
-            # dequantised value (u of it, already in `magnitude`'s term, to first order).
-            group = expert_parallel.FP8_GROUP
-            groups = x.double().abs().unflatten(-1, (self.hidden // group, group))
-            floor = (groups.amax(-1, keepdim=True) * 2.0 ** -10 / expert_parallel.FP8_MAX).expand_as(groups)
-            quantised = (2.0 ** -4 * x.double().abs() + floor.flatten(-2)) * valid.abs().sum(1, keepdim=True)
+        if self.fp8:  # then bf16 rounds the dequantised value (u of it, in `magnitude`'s term, to first order)
+            quantised = e4m3_error(x) * valid.abs().sum(1, keepdim=True)
         tolerance = ep_tolerance(reference, magnitude, self.topk + W, quantised)
-        pairs = [sum(e == me * self.experts + local for tokens in routing for token in tokens for e in token)
-                 for local in range(self.experts)]
-        counts = torch.tensor(pairs, dtype=torch.float64, device=device)
-        hidden = self.hidden
+        parts = {"combined token": (reference, tolerance),
+                 **self._received(torch.cat(xs), idx_all, torch.cat(every_weights))}
+        starts = [0]
+        for value, _ in parts.values():
+            starts.append(starts[-1] + value.numel())
 
         def where(i: int) -> str:
-            if i < reference.numel():
-                return f"token {i // hidden}, column {i % hidden}"
-            return f"pairs received by local expert {i - reference.numel()}"
+            part = max(p for p in range(len(parts)) if starts[p] <= i)
+            name, (value, _) = list(parts.items())[part]
+            index = tuple(int(v) for v in torch.unravel_index(torch.tensor(i - starts[part]), value.shape))
+            return f"{name} {index[0]}, column {index[1]}" if name == "combined token" else f"{name} {index}"
 
-        return Expected(torch.cat([reference.reshape(-1), counts]),
-                        torch.cat([tolerance.reshape(-1), torch.zeros_like(counts)]), where)
+        return Expected(torch.cat([value.reshape(-1).double() for value, _ in parts.values()]),
+                        torch.cat([(torch.zeros(value.shape, dtype=torch.float64, device=device) if bound is None
+                                    else bound).reshape(-1) for value, bound in parts.values()]), where)
+
+    def _received(self, x_all, idx_all, weights_all) -> dict:
+        """name -> (what the dispatch must return, its bound per element or None for exact), in the
+        order `call` returns them; sets `self.received`, the rows received."""
+        me, G = self.world.rank, self.experts
+        if self.spec.method == "normal":
+            rows, local_ids, weights = normal_receipt(x_all, idx_all, weights_all, me, G)
+            n = rows.shape[0]
+            self.received.zero_()[:n] = True
+            recv_x = torch.zeros((self.received.shape[0], self.hidden), dtype=rows.dtype, device=rows.device)
+            recv_idx = torch.full((self.received.shape[0], self.topk), -1, dtype=torch.int64, device=rows.device)
+            recv_weights = torch.zeros((self.received.shape[0], self.topk), device=rows.device)
+            recv_x[:n], recv_idx[:n], recv_weights[:n] = rows, local_ids, weights
+            return {"pairs received by local expert": (torch.bincount(local_ids[local_ids >= 0], minlength=G), None),
+                    "received row": (recv_x, None), "received expert ids of row": (recv_idx, None),
+                    "received weights of row": (recv_weights, None)}
+        token, expert = low_latency_receipt(idx_all, me, G)
+        counts = torch.bincount(expert, minlength=G)
+        place = torch.arange(token.numel(), device=token.device) - (counts.cumsum(0) - counts)[expert]
+        self.received.zero_()[expert, place] = True
+        recv_x = torch.zeros((*self.received.shape, self.hidden), dtype=x_all.dtype, device=x_all.device)
+        recv_x[expert, place] = x_all[token]
+        if not self.fp8:
+            return {"pairs received by local expert": (counts, None), "received (expert, row)": (recv_x, None)}
+        # Dequantised: e4m3's rounding of each value, then bf16's of the product; twice that allowed.
+        bound = 2 * (e4m3_error(recv_x) + _UNIT_ROUNDOFF[torch.bfloat16] * recv_x.double().abs())
+        return {"pairs received by local expert": (counts, None), "received (expert, row), dequantised": (recv_x, bound)}
 
     def build(self):
         return ops.EPBuffer(self.world.world_size * self.experts, self.hidden, self.most, torch.bfloat16)
@@ -363,7 +416,9 @@ class EPTrial(Trial):
             recv_x, recv_idx, recv_weights, per_expert, handle = buffer.dispatch(self.x, self.idx, self.weights)
             y = (recv_x.float() * torch.where(recv_idx >= 0, recv_weights, 0).sum(1, keepdim=True)).to(torch.bfloat16)
             out = buffer.combine(y, handle)
-            return torch.cat([out.double().reshape(-1), per_expert.double()])
+            rows = self.received[:, None]
+            return torch.cat([t.double().reshape(-1) for t in (
+                out, per_expert, torch.where(rows, recv_x, 0), recv_idx, torch.where(rows, recv_weights, 0))])
         recv_x, per_expert, handle, hook = buffer.low_latency_dispatch(self.x, self.idx, return_recv_hook=self.hook,
                                                                        use_fp8=self.fp8)
         hook()  # does nothing without return_recv_hook
@@ -374,7 +429,7 @@ class EPTrial(Trial):
         else:
             y = recv_x
         out = buffer.low_latency_combine(y, self.idx, self.weights, handle)
-        return torch.cat([out.double().reshape(-1), per_expert.double()])
+        return torch.cat([t.double().reshape(-1) for t in (out, per_expert, torch.where(self.received[..., None], y, 0))])
 
 
 for _cases in (AllToAllVCases(), EPCases()):

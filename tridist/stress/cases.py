@@ -204,10 +204,12 @@ def register(cases: OpCases) -> OpCases:
 
 
 def registry() -> dict[str, OpCases]:
-    """Every registered op's cases, by op name, in the order of FAMILIES."""
-    for family in FAMILIES:
-        importlib.import_module(f"{__package__}.{family}")
-    return REGISTRY
+    """Every registered op's cases, by op name, in the order of FAMILIES (then as each module
+    registers them), however the modules came to be imported: the plan a seed draws depends on it."""
+    modules = [f"{__package__}.{family}" for family in FAMILIES]
+    for module in modules:
+        importlib.import_module(module)
+    return dict(sorted(REGISTRY.items(), key=lambda item: modules.index(type(item[1]).__module__)))
 
 
 def select(names: str | None) -> list[str]:

@@ -34,7 +34,7 @@ import torch
 import tridist
 from tridist.ops import _protocol
 from tridist.runtime import config
-from tridist.runtime.world import heap
+from tridist.runtime.world import heap, transport
 
 from . import EXIT_HANG, EXIT_STOPPED, cases
 
@@ -256,7 +256,7 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
     dog.start()
     try:
         for call in plan.calls[first_call:]:
-            if time_limit is not None and time.monotonic() - started > time_limit:
+            if time_limit is not None and _any_rank(time.monotonic() - started > time_limit):
                 report["stop"] = {"kind": "time limit", "what": f"call {call.index}",
                                   "message": f"--time-limit {time_limit:g} s"}
                 break
@@ -275,6 +275,12 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
     report["loop_s"] = time.monotonic() - started
     _write(reports, world.rank, report)
     return report
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on some rank, on every rank: ranks that each read their own clock could
+    part at the time limit, one starting a call that its peers never join."""
+    return any(value for (value,) in transport().allgather_ints((int(flag),)))
 
 
 def _print_plan(plan, seed: int, world) -> None:
