@@ -43,21 +43,22 @@ What holds for every op:
   with shape-only fake implementations so that `torch.compile` can trace through them:
   `torch.ops.tridist.all_gather(x, method="auto")`,
   `torch.ops.tridist.reduce_scatter(x, method="auto")`,
-  `torch.ops.tridist.all_reduce(x, method="auto")`,
+  `torch.ops.tridist.all_reduce(x, method="auto")`, `torch.ops.tridist.all_reduce_(x, method="auto")` (in
+  place, declared as mutating x),
   `torch.ops.tridist.ag_gemm(a_shard, b, comm="auto")`, `torch.ops.tridist.gemm_rs(a, b)`,
   `torch.ops.tridist.gemm_ar(a, b, method="auto")` (the GEMMs also with `scale_a`, `scale_b` for
   fp8), and the MoE and all-to-all ops (their family pages list them). Each returns new tensors
-  (no `out=`, nothing in place), and the GEMMs run their default config.
+  (no `out=`, nothing in place) but `all_reduce_`, and the GEMMs run their default config.
 """
 from .attention import FlashDecode, flash_decode
-from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
+from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, all_reduce_, reduce_scatter
 from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, grouped_gemm, matmul
 from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
                   all_to_all_v_2d, all_to_all_v_2d_offset, moe_rs)
 from .stencil import Jacobi2D, jacobi_reference
 
-__all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter",
-           "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
+__all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "all_reduce_",
+           "ReduceScatter", "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
            "grouped_gemm", "AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer",
            "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
            "flash_decode", "Jacobi2D", "jacobi_reference"]

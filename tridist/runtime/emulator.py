@@ -12,6 +12,7 @@ whose process is gone ends the wait at once with `PeerFailedError` instead of a 
 import fcntl
 import mmap
 import os
+import pickle
 import tempfile
 import threading
 import time
@@ -198,6 +199,18 @@ class EmulatorTransport:
         out = [tuple(int(v) for v in c[_GATHER:_GATHER + int(c[_GATHER_LEN])]) for c in self._ctl]
         self.barrier()  # nobody overwrites its slot before everyone has read it
         return out
+
+    def allgather_objects(self, value) -> list:
+        """Every rank's `value` (any picklable object, such as an error message), in rank order:
+        pickled and carried through `allgather_ints` in as many rounds as the longest takes."""
+        data = pickle.dumps(value)
+        words = -(-max(size for (size,) in self.allgather_ints((len(data),))) // 8)
+        mine = torch.frombuffer(bytearray(data.ljust(words * 8, b"\0")), dtype=torch.int64).tolist()
+        parts = [[] for _ in range(self.world_size)]
+        for start in range(0, words, _GATHER_MAX):
+            for rank, values in enumerate(self.allgather_ints(tuple(mine[start:start + _GATHER_MAX]))):
+                parts[rank] += values
+        return [pickle.loads(torch.tensor(p, dtype=torch.int64).numpy().tobytes()) for p in parts]
 
     def attach_device_barrier(self, slots: torch.Tensor) -> None:
         """The symmetric words `dl.shmem.barrier_all` uses: slot r holds rank r's latest epoch."""

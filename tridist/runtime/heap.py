@@ -67,23 +67,6 @@ class SymmetricHeap:
         self._agree(_FREE, offset, t.dtype, tuple(t.shape))
         del self._blocks[index]
 
-    def agree_on(self, t: torch.Tensor | None, name: str) -> None:
-        """When checked: that every rank passes the same symmetric tensor `t` (offset and size), as a
-        kernel writing into the peers' copies of it assumes, or that none passes a symmetric one
-        (a regular tensor or None)."""
-        if not self.checked:
-            return
-        symmetric = t is not None and self.contains(t)
-        mine = (self.offset_of(t), t.numel() * t.element_size()) if symmetric else (-1, 0)
-        everyone = self.transport.allgather_ints(mine)
-        if all(other == mine for other in everyone):
-            return
-        lines = [f"  rank {r}: " + (f"{size} bytes at offset {offset}" if offset >= 0 else "not symmetric")
-                 for r, (offset, size) in enumerate(everyone)]
-        raise SymmetricAllocationError(
-            f"{name} must be the same symmetric tensor on every rank (one allocated by every rank in the same "
-            "order), or none a symmetric one:\n" + "\n".join(lines))
-
     def _first_fit(self, size: int):
         cursor = 0
         for offset, block in self._blocks:

@@ -68,21 +68,6 @@ def is_symmetric(t: torch.Tensor) -> bool:
     return heap().contains(t)
 
 
-def agree_symmetric(t: torch.Tensor | None, name: str) -> None:
-    """For ops that take one protocol for a symmetric `t` and another for a regular one (or None):
-    (checked in the emulator and with TRIDIST_DEBUG=1) that every rank passes the same symmetric
-    tensor or none does, since ranks on different protocols would wait for each other forever."""
-    heap().agree_on(t, name)
-
-
-def check_symmetric(t: torch.Tensor, name: str) -> None:
-    """For ops that write into the peers' copies of `t`: it must be symmetric, and (checked in the
-    emulator and with TRIDIST_DEBUG=1) the same tensor on every rank."""
-    heap().agree_on(t, name)  # first: a rank that raised alone would leave the others waiting here
-    if not is_symmetric(t):
-        raise ValueError(f"{name} must be a symmetric tensor (tridist.symm_empty) for this op")
-
-
 def peer_tensor(t: torch.Tensor, peer: int) -> torch.Tensor:
     """`peer`'s copy of the symmetric tensor `t`, as a tensor this rank can read and write
     (with torch ops, or copy engines: `peer_tensor(t, p).copy_(x)`).

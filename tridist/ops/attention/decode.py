@@ -23,7 +23,6 @@ import torch
 import triton
 
 import tridist
-from tridist.runtime import config as settings
 from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
@@ -273,7 +272,7 @@ def check_positions(seqlens: torch.Tensor, capacity: int, block_table: torch.Ten
     """seqlens within [0, capacity] and the block-table entries they use within [0, num_blocks), where
     reading them costs no device synchronisation (CPU tensors) or TRIDIST_DEBUG=1 allows one (not
     while a CUDA graph is captured, which a synchronisation would end)."""
-    if seqlens.is_cuda and not (settings.debug() and not torch.cuda.is_current_stream_capturing()):
+    if not _protocol.host_reads(seqlens):
         return
     lengths = seqlens.cpu()
     bad = ((lengths < 0) | (lengths > capacity)).nonzero()

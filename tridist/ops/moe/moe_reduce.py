@@ -61,7 +61,7 @@ WEIGHTS_BLOCK = tl.constexpr(1024)  # weights moved per step of their exchange
 def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_ptr, calls_ptr, N, K,
                        COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       FLATTEN: tl.constexpr):
+                       FLATTEN: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
     count per source rank, two slots, raised with COUNT (by source with peers: the peers' combine
     beside the GEMM waits for them).
@@ -85,7 +85,8 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
         source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
                                                            base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
                                                            BY_EXPERT)
-        acc = grouped.group_product(h_desc, w_desc, row, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = grouped.group_product(h_desc, w_desc, row, end, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                    ZERO_TAIL)
         if COUNT:
             if late >= 0:
                 dl.notify(done + late, me, signal=1, sig_op="add")
@@ -288,7 +289,7 @@ class MoEReduceScatter:
         moe_rs_gemm_kernel[(min(bound, self.gemm_programs),)](
             h_desc, grouped.weight_descriptor(w_shard, config), self.products, handle.padded_counts,
             handle.padded_base, self.done, self.gemm_calls, self.k, self.n, COUNT=self.overlap, W_PAD=w_pad,
-            E_PAD=e_pad, BY_EXPERT=self.by_expert, **config)
+            E_PAD=e_pad, BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), **config)
         ws = self.workspace
         args = (self.products, handle.row_of_pair, handle.padded_counts, topk_weights_shard, self.exchange, ws.staging,
                 self.send if self.send is not None else ws.staging, ws.flags, self.done)
