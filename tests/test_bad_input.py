@@ -137,3 +137,37 @@ def _expert_ids_out_of_range(w, low_latency):
 @pytest.mark.parametrize("low_latency", [False, True])
 def test_expert_ids_out_of_range_are_never_wrong_data(world, low_latency):
     world.run(_expert_ids_out_of_range, low_latency=low_latency)
+
+
+def _capture_takes_no_host_collective(w):
+    """Found 3 (stress call 43 across two H200s): a captured call of an all-gather into a symmetric
+    out compared the ranks' tensors with a host collective, which NCCL runs by copying a pickle from
+    the CPU to the GPU, refused during a capture. While a capture is on (`_protocol.capturing`, true
+    here as on a GPU) the checks are this rank's own and no host collective runs."""
+    n = 11
+    op = ops.AllGather(n, torch.uint8, "auto", symmetric_out=True)
+    out = tridist.symm_empty((n * w.world_size,), torch.uint8)
+    x = torch.full((n,), w.rank + 1, dtype=torch.uint8, device=w.device)
+    op(x, out)  # eager first, as a capture needs
+    expected = torch.arange(1, w.world_size + 1, dtype=torch.uint8).repeat_interleave(n)
+    out.zero_()
+    tridist.barrier_all()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+
+        def refuse(*args):
+            raise RuntimeError("a host collective while a CUDA graph is captured")
+
+        monkeypatch.setattr(_protocol, "capturing", lambda: True)
+        monkeypatch.setattr(transport(), "allgather_objects", refuse)
+        monkeypatch.setattr(transport(), "allgather_ints", refuse)
+        assert torch.equal(op(x, out).cpu(), expected)
+        with pytest.raises(ValueError, match="built for 11"):  # this rank's checks still run
+            op(torch.zeros(n + 1, dtype=torch.uint8, device=w.device), out)
+    tridist.barrier_all()
+    op.free()
+    tridist.symm_free(out)
+
+
+@pytest.mark.worlds("2")
+def test_capture_takes_no_host_collective(world):
+    world.run(_capture_takes_no_host_collective)

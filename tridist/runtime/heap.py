@@ -46,6 +46,8 @@ class SymmetricHeap:
             raise ValueError(f"symmetric tensors take one of {', '.join(str(d) for d in _DTYPES)}; got {dtype}")
         nbytes = math.prod(shape) * dtype.itemsize
         self._agree(_ALLOC, nbytes, dtype, shape)
+        if nbytes == 0:  # torch gives empty tensors no address, so none in the heap either
+            return torch.empty(shape, dtype=dtype, device=self.base.device)
         size = max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
         offset = self._first_fit(size)
         if offset is None:
@@ -59,6 +61,9 @@ class SymmetricHeap:
         return self.base[offset:offset + nbytes].view(dtype).view(shape)
 
     def free(self, t: torch.Tensor) -> None:
+        if t.numel() == 0:  # see `allocate`
+            self._agree(_FREE, -1, t.dtype, tuple(t.shape))
+            return
         offset = self.offset_of(t) if self.contains(t) else -1
         index = next((i for i, (o, _) in enumerate(self._blocks) if o == offset), None)
         if index is None:

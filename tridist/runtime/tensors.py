@@ -28,7 +28,9 @@ def symm_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     reach with `dl.symm_at` and `dl.shmem`.
 
     Collective: every rank must allocate the same shapes and dtypes in the same order (checked
-    in the emulator and with TRIDIST_DEBUG=1, where every rank waits for the others).
+    in the emulator and with TRIDIST_DEBUG=1, where every rank waits for the others). An empty
+    shape gives an empty regular tensor (torch gives empty tensors no address), which
+    `symm_free` takes back all the same.
 
     Args:
         shape: an int or a sequence of ints.
