@@ -70,7 +70,7 @@ def make_shared_folder(prefix: str) -> str:
 
 
 def spin_until(done, describe, transport: "EmulatorTransport | None" = None, timeout_s: float | None = None) -> None:
-    """Spin until `done()`; past the timeout raise `WaitTimeoutError(describe())`.
+    """Spin until `done()`; past the timeout raise `WaitTimeoutError(describe(seconds waited))`.
 
     Backs off from busy polling to 1 ms sleeps, so that a 2-core machine running four ranks and
     their programs' threads still makes progress. With `transport`, a failed or vanished peer ends
@@ -91,7 +91,7 @@ def spin_until(done, describe, transport: "EmulatorTransport | None" = None, tim
             if transport is not None:
                 transport.check_peers()
             if now - start > timeout_s:
-                raise WaitTimeoutError(f"{describe()} (waited {now - start:.1f} s; TRIDIST_WAIT_TIMEOUT raises the limit)")
+                raise WaitTimeoutError(describe(now - start))
             next_check = now + 0.05
         time.sleep(pause)
         pause = min(pause * 2 or 1e-5, 1e-3)
@@ -150,7 +150,8 @@ class EmulatorTransport:
                 time.sleep(0.01)
             self._ctl[peer] = _map(path, _CTL_WORDS * 8, create=False).view(torch.int64)
             spin_until(lambda: int(self._ctl[peer][_STATE]) != 0,
-                       lambda: f"rank {self.rank}: rank {peer} never became ready", timeout_s=_STARTUP_TIMEOUT_S)
+                       lambda waited: f"rank {self.rank}: rank {peer} never became ready in {waited:.0f} s",
+                       timeout_s=_STARTUP_TIMEOUT_S)
             heap_path = self._path("heap", peer)
             size = os.path.getsize(heap_path)
             if size != self.heap_bytes:
@@ -179,8 +180,8 @@ class EmulatorTransport:
         self._ctl[self.rank][_BARRIER] = target
         spin_until(
             lambda: all(int(c[_BARRIER]) >= target for c in self._ctl),
-            lambda: f"rank {self.rank}: host barrier #{target} timed out; barrier counts per rank: "
-            f"{[int(c[_BARRIER]) for c in self._ctl]}",
+            lambda waited: f"rank {self.rank}: host barrier #{target} timed out after {waited:.1f} s (TRIDIST_WAIT_TIMEOUT "
+            f"raises the limit); barrier counts per rank: {[int(c[_BARRIER]) for c in self._ctl]}",
             transport=self,
         )
 
@@ -195,7 +196,8 @@ class EmulatorTransport:
         mine[_GATHER_SEQ] = self._gathers
         seq = self._gathers
         spin_until(lambda: all(int(c[_GATHER_SEQ]) >= seq for c in self._ctl),
-                   lambda: f"rank {self.rank}: host gather #{seq} timed out", transport=self)
+                   lambda waited: f"rank {self.rank}: host gather #{seq} timed out after {waited:.1f} s (TRIDIST_WAIT_TIMEOUT "
+                   "raises the limit)", transport=self)
         out = [tuple(int(v) for v in c[_GATHER:_GATHER + int(c[_GATHER_LEN])]) for c in self._ctl]
         self.barrier()  # nobody overwrites its slot before everyone has read it
         return out

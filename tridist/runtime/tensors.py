@@ -22,7 +22,7 @@ def _shape(shape) -> tuple:
     return shape
 
 
-def symm_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def symm_empty(shape, dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
     """An uninitialised symmetric tensor: a torch tensor (CUDA on GPUs, CPU in the emulator) in
     this rank's symmetric heap, at the same offset as every other rank's copy, which kernels
     reach with `dl.symm_at` and `dl.shmem`.
@@ -35,19 +35,21 @@ def symm_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     Args:
         shape: an int or a sequence of ints.
         dtype: the element type.
+        name: what the report of a wait that expired on a word of it calls it (default:
+            "allocation #N", its place among this rank's allocations).
 
     Raises:
         ValueError: a shape that is not non-negative ints, or a dtype the heap does not take.
         SymmetricAllocationError: the heap (TRIDIST_HEAP_SIZE) is exhausted, or ranks asked
             for different allocations (what each asked for is in the message).
     """
-    return heap().allocate(_shape(shape), dtype)
+    return heap().allocate(_shape(shape), dtype, name)
 
 
-def symm_zeros(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def symm_zeros(shape, dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
     """A zeroed symmetric tensor (as `symm_empty`). Collective: it returns once every rank has
     zeroed its copy, so that no rank's zeroing can erase what a faster peer already wrote into it."""
-    t = symm_empty(shape, dtype)
+    t = symm_empty(shape, dtype, name)
     t.zero_()
     barrier_all()
     return t
@@ -59,10 +61,10 @@ def symm_free(t: torch.Tensor) -> None:
     heap().free(t)
 
 
-def signals(n: int) -> torch.Tensor:
+def signals(n: int, name: str | None = None) -> torch.Tensor:
     """`n` zeroed signal words (`SIGNAL_DTYPE`) in symmetric memory, for `dl.notify`, `dl.wait`
     and `dl.shmem`'s signals. Collective, like `symm_zeros`."""
-    return symm_zeros((n,), SIGNAL_DTYPE)
+    return symm_zeros((n,), SIGNAL_DTYPE, name)
 
 
 def is_symmetric(t: torch.Tensor) -> bool:
