@@ -394,7 +394,7 @@ def _gemm_counts(w, config_index, one_program, flatten):
         moe_reduce.moe_rs_gemm_kernel[(grid,)](
             h_desc, grouped.weight_descriptor(weights, config), products, handle.padded_counts, handle.padded_base,
             done, calls, k, n, COUNT=True, W_PAD=triton.next_power_of_2(world), E_PAD=handle.e_pad,
-            BY_EXPERT=False, **config)
+            BY_EXPERT=False, ZERO_TAIL=grouped.zero_tail(w.device), **config)
         slot = call % 2
         assert done.view(2, world)[slot].tolist() == tiles, (call, config, grid, done.tolist())
         assert calls.item() == call * grid, (call, config, grid, calls.item())

@@ -184,7 +184,7 @@ def host_reads(t: torch.Tensor) -> bool:
 _agreed: set = set()  # the (op, values) whose first call every rank checked together
 
 
-def agree(op: str, local=None, same: dict | None = None) -> None:
+def agree(op: str, local=None, same: dict | None = None):
     """The checks of one call of the collective `op`, with an outcome every rank shares: the one
     way the ops check their arguments, so that a bad argument on one rank never leaves the others
     waiting for it.
@@ -199,19 +199,19 @@ def agree(op: str, local=None, same: dict | None = None) -> None:
     the first call with each new `same` (the call that builds an instance and allocates collectively
     anyway), so that later calls cost no host round trip. Never while a CUDA graph is captured (a
     host collective would end the capture): there, and on later GPU calls, a local error is raised
-    on this rank alone."""
+    on this rank alone. Returns what `local()` returned."""
     same = same or {}
-    error = None
+    error = result = None
     try:
         if local is not None:
-            local()
+            result = local()
     except (ValueError, TypeError) as raised:
         error = raised
     key = (op, tuple(same.items()))
     if capturing() or not (config.debug() or is_emulator() or key not in _agreed):
         if error is not None:
             raise error
-        return
+        return result
     mine = (None if error is None else (type(error).__name__, str(error)), tuple(same.values()))
     everyone = transport().allgather_objects(mine)
     failed = [(rank, outcome) for rank, (outcome, _) in enumerate(everyone) if outcome is not None]
@@ -228,6 +228,7 @@ def agree(op: str, local=None, same: dict | None = None) -> None:
             listed = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
             raise ValueError(f"{op}: ranks passed different {what} ({listed}); every rank must pass the same")
     _agreed.add(key)
+    return result
 
 
 def _ranks(ranks: list) -> str:
