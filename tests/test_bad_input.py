@@ -53,8 +53,16 @@ def _one_rank_wrong(w):
     tridist.barrier_all()
 
 
+def _gather_objects(w):
+    """The host gather the checks run on: any picklable value, long ones in several rounds."""
+    values = [("rank", rank, "x" * 700 * rank) for rank in range(w.world_size)]
+    assert transport().allgather_objects(values[w.rank]) == values
+    assert transport().allgather_objects(None) == [None] * w.world_size
+
+
 @pytest.mark.worlds("2")
 def test_one_rank_wrong_fails_everywhere_at_once(world):
+    world.run(_gather_objects)
     world.run(_one_rank_wrong)
 
 

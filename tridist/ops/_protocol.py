@@ -286,6 +286,7 @@ def free_instances() -> int:
     for op in _instances.values():  # in the order they were built: the same on every rank
         op.free()
     _instances.clear()
+    _agreed.clear()  # their shapes are checked together again at their next first call
     return freed
 
 

@@ -204,15 +204,17 @@ class EmulatorTransport:
 
     def allgather_objects(self, value) -> list:
         """Every rank's `value` (any picklable object, such as an error message), in rank order:
-        pickled and carried through `allgather_ints` in as many rounds as the longest takes."""
+        pickled and carried through `allgather_ints`, its length and first words in one round (what
+        the ops' checks send fits), the rest in as many more as the longest takes."""
         data = pickle.dumps(value)
-        words = -(-max(size for (size,) in self.allgather_ints((len(data),))) // 8)
-        mine = torch.frombuffer(bytearray(data.ljust(words * 8, b"\0")), dtype=torch.int64).tolist()
-        parts = [[] for _ in range(self.world_size)]
-        for start in range(0, words, _GATHER_MAX):
-            for rank, values in enumerate(self.allgather_ints(tuple(mine[start:start + _GATHER_MAX]))):
-                parts[rank] += values
-        return [pickle.loads(torch.tensor(p, dtype=torch.int64).numpy().tobytes()) for p in parts]
+        mine = torch.frombuffer(bytearray(data.ljust(-(-len(data) // 8) * 8, b"\0")), dtype=torch.int64).tolist()
+        first = self.allgather_ints((len(data), *mine[:_GATHER_MAX - 1]))
+        sizes, parts = [size for size, *_ in first], [list(words) for _, *words in first]
+        for start in range(_GATHER_MAX - 1, -(-max(sizes) // 8), _GATHER_MAX):
+            for rank, words in enumerate(self.allgather_ints(tuple(mine[start:start + _GATHER_MAX]))):
+                parts[rank] += words
+        return [pickle.loads(torch.tensor(words, dtype=torch.int64).numpy().tobytes()[:size])
+                for size, words in zip(sizes, parts)]
 
     def attach_device_barrier(self, slots: torch.Tensor) -> None:
         """The symmetric words `dl.shmem.barrier_all` uses: slot r holds rank r's latest epoch."""
