@@ -88,14 +88,16 @@ def finish_call(calls_ptr):
 class Workspace:
     """Symmetric staging for one op instance: two slots of `slot_numel` elements of `dtype` (none
     for kernels that write straight into symmetric tensors of the caller's), a block of signal
-    words per slot, and the device-side calls counter."""
+    words per slot, and the device-side calls counter. `name` (e.g. "all_gather push") names the
+    allocations in the report of a wait that expires on them ("all_gather push flags[5]")."""
 
-    def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int):
+    def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int, name: str | None = None):
         self.slot_numel = slot_numel
         # Zeroed: packets (LL) left in this memory by an op freed before would look fresh to a
         # reader expecting the same epoch.
-        self.staging = tridist.symm_zeros((2, slot_numel), dtype) if slot_numel else None
-        self.flags = tridist.signals(2 * signals_per_slot).view(2, signals_per_slot)
+        self.staging = (tridist.symm_zeros((2, slot_numel), dtype, name and f"{name} staging") if slot_numel
+                        else None)
+        self.flags = tridist.signals(2 * signals_per_slot, name and f"{name} flags").view(2, signals_per_slot)
         self.calls = torch.zeros(1, dtype=torch.int64, device=tridist.world().device)
 
     def free(self) -> None:
@@ -136,7 +138,7 @@ class PacketRows(Workspace):
         self.words = nbytes // 4
         self.splits = splits_for(self.words, LL_BLOCK, programs)
         self.row = row_stride(self.words)
-        super().__init__(w.world_size * self.row, torch.int64, 1)
+        super().__init__(w.world_size * self.row, torch.int64, 1, f"{what} ll")
 
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -529,15 +531,15 @@ class CopyEnginePush:
     its flags zeroed.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None):
+    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None, name: str | None = None):
         """`row`: elements from one row of staging to the next (at least `numel`; default `numel`
-        rounded up to whole 64-element blocks)."""
+        rounded up to whole 64-element blocks); `name`: as `Workspace`'s."""
         self.world = w = tridist.world()
         self.chunk = row_stride(max(CE_CHUNK_BYTES // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row
-        self.staging = tridist.symm_empty((w.world_size, self.row), dtype)
-        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32)
+        self.staging = tridist.symm_empty((w.world_size, self.row), dtype, name and f"{name} staging")
+        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32, name and f"{name} flags")
         self.streams = PeerStreams(w)
         # What each peer's copy engines write into, in the order `push` visits the peers.
         self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.streams.peers]

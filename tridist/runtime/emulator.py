@@ -180,8 +180,8 @@ class EmulatorTransport:
         self._ctl[self.rank][_BARRIER] = target
         spin_until(
             lambda: all(int(c[_BARRIER]) >= target for c in self._ctl),
-            lambda waited: f"rank {self.rank}: host barrier #{target} timed out after {waited:.1f} s (TRIDIST_WAIT_TIMEOUT "
-            f"raises the limit); barrier counts per rank: {[int(c[_BARRIER]) for c in self._ctl]}",
+            lambda waited: f"rank {self.rank}: host barrier #{target} timed out after {waited:.1f} s "
+            f"(TRIDIST_WAIT_TIMEOUT raises the limit); barrier counts per rank: {[int(c[_BARRIER]) for c in self._ctl]}",
             transport=self,
         )
 
@@ -196,8 +196,8 @@ class EmulatorTransport:
         mine[_GATHER_SEQ] = self._gathers
         seq = self._gathers
         spin_until(lambda: all(int(c[_GATHER_SEQ]) >= seq for c in self._ctl),
-                   lambda waited: f"rank {self.rank}: host gather #{seq} timed out after {waited:.1f} s (TRIDIST_WAIT_TIMEOUT "
-                   "raises the limit)", transport=self)
+                   lambda waited: f"rank {self.rank}: host gather #{seq} timed out after {waited:.1f} s "
+                   "(TRIDIST_WAIT_TIMEOUT raises the limit)", transport=self)
         out = [tuple(int(v) for v in c[_GATHER:_GATHER + int(c[_GATHER_LEN])]) for c in self._ctl]
         self.barrier()  # nobody overwrites its slot before everyone has read it
         return out

@@ -282,25 +282,26 @@ class AllGather:
             self.splits = self.workspace.splits
         elif self.method == "pull":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
-            self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
+            self.workspace = Workspace(numel, dtype, w.world_size * self.splits, "all_gather pull")
         elif self.method == "push":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
             self.row = row_stride(numel)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.slices)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.slices, "all_gather push")
         elif self.method in ("2d", "ring"):
             tasks = spread_tasks(w) if self.method == "2d" else 1  # programs per slice
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
                                                                       max(1, limit // tasks))
             self.row = row_stride(numel)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
+                                       f"all_gather {self.method}")
         elif self.direct:
             self.streams = PeerStreams(w)
             self.barrier = sync.Barrier()
         else:  # "ce" through staging
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer,
                                                                       _protocol.CE_STEP_BYTES)
-            self.transfer = CopyEnginePush(numel, dtype)
+            self.transfer = CopyEnginePush(numel, dtype, name="all_gather ce")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather `x` from every rank into `out`.

@@ -447,15 +447,17 @@ class ReduceScatter:
         self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit, step_bytes)
         self.row = row = row_stride(self.chunk)
         if self.method == "ce":
-            self.transfer = CopyEnginePush(self.chunk, dtype)
+            self.transfer = CopyEnginePush(self.chunk, dtype, name="reduce_scatter ce")
         elif self.method == "ring":  # fp32 partials: world-1 received and world-1 sent rows
-            self.workspace = Workspace(2 * max(1, w.world_size - 1) * row, torch.float32, w.world_size * self.splits)
+            self.workspace = Workspace(2 * max(1, w.world_size - 1) * row, torch.float32, w.world_size * self.splits,
+                                       "reduce_scatter ring")
         elif self.method == "2d":  # flags for the rows, then for the node sums
-            self.workspace = Workspace(w.world_size * row, dtype, (w.world_size + w.nnodes) * self.splits)
+            self.workspace = Workspace(w.world_size * row, dtype, (w.world_size + w.nnodes) * self.splits,
+                                       "reduce_scatter 2d")
             self.sums = tridist.symm_empty((2, 2 * w.nnodes * row), torch.float32)
         else:  # "one_shot"
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
-            self.workspace = Workspace(w.world_size * row, dtype, w.world_size * self.slices)
+            self.workspace = Workspace(w.world_size * row, dtype, w.world_size * self.slices, "reduce_scatter one_shot")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum `x` over ranks and give this rank its chunk.
@@ -583,28 +585,30 @@ class AllReduce:
         elif self.method == "one_shot":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, limit)
             self.row = row_stride(numel)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
+                                       "all_reduce one_shot")
         elif self.method == "ce":
             self.chunk = triton.cdiv(numel, w.world_size)
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
                                                                       max(1, limit // w.world_size),
                                                                       _protocol.CE_STEP_BYTES)
-            self.scatter = CopyEnginePush(self.chunk, dtype)
-            self.gather = CopyEnginePush(self.chunk, dtype)
+            self.scatter = CopyEnginePush(self.chunk, dtype, name="all_reduce ce scatter")
+            self.gather = CopyEnginePush(self.chunk, dtype, name="all_reduce ce gather")
         elif self.direct:
             self.chunk = triton.cdiv(numel, w.world_size)
             if programs is None and numel * dtype.itemsize >= SYMMETRIC_TWO_PER_SM_BYTES:
                 limit *= 2
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit)
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
-            self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1))
+            self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1), "all_reduce symmetric two_shot")
         else:  # "two_shot" through staging
             self.chunk = triton.cdiv(numel, w.world_size)
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
                                                                       max(1, limit // w.world_size))
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
             self.row = row_stride(self.chunk)
-            self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.slices)
+            self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.slices,
+                                       "all_reduce two_shot")
             self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
                 2, self.chunk * w.world_size, dtype=dtype, device=w.device)
 
@@ -798,8 +802,9 @@ def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     in fp32, rounded once, the same bits on every rank.
 
     A collective: every rank calls it with the same shape, dtype and method, and a symmetric x
-    in place on every rank or on none. An empty `x` (on every rank) moves nothing. Keeps one [`AllReduce`][tridist.ops.AllReduce] per shape,
-    dtype, method and stream (its table lists the methods).
+    in place on every rank or on none. An empty `x` (on every rank) moves nothing. Keeps one
+    [`AllReduce`][tridist.ops.AllReduce] per shape, dtype, method and stream (its table lists the
+    methods).
 
     Args:
         x: contiguous, on this rank's device, bf16, fp16 or fp32.

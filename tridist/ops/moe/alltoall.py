@@ -186,7 +186,7 @@ class AllToAllV:
         self.block_w = triton.next_power_of_2(min(self.width, TILE // BLOCK_R))
         # At least a row per source: the kernel takes a staging pointer even when nothing is sent.
         self.workspace = _protocol.Workspace(w.world_size * max(rows, 1) * self.width, _WORDS[dtype.itemsize],
-                                             w.world_size * self.splits)
+                                             w.world_size * self.splits, "all_to_all_v")
         self.counts = tridist.symm_zeros((2, self.w_pad * self.g_pad), torch.int32)
 
     def _check(self, x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name: str,
@@ -228,7 +228,8 @@ class AllToAllV:
         offsets = self.layout == "expert_offset"
         name, shape = ("in_splits_offsets", (2, chunks)) if offsets else ("in_splits", (chunks,))
         _protocol.agree("all_to_all_v", lambda: self._check(x, in_splits, out, name, shape, major_align),
-                        {"layout": self.layout, "shape of x": _protocol.shape_of(x), "shape of out": _protocol.shape_of(out)})
+                        {"layout": self.layout, "shape of x": _protocol.shape_of(x),
+                         "shape of out": _protocol.shape_of(out)})
         if offsets:
             return self._launch(x, in_splits[0], in_splits[1], out, 1, 2)
         return self._launch(x, in_splits, in_splits, out, major_align, 0 if self.layout == "rank" else 1)
@@ -253,7 +254,8 @@ def _call(x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name:
 
     world_size = tridist.world().world_size
     _protocol.agree(f"all_to_all_v ({layout} layout)", check,
-                    {"shape of x": _protocol.shape_of(x), "shape of out": _protocol.shape_of(out), splits_name: _protocol.shape_of(splits)})
+                    {"shape of x": _protocol.shape_of(x), "shape of out": _protocol.shape_of(out),
+                     splits_name: _protocol.shape_of(splits)})
     experts = splits.shape[-1] // world_size
     op = _protocol.instance(lambda: AllToAllV(x.shape[0], out.shape[0], x.shape[1:], x.dtype, experts, layout),
                             AllToAllV, x.shape[0], out.shape[0], tuple(x.shape[1:]), x.dtype, experts, layout,

@@ -79,21 +79,23 @@ class _Exchange:
     """The symmetric buffers of one kind of launch of an `EPBuffer`: per slot, staging of `rows` rows
     of `width` elements of `dtype` (and `meta_width` int32 per row, if any) and `count_words` int32
     of counts; an arrival counter per source (`exchange.arrive`); with `progress` a progress word per
-    (source, part) and this rank's two counters of claimed blocks (`ep_normal`); the calls counter."""
+    (source, part) and this rank's two counters of claimed blocks (`ep_normal`); the calls counter.
+    `kind` names the allocations in the report of a wait that expires on them."""
 
-    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int,
-                 progress: bool = False):
+    def __init__(self, kind: str, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int,
+                 splits: int, progress: bool = False):
         w = tridist.world()
         _protocol.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.splits = splits
         self.fitted = False
         self.slot_numel = rows * width
-        self.staging = tridist.symm_zeros((2, self.slot_numel), dtype)
-        self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
-        self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None
-        self.arrivals = tridist.signals(w.world_size)
+        name = f"EPBuffer {kind}"
+        self.staging = tridist.symm_zeros((2, self.slot_numel), dtype, f"{name} staging")
+        self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32, f"{name} meta") if meta_width else None
+        self.counts = tridist.symm_zeros((2, count_words), torch.int32, f"{name} counts") if count_words else None
+        self.arrivals = tridist.signals(w.world_size, f"{name} arrivals")
         # Sized for the splits asked for: `fit` only lowers them.
-        self.progress = tridist.signals(w.world_size * splits) if progress else None
+        self.progress = tridist.signals(w.world_size * splits, f"{name} progress") if progress else None
         self.claims = torch.zeros(2, dtype=torch.int32, device=w.device) if progress else None
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
@@ -240,18 +242,18 @@ class EPBuffer:
         if key not in self._exchanges:
             w, rows = self.world, self.max_tokens
             if kind == "dispatch":
-                made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
+                made = _Exchange(kind, w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
                                  self.w_pad * 2 * self.e_pad, self.splits, progress=True)
             elif kind == "combine":
-                made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits, progress=True)
+                made = _Exchange(kind, w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits, progress=True)
             elif kind == "ll_dispatch":
-                made = _Exchange(self.num_experts * rows, self._ll_words(False), torch.int32, 1,
+                made = _Exchange(kind, self.num_experts * rows, self._ll_words(False), torch.int32, 1,
                                  self.w_pad * self.e_pad, self.splits)
             elif kind == "ll_dispatch_fp8":
-                made = _Exchange(self.num_experts * rows, self._ll_words(True), torch.int32, 1,
+                made = _Exchange(kind, self.num_experts * rows, self._ll_words(True), torch.int32, 1,
                                  self.w_pad * self.e_pad, self.splits)
             else:  # "ll_combine"
-                made = _Exchange(rows * topk, self.hidden, self.dtype, 0, 0, self.splits)
+                made = _Exchange(kind, rows * topk, self.hidden, self.dtype, 0, 0, self.splits)
             self._exchanges[key] = made
         return self._exchanges[key]
 
