@@ -146,8 +146,8 @@ def _grouped_cases():
                          "w_desc": f"tensordesc<{element}[1, {w_block[0]}, {w_block[1]}]>",
                          "scale_a_ptr": "*fp32" if fp8 else "constexpr", "scale_b_ptr": "*fp32" if fp8 else "constexpr",
                          "out_ptr": "*bf16", "offs_ptr": "*i32", "T": "i32", "E": "i32", "N": "i32", "K": "i32",
-                         "E_PAD": "constexpr", **{name: "constexpr" for name in config}}
-            constexprs = {"E_PAD": 256 if fp8 else 32, **config}
+                         "E_PAD": "constexpr", "ZERO_TAIL": "constexpr", **{name: "constexpr" for name in config}}
+            constexprs = {"E_PAD": 256 if fp8 else 32, "ZERO_TAIL": False, **config}
             if not fp8:
                 constexprs.update(scale_a_ptr=None, scale_b_ptr=None)
             cases.append((grouped.grouped_gemm_kernel, signature, constexprs, options))
@@ -184,8 +184,9 @@ def _moe_cases():
                    {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
                     "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
                     "calls_ptr": "*i64", "N": "i32", "K": "i32", "COUNT": "constexpr", "W_PAD": "constexpr",
-                    "E_PAD": "constexpr", "BY_EXPERT": "constexpr", **blocks},
-                   {"COUNT": count, "W_PAD": 8, "E_PAD": 256, "BY_EXPERT": by_expert, **config}, options)
+                    "E_PAD": "constexpr", "BY_EXPERT": "constexpr", "ZERO_TAIL": "constexpr", **blocks},
+                   {"COUNT": count, "W_PAD": 8, "E_PAD": 256, "BY_EXPERT": by_expert, "ZERO_TAIL": False, **config},
+                   options)
                   for count, by_expert in ((False, False), (True, False), (False, True))
                   if count or config["FLATTEN"]]
     combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
@@ -242,6 +243,8 @@ def _expert_parallel_cases():
     return [
         *[case for one, clamp, groups in ((True, False, 16), (True, True, 16), (False, False, 8))
           for case in _sort_cases(one, clamp, groups)],
+        (sort.drop_ids_kernel, {"idx_ptr": "*i64", "kept_ptr": "*i64", "dropped_ptr": "*i64", "items": "i32",
+                                "limit": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
         *[(alltoall.all_to_all_v_kernel,
            {"x_ptr": word, "splits_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": word, "result_ptr": "*i64",
             "staging_ptr": word, "counts_ptr": "*i32", "flags_ptr": "*i64", "calls_ptr": "*i64", "width": "i32",

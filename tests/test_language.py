@@ -300,7 +300,8 @@ def _timeout_diagnostic(w):
     flags = tridist.signals(2)
     with _short_waits(), pytest.raises(tridist.WaitTimeoutError) as error:
         never_signalled_kernel[(1,)](flags)
-    for part in (f"rank {w.rank}", "never_signalled_kernel", "heap offset", "expected == 1", "observed [0, 0]"):
+    for part in (f"tridist: rank {w.rank} kernel never_signalled_kernel program 0: wait on allocation #",
+                 "[0] (int64[2] at heap offset ", "expected == 1, observed 0 after "):
         assert part in str(error.value), (part, str(error.value))
     tridist.barrier_all()
     tridist.symm_free(flags)
@@ -324,8 +325,9 @@ def _ll_timeout_diagnostic(w):
     with _short_waits(), pytest.raises(tridist.WaitTimeoutError) as error:
         never_sent_kernel[(1,)](packets, 8, BLOCK=8)
     first = tridist.runtime.world.heap().offset_of(packets) + 3 * 8
-    for part in (f"rank {w.rank}", "never_sent_kernel", "never carried flag 1", "5 of 8 stale",
-                 f"the first at heap offset {first:#x} with flag 0"):
+    for part in (f"tridist: rank {w.rank} kernel never_sent_kernel program 0: wait on allocation #",
+                 f"[3] (int64[8] at heap offset {first - 3 * 8:#x}) expected == 1, observed 0 after ",
+                 "(the flag of an LL packet; 5 packets stale)"):
         assert part in str(error.value), (part, str(error.value))
     tridist.barrier_all()
     tridist.symm_free(packets)
@@ -433,7 +435,8 @@ def _grid_barrier(w, rounds):
             rotate_kernel[(2,)](slots, out, counter, rounds, 0, SKIP_FIRST=False)
         with _short_waits(), pytest.raises(tridist.WaitTimeoutError) as error:
             rotate_kernel[(3,)](slots, out, counter, rounds, 0, SKIP_FIRST=True, coresident=True)
-        for part in (f"rank {w.rank}", "rotate_kernel", "dl.grid_barrier", "of 3 programs", "expected >="):
+        for part in (f"tridist: rank {w.rank} kernel rotate_kernel program ", "(not in the symmetric heap)",
+                     "expected >="):
             assert part in str(error.value), (part, str(error.value))
 
 

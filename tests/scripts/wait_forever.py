@@ -9,6 +9,6 @@ def never_signalled_kernel(flag_ptr):
 
 
 w = tridist.init()
-flags = tridist.signals(1)
+flags = tridist.signals(1, name="flags")
 never_signalled_kernel[(1,)](flags)
 tridist.barrier_all()

@@ -15,13 +15,13 @@ from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import TensorHandle, _get_np_dtype
 from triton.runtime.interpreter import _interpreter as _memory
 
-from ..runtime import emulator
+from ..runtime import emulator, wait_report
 from ..runtime.errors import DeviceCheckError
 from ..runtime.world import heap, transport, world
 from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SCOPES, SEMANTICS, SIGNAL_ADD, SIGNAL_SET
 
-_COMPARE = {CMP_EQ.value: (np.equal, "=="), CMP_NE.value: (np.not_equal, "!="), CMP_GT.value: (np.greater, ">"),
-            CMP_GE.value: (np.greater_equal, ">="), CMP_LT.value: (np.less, "<"), CMP_LE.value: (np.less_equal, "<=")}
+_COMPARE = {CMP_EQ.value: np.equal, CMP_NE.value: np.not_equal, CMP_GT.value: np.greater,
+            CMP_GE.value: np.greater_equal, CMP_LT.value: np.less, CMP_LE.value: np.less_equal}
 # What the GPU lowering compiles: `dl.notify` takes its operation by name (a constexpr string),
 # `dl.shmem`'s functions by NVSHMEM's code (an int32 argument).
 _NOTIFY_OPS = ("set", "add")
@@ -75,15 +75,6 @@ def _check_order(what: str, kind: str, scope, semantic) -> None:
     checked so that what runs here also compiles on GPUs (see `_gpu._check_order`)."""
     _check_choice(what, "scope", _value(scope), SCOPES)
     _check_choice(what, "semantic", _value(semantic), SEMANTICS[kind])
-
-
-def _where(address: int) -> str:
-    """Names a heap address the way a person debugging a hang wants it."""
-    h = heap()
-    offset = address - h.base_ptr
-    if not 0 <= offset < h.nbytes:
-        return f"address {address:#x} (not in the symmetric heap)"
-    return f"heap offset {offset:#x}"
 
 
 def _translate(addresses: np.ndarray, peer: int, what: str, allow_remote_node: bool) -> np.ndarray:
@@ -168,22 +159,34 @@ def dot(a, b, acc):
 
 
 # ---- signals -------------------------------------------------------------------------------------
-def _wait_until(addresses: np.ndarray, dtype, compare: int, expected, what: str) -> np.ndarray:
-    """Spin until every word at `addresses` compares true against `expected`; returns the words."""
-    test, text = _COMPARE[compare]
+def _program() -> int:
+    """This program's index in its launch, x fastest (as the GPU's reports count it)."""
+    (x, y, z), (gx, gy, _) = _interpreter.interpreter_builder.grid_idx, _interpreter.interpreter_builder.grid_dim
+    return x + gx * (y + gy * z)
+
+
+def _wait_line(address: int, comparison: int, expected, observed, waited: float, stale: int | None = None) -> str:
+    """`wait_report.line` for the word at `address`, the same line a GPU's report gives."""
+    return wait_report.line(world().rank, emulator.current_kernel(), _program(), heap().name_of(address),
+                            wait_report.COMPARISONS[comparison], expected, observed, waited, stale)
+
+
+def _wait_until(addresses: np.ndarray, dtype, compare: int, expected) -> np.ndarray:
+    """Spin until every word at `addresses` compares true against `expected`; returns the words.
+    Past the timeout, the report names the first word that does not."""
+    test = _COMPARE[compare]
     box = [_read(addresses, dtype)]
     if test(box[0], expected).all():
         return box[0]
-    w = world()
 
     def done():
         box[0] = _read(addresses, dtype)
         return bool(test(box[0], expected).all())
 
-    def describe():
-        return (f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} on the signal at "
-                f"{_where(int(addresses.reshape(-1)[0]))} ({box[0].size} word(s)): expected {text} {expected}, "
-                f"observed {box[0].reshape(-1).tolist()}")
+    def describe(waited):
+        words = box[0].reshape(-1)
+        first = int(np.flatnonzero(~test(words, expected))[0])
+        return _wait_line(int(addresses.reshape(-1)[first]), compare, expected, int(words[first]), waited)
 
     emulator.spin_until(done, describe, transport=transport())
     return box[0]
@@ -194,7 +197,7 @@ def wait(ptr, num, scope="gpu", semantic="acquire", waitValue=1):
     num, expected, dtype = int(_value(num)), _value(waitValue), _element(ptr)
     first = _addresses(ptr).reshape(-1)[0]
     flags = first + np.arange(num, dtype=np.uint64) * np.uint64(dtype.primitive_bitwidth // 8)
-    observed = _wait_until(flags, dtype, CMP_EQ.value, expected, f"dl.wait for {num} flag(s)")
+    observed = _wait_until(flags, dtype, CMP_EQ.value, expected)
     return _scalar(observed[-1], dtype)
 
 
@@ -241,8 +244,7 @@ def grid_barrier(counter_ptr):
     programs = grid[0] * grid[1] * grid[2]
     arrived = int(_value(tl.atomic_add(counter_ptr, 1)))
     target = (arrived // programs + 1) * programs
-    observed = _wait_until(_addresses(counter_ptr).reshape(-1)[:1], _element(counter_ptr), CMP_GE.value, target,
-                           f"dl.grid_barrier #{target // programs} of {programs} programs")
+    observed = _wait_until(_addresses(counter_ptr).reshape(-1)[:1], _element(counter_ptr), CMP_GE.value, target)
     return _scalar(observed[0], _element(counter_ptr))
 
 
@@ -314,8 +316,7 @@ def signal_wait_until(sig_addr, cmp, cmp_value):
     cmp = _value(cmp)
     _check_choice("shmem.signal_wait_until", "cmp", cmp, _COMPARE,
                   "dl.shmem.CMP_EQ, CMP_NE, CMP_GT, CMP_GE, CMP_LT, CMP_LE")
-    observed = _wait_until(_addresses(sig_addr).reshape(-1)[:1], _element(sig_addr), cmp, _value(cmp_value),
-                           "shmem.signal_wait_until")
+    observed = _wait_until(_addresses(sig_addr).reshape(-1)[:1], _element(sig_addr), cmp, _value(cmp_value))
     return _scalar(observed[0], _element(sig_addr))
 
 
@@ -336,7 +337,7 @@ def barrier_all():
     for peer in range(w.world_size):
         ctypes.c_int64.from_address(transport().peer_base(peer) + offset).value = epoch
     mine = slots.data_ptr() + 8 * np.arange(w.world_size, dtype=np.uint64)
-    _wait_until(mine, tl.int64, CMP_GE.value, epoch, f"shmem.barrier_all #{epoch}")
+    _wait_until(mine, tl.int64, CMP_GE.value, epoch)
 
 
 sync_all = barrier_all
@@ -382,7 +383,6 @@ def wait_packets(ptrs, mask, flag):
     active = np.broadcast_to(mask.handle.data.astype(bool), addresses.shape)
     words = np.zeros(addresses.shape, dtype=np.int64)
     if active.any():
-        w = world()
         watched = addresses[active]
         box = [None]
 
@@ -390,12 +390,10 @@ def wait_packets(ptrs, mask, flag):
             box[0] = _read(watched, tl.int64)
             return bool(((box[0] >> 32).astype(np.int32) == flag).all())
 
-        def describe():
+        def describe(waited):
             flags = (box[0] >> 32).astype(np.int32)
             stale = np.flatnonzero(flags != flag)
-            return (f"rank {w.rank}, kernel {emulator.current_kernel()}: LL packets at {_where(int(watched[0]))} "
-                    f"never carried flag {flag}; {stale.size} of {box[0].size} stale, the first at "
-                    f"{_where(int(watched[stale[0]]))} with flag {int(flags[stale[0]])}")
+            return _wait_line(int(watched[stale[0]]), CMP_EQ.value, flag, int(flags[stale[0]]), waited, stale.size)
 
         emulator.spin_until(done, describe, transport=transport())
         words[active] = box[0]

@@ -4,22 +4,31 @@ NVSHMEM functions are declared with `extern_elementwise` and resolved when Trito
 `libnvshmem_device.bc` (passed by `tridist.jit`). A Triton program runs every scalar statement on
 all of its threads, so calls NVSHMEM means for one thread (or one warp) sit under a thread-id test.
 
-With TRIDIST_DEBUG=1 every wait of ours is bounded by TRIDIST_WAIT_TIMEOUT: on expiry it prints
-the rank, the signal address, the expected and the observed value, and traps, so the launch fails
-instead of spinning forever (the host then names the kernel). NVSHMEM's barrier is the exception
-(see `barrier_all`). Both settings are read once, when tridist is imported, and compiled into the
-kernels as constants: set them before the import.
+With TRIDIST_DEBUG=1 every wait of ours is bounded by TRIDIST_WAIT_TIMEOUT: on expiry the first
+thread of the waiting program writes the signal's address, the expected and observed values into
+the report page (`runtime/wait_report.py`) and traps, so the launch fails instead of spinning
+forever, and the host prints one line naming the rank, kernel, program, allocation and values.
+NVSHMEM's barrier is the exception (see `barrier_all`). Both settings are read once, when tridist
+is imported, and compiled into the kernels as constants: set them before the import.
 """
 import triton
 import triton.language as tl
 from triton.language import core
 
-from ..runtime import config
+from ..runtime import config, wait_report
 from ..runtime.device_library import ATOMIC_TYPES, FUNCTIONS, RMA_TYPES
 from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SIGNAL_ADD, SIGNAL_SET
 
 DEBUG = tl.constexpr(config.debug())
 TIMEOUT_NS = tl.constexpr(int(config.wait_timeout_s() * 1e9))
+if config.debug():
+    wait_report.map_page()  # now, before CUDA reserves its address ranges
+REPORT_ADDRESS = tl.constexpr(wait_report.REPORT_ADDRESS)
+REPORT_SLOTS = tl.constexpr(wait_report.SLOTS)
+REPORT_WORDS = tl.constexpr(wait_report.WORDS)
+REPORT_MAGIC = tl.constexpr(wait_report.MAGIC)
+KIND_SIGNAL = tl.constexpr(wait_report.KIND_SIGNAL)
+KIND_PACKETS = tl.constexpr(wait_report.KIND_PACKETS)
 
 
 # ---- NVSHMEM declarations --------------------------------------------------------------------------
@@ -124,6 +133,28 @@ def _sync_threads():
 def global_time_ns():
     """Nanoseconds on the GPU's global timer (PTX's %globaltimer), for timing inside a kernel."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _report_and_trap(kind: tl.constexpr, address, cmp: tl.constexpr, expected, observed, elapsed_ns, stale):
+    """An expired wait: the program's first thread writes its slot of the report page (the fields
+    of `wait_report.FIELDS`, the magic word last, each store at system scope: the page is host
+    memory) and traps, which ends the launch; the other threads come back here until it has."""
+    if _thread_index() == 0:
+        program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+        slot = tl.full((), REPORT_ADDRESS, tl.int64) + (program % REPORT_SLOTS).to(tl.int64) * (REPORT_WORDS * 8)
+        words = slot.to(tl.pointer_type(tl.int64), bitcast=True)
+        st(words + 1, kind, "sys", "relaxed")
+        st(words + 2, program, "sys", "relaxed")
+        st(words + 3, address, "sys", "relaxed")
+        st(words + 4, cmp, "sys", "relaxed")
+        st(words + 5, expected, "sys", "relaxed")
+        st(words + 6, observed, "sys", "relaxed")
+        st(words + 7, elapsed_ns, "sys", "relaxed")
+        st(words + 8, stale, "sys", "relaxed")
+        st(words, REPORT_MAGIC, "sys", "release")
+        fence("sys")
+        _trap()
 
 
 @triton.jit
@@ -263,10 +294,9 @@ def _spin(ptr, cmp: tl.constexpr, value, scope: tl.constexpr, semantic: tl.const
     if DEBUG:
         start = global_time_ns()
         while not _compare(observed, cmp, value):
-            if global_time_ns() - start > TIMEOUT_NS:
-                tl.device_print("tridist wait timed out: rank, signal address, expected, observed", _my_pe(),
-                                ptr.to(tl.int64), value, observed)
-                _trap()
+            elapsed = global_time_ns() - start
+            if elapsed > TIMEOUT_NS:
+                _report_and_trap(KIND_SIGNAL, ptr.to(tl.int64), cmp, value, observed, elapsed, 0)
             observed = ld(ptr, scope, semantic)
     else:
         while not _compare(observed, cmp, value):
@@ -321,8 +351,9 @@ def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm
 def check(condition, message: tl.constexpr, observed, limit):
     if DEBUG:
         if not condition:
-            tl.device_print(message, _my_pe(), observed, limit)
-            _trap()
+            if _thread_index() == 0:  # one thread's lines, not one per thread; the others go on until its trap
+                tl.device_print(message, _my_pe(), observed, limit)
+                _trap()
 
 
 # ---- programs of one launch ----------------------------------------------------------------------
@@ -586,13 +617,12 @@ def _stale(packets, mask, flag):
 
 
 @triton.jit
-def _report_stale(ptrs, packets, mask, flag):
+def _report_stale(ptrs, packets, mask, flag, elapsed_ns):
     # The stale packet of lowest address, and the flag it carries (over every axis of the block).
     addresses = tl.where(_is_stale(packets, mask, flag), ptrs.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
     first = tl.min(addresses, axis=None)
     observed = tl.max(tl.where(addresses == first, (packets >> 32).to(tl.int32), -0x80000000), axis=None)
-    tl.device_print("tridist LL wait timed out: rank, address of a stale packet, expected flag, observed flag, "
-                    "stale packets", _my_pe(), first, flag, observed, _stale(packets, mask, flag))
+    _report_and_trap(KIND_PACKETS, first, CMP_EQ, flag, observed, elapsed_ns, _stale(packets, mask, flag))
 
 
 @triton.jit
@@ -601,9 +631,9 @@ def wait_packets(ptrs, mask, flag):
     if DEBUG:
         start = global_time_ns()
         while _stale(packets, mask, flag) > 0:
-            if global_time_ns() - start > TIMEOUT_NS:
-                _report_stale(ptrs, packets, mask, flag)
-                _trap()
+            elapsed = global_time_ns() - start
+            if elapsed > TIMEOUT_NS:
+                _report_stale(ptrs, packets, mask, flag, elapsed)
             packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
     else:
         while _stale(packets, mask, flag) > 0:

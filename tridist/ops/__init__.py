@@ -35,29 +35,55 @@ What holds for every op:
   `tridist.symm_empty`: `all_gather`'s `out`, `all_reduce`'s `x` with `out=x`), every rank must
   pass a symmetric tensor, the same one, or none; in the emulator and with `TRIDIST_DEBUG=1` a
   mismatch raises on every rank.
-- **Bad input fails before any launch**, with a `ValueError` (a `TypeError` for a non-tensor)
-  that says what to change: dtype, device, layout, shape, method, a one-node method on several
-  nodes. Each op indexes its buffers with 32-bit offsets and refuses a size that would pass 2^31
-  elements.
+- **Bad input fails before any launch, on every rank**, with a `ValueError` (a `TypeError` for a
+  non-tensor) that says what to change: dtype, device, layout, shape, method, a one-node method on
+  several nodes. Each op indexes its buffers with 32-bit offsets and refuses a size that would
+  pass 2^31 elements. The ranks check together (`_protocol.agree`): every rank learns every
+  rank's outcome and raises the same error, naming the rank(s) and what they passed, also where
+  ranks pass shapes, dtypes or options that differ. See "What each op checks" below.
+- **Empty is allowed.** Zero-size inputs are normal wherever the result is defined: empty
+  tensors on every rank make the collectives no-ops that return empty results (in every method,
+  eager and captured), a rank of `all_to_all_v` or `EPBuffer` may send or receive nothing, and
+  an `EPBuffer` rank may have no tokens.
+
+## What each op checks
+
+| where | when | what |
+| --- | --- | --- |
+| host, this rank | every call | the arguments' types, dtypes, devices, layouts, shapes, options, sizes |
+| host, every rank together | in the emulator and with `TRIDIST_DEBUG=1` every call; on GPUs otherwise at the first call of each new shape (which builds the op's instance, a collective anyway), so that later calls take no host round trip; never while a CUDA graph is captured | that no rank's arguments failed, and that every rank passed the same shapes, dtypes and options (and the same symmetric tensor, where one is taken) |
+| host, values | where reading them costs no synchronisation (CPU tensors: the emulator) or one is allowed (`TRIDIST_DEBUG=1`, not while a graph is captured) | `EPBuffer`: expert ids in -1 ... E-1; `ag_moe`: expert ids in 0 ... E-1; `grouped_gemm`: `offs` non-decreasing within the rows of x; `flash_decode`: `seqlens` within the cache, and the block-table entries they use within its blocks |
+| device (`dl.check`) | always in the emulator (`DeviceCheckError`); on GPUs with `TRIDIST_DEBUG=1` (one line, then a trap) | `all_to_all_v*`: splits that reach past the rows of x, more rows arriving than `out` holds; `EPBuffer.low_latency_dispatch`: more pairs for one expert from one rank than `max_tokens_per_rank` (a token routed twice to an expert) |
+
+Where a value is not checked (GPUs without `TRIDIST_DEBUG`), each op still does something
+defined, never an access outside its buffers but where said: `EPBuffer` treats an expert id out of
+range as -1 (the token is not sent to that expert) and counts it in `EPBuffer.dropped_expert_ids`;
+`ag_moe` clamps it into 0 ... E-1 (the pair goes to expert 0 or E-1: check ids there with
+`TRIDIST_DEBUG=1`); `grouped_gemm` clamps `offs` into the rows of x (out-of-order ends give wrong
+products, never an access outside x or out); the `all_to_all_v` family drops the rows past `out`
+(the returned splits still say how many came) and sends no row past x; the low-latency dispatch
+drops the pairs past `max_tokens_per_rank`; `flash_decode` reads whatever memory a `seqlens` or
+block-table entry out of range points at.
 - **`torch.compile`.** Importing `tridist.ops` registers the functions as PyTorch custom ops,
   with shape-only fake implementations so that `torch.compile` can trace through them:
   `torch.ops.tridist.all_gather(x, method="auto")`,
   `torch.ops.tridist.reduce_scatter(x, method="auto")`,
-  `torch.ops.tridist.all_reduce(x, method="auto")`,
+  `torch.ops.tridist.all_reduce(x, method="auto")`, `torch.ops.tridist.all_reduce_(x, method="auto")` (in
+  place, declared as mutating x),
   `torch.ops.tridist.ag_gemm(a_shard, b, comm="auto")`, `torch.ops.tridist.gemm_rs(a, b)`,
   `torch.ops.tridist.gemm_ar(a, b, method="auto")` (the GEMMs also with `scale_a`, `scale_b` for
   fp8), and the MoE and all-to-all ops (their family pages list them). Each returns new tensors
-  (no `out=`, nothing in place), and the GEMMs run their default config.
+  (no `out=`, nothing in place) but `all_reduce_`, and the GEMMs run their default config.
 """
 from .attention import FlashDecode, flash_decode
-from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, reduce_scatter
+from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, all_reduce_, reduce_scatter
 from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, grouped_gemm, matmul
 from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
                   all_to_all_v_2d, all_to_all_v_2d_offset, moe_rs)
 from .stencil import Jacobi2D, jacobi_reference
 
-__all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter",
-           "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
+__all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "all_reduce_",
+           "ReduceScatter", "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
            "grouped_gemm", "AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer",
            "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
            "flash_decode", "Jacobi2D", "jacobi_reference"]

@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import _SymmetricMemory
 import tridist
 from tridist.runtime import config, occupancy
 from tridist.runtime.backend import is_emulator
-from tridist.runtime.world import transport
+from tridist.runtime.world import heap, transport
 from tridist.runtime.tensors import check_tensor
 
 from .. import language as dl
@@ -88,14 +88,16 @@ def finish_call(calls_ptr):
 class Workspace:
     """Symmetric staging for one op instance: two slots of `slot_numel` elements of `dtype` (none
     for kernels that write straight into symmetric tensors of the caller's), a block of signal
-    words per slot, and the device-side calls counter."""
+    words per slot, and the device-side calls counter. `name` (e.g. "all_gather push") names the
+    allocations in the report of a wait that expires on them ("all_gather push flags[5]")."""
 
-    def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int):
+    def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int, name: str | None = None):
         self.slot_numel = slot_numel
         # Zeroed: packets (LL) left in this memory by an op freed before would look fresh to a
         # reader expecting the same epoch.
-        self.staging = tridist.symm_zeros((2, slot_numel), dtype) if slot_numel else None
-        self.flags = tridist.signals(2 * signals_per_slot).view(2, signals_per_slot)
+        self.staging = (tridist.symm_zeros((2, slot_numel), dtype, name and f"{name} staging") if slot_numel
+                        else None)
+        self.flags = tridist.signals(2 * signals_per_slot, name and f"{name} flags").view(2, signals_per_slot)
         self.calls = torch.zeros(1, dtype=torch.int64, device=tridist.world().device)
 
     def free(self) -> None:
@@ -136,7 +138,7 @@ class PacketRows(Workspace):
         self.words = nbytes // 4
         self.splits = splits_for(self.words, LL_BLOCK, programs)
         self.row = row_stride(self.words)
-        super().__init__(w.world_size * self.row, torch.int64, 1)
+        super().__init__(w.world_size * self.row, torch.int64, 1, f"{what} ll")
 
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -144,19 +146,18 @@ TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.f
 
 
 def check_input(x: torch.Tensor, name: str, dtypes=SUPPORTED) -> None:
+    """`x` is a contiguous tensor on this rank's device with one of `dtypes` (it may be empty)."""
     check_tensor(x, name)
     if x.dtype not in dtypes:
         raise ValueError(f"{name} has dtype {x.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
-    if x.numel() == 0:
-        raise ValueError(f"{name} is empty")
 
 
 def check_build(op: str, numel: int, dtype: torch.dtype, dtypes=SUPPORTED) -> None:
     """What an op instance for `numel` elements of `dtype` per rank needs before it allocates anything."""
     if dtype not in dtypes:
         raise ValueError(f"{op} takes {', '.join(str(d) for d in dtypes)}; got {dtype}")
-    if not isinstance(numel, int) or numel < 1:
-        raise ValueError(f"{op} needs a positive int number of elements per rank, got {numel!r}")
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"{op} needs a non-negative int number of elements per rank, got {numel!r}")
 
 
 def check_same(x: torch.Tensor, numel: int, dtype: torch.dtype, op: str, dtypes=SUPPORTED) -> None:
@@ -172,17 +173,81 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def agree(op: str, what: str, values: tuple) -> None:
-    """Every rank passed the same `values` (ints: shapes, a method's code) to a call of `op`, checked
-    in the emulator and with TRIDIST_DEBUG=1 (a host collective: every rank reaches it); ranks that
-    disagree would wait for each other's rows forever. Raises the same ValueError on every rank. Not
-    while a CUDA graph is captured: the host collective would end the capture."""
-    if not (config.debug() or is_emulator()) or capturing():
-        return
-    everyone = [tuple(v) for v in transport().allgather_ints(tuple(values))]
-    if len(set(everyone)) > 1:
-        listed = "; ".join(f"rank {rank}: {v}" for rank, v in enumerate(everyone))
-        raise ValueError(f"{op}: ranks passed different {what} ({listed}); every rank must pass the same")
+def host_reads(t: torch.Tensor) -> bool:
+    """Whether a check may read the values of `t` on the host: always for CPU tensors (the
+    emulator), for GPU tensors only with TRIDIST_DEBUG=1 (each read is a device synchronisation),
+    and never while a CUDA graph is captured (the read would end the capture). What the checks that
+    read values leave to the device elsewhere, each op's docstring says."""
+    if capturing():
+        return False
+    return t.device.type == "cpu" or config.debug()
+
+
+_agreed: set = set()  # the (op, values) whose first call every rank checked together
+
+
+def agree(op: str, local=None, same: dict | None = None):
+    """The checks of one call of the collective `op`, with an outcome every rank shares: the one
+    way the ops check their arguments, so that a bad argument on one rank never leaves the others
+    waiting for it.
+
+    `local()` runs this rank's checks of its own arguments, raising ValueError or TypeError with a
+    message for the user; `same` maps what every rank must pass alike (e.g. "shape of x") to this
+    rank's value (ints, strings, tuples of them). Every rank gathers every rank's outcome and
+    values (a host collective) and raises the same error: each failing rank's message, prefixed
+    with its rank, or the values that differ, rank by rank.
+
+    The gather runs in the emulator and with TRIDIST_DEBUG=1 at every call, and otherwise (GPUs) at
+    the first call with each new `same` (the call that builds an instance and allocates collectively
+    anyway), so that later calls cost no host round trip. Never while a CUDA graph is captured (a
+    host collective would end the capture): there, and on later GPU calls, a local error is raised
+    on this rank alone. Returns what `local()` returned."""
+    same = same or {}
+    error = result = None
+    try:
+        if local is not None:
+            result = local()
+    except (ValueError, TypeError) as raised:
+        error = raised
+    key = (op, tuple(same.items()))
+    if capturing() or not (config.debug() or is_emulator() or key not in _agreed):
+        if error is not None:
+            raise error
+        return result
+    mine = (None if error is None else (type(error).__name__, str(error)), tuple(same.values()))
+    everyone = transport().allgather_objects(mine)
+    failed = [(rank, outcome) for rank, (outcome, _) in enumerate(everyone) if outcome is not None]
+    if failed:
+        kinds = {kind for _, (kind, _) in failed}
+        kind = TypeError if kinds == {"TypeError"} else ValueError
+        messages = {}
+        for rank, (_, message) in failed:
+            messages.setdefault(message, []).append(rank)
+        raise kind(f"{op}: " + "; ".join(f"{_ranks(ranks)}: {message}" for message, ranks in messages.items()))
+    for index, what in enumerate(same):
+        values = [values[index] for _, values in everyone]
+        if len(set(values)) > 1:
+            listed = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+            raise ValueError(f"{op}: ranks passed different {what} ({listed}); every rank must pass the same")
+    _agreed.add(key)
+    return result
+
+
+def _ranks(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def shape_of(t) -> tuple | str:
+    """What `agree` compares for a tensor argument: its shape and dtype (or what else it is)."""
+    return (*t.shape, str(t.dtype).removeprefix("torch.")) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def symmetric_identity(t: torch.Tensor | None) -> str:
+    """What `agree` compares for an argument that may be a symmetric tensor: where it lies in the
+    heap (the same on every rank for the same tensor), or "not symmetric" (a regular tensor, None)."""
+    if not isinstance(t, torch.Tensor) or not tridist.is_symmetric(t):
+        return "not symmetric"
+    return f"symmetric, {t.numel() * t.element_size()} bytes at heap offset {heap().offset_of(t)}"
 
 
 INDEX_LIMIT = 1 << 31  # the kernels index rows of x, out and staging with 32-bit offsets
@@ -223,6 +288,7 @@ def free_instances() -> int:
     for op in _instances.values():  # in the order they were built: the same on every rank
         op.free()
     _instances.clear()
+    _agreed.clear()  # their shapes are checked together again at their next first call
     return freed
 
 
@@ -465,15 +531,15 @@ class CopyEnginePush:
     its flags zeroed.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None):
+    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None, name: str | None = None):
         """`row`: elements from one row of staging to the next (at least `numel`; default `numel`
-        rounded up to whole 64-element blocks)."""
+        rounded up to whole 64-element blocks); `name`: as `Workspace`'s."""
         self.world = w = tridist.world()
         self.chunk = row_stride(max(CE_CHUNK_BYTES // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row
-        self.staging = tridist.symm_empty((w.world_size, self.row), dtype)
-        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32)
+        self.staging = tridist.symm_empty((w.world_size, self.row), dtype, name and f"{name} staging")
+        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32, name and f"{name} flags")
         self.streams = PeerStreams(w)
         # What each peer's copy engines write into, in the order `push` visits the peers.
         self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.streams.peers]

@@ -12,6 +12,7 @@ whose process is gone ends the wait at once with `PeerFailedError` instead of a 
 import fcntl
 import mmap
 import os
+import pickle
 import tempfile
 import threading
 import time
@@ -69,7 +70,7 @@ def make_shared_folder(prefix: str) -> str:
 
 
 def spin_until(done, describe, transport: "EmulatorTransport | None" = None, timeout_s: float | None = None) -> None:
-    """Spin until `done()`; past the timeout raise `WaitTimeoutError(describe())`.
+    """Spin until `done()`; past the timeout raise `WaitTimeoutError(describe(seconds waited))`.
 
     Backs off from busy polling to 1 ms sleeps, so that a 2-core machine running four ranks and
     their programs' threads still makes progress. With `transport`, a failed or vanished peer ends
@@ -90,7 +91,7 @@ def spin_until(done, describe, transport: "EmulatorTransport | None" = None, tim
             if transport is not None:
                 transport.check_peers()
             if now - start > timeout_s:
-                raise WaitTimeoutError(f"{describe()} (waited {now - start:.1f} s; TRIDIST_WAIT_TIMEOUT raises the limit)")
+                raise WaitTimeoutError(describe(now - start))
             next_check = now + 0.05
         time.sleep(pause)
         pause = min(pause * 2 or 1e-5, 1e-3)
@@ -149,7 +150,8 @@ class EmulatorTransport:
                 time.sleep(0.01)
             self._ctl[peer] = _map(path, _CTL_WORDS * 8, create=False).view(torch.int64)
             spin_until(lambda: int(self._ctl[peer][_STATE]) != 0,
-                       lambda: f"rank {self.rank}: rank {peer} never became ready", timeout_s=_STARTUP_TIMEOUT_S)
+                       lambda waited: f"rank {self.rank}: rank {peer} never became ready in {waited:.0f} s",
+                       timeout_s=_STARTUP_TIMEOUT_S)
             heap_path = self._path("heap", peer)
             size = os.path.getsize(heap_path)
             if size != self.heap_bytes:
@@ -178,8 +180,8 @@ class EmulatorTransport:
         self._ctl[self.rank][_BARRIER] = target
         spin_until(
             lambda: all(int(c[_BARRIER]) >= target for c in self._ctl),
-            lambda: f"rank {self.rank}: host barrier #{target} timed out; barrier counts per rank: "
-            f"{[int(c[_BARRIER]) for c in self._ctl]}",
+            lambda waited: f"rank {self.rank}: host barrier #{target} timed out after {waited:.1f} s "
+            f"(TRIDIST_WAIT_TIMEOUT raises the limit); barrier counts per rank: {[int(c[_BARRIER]) for c in self._ctl]}",
             transport=self,
         )
 
@@ -194,10 +196,25 @@ class EmulatorTransport:
         mine[_GATHER_SEQ] = self._gathers
         seq = self._gathers
         spin_until(lambda: all(int(c[_GATHER_SEQ]) >= seq for c in self._ctl),
-                   lambda: f"rank {self.rank}: host gather #{seq} timed out", transport=self)
+                   lambda waited: f"rank {self.rank}: host gather #{seq} timed out after {waited:.1f} s "
+                   "(TRIDIST_WAIT_TIMEOUT raises the limit)", transport=self)
         out = [tuple(int(v) for v in c[_GATHER:_GATHER + int(c[_GATHER_LEN])]) for c in self._ctl]
         self.barrier()  # nobody overwrites its slot before everyone has read it
         return out
+
+    def allgather_objects(self, value) -> list:
+        """Every rank's `value` (any picklable object, such as an error message), in rank order:
+        pickled and carried through `allgather_ints`, its length and first words in one round (what
+        the ops' checks send fits), the rest in as many more as the longest takes."""
+        data = pickle.dumps(value)
+        mine = torch.frombuffer(bytearray(data.ljust(-(-len(data) // 8) * 8, b"\0")), dtype=torch.int64).tolist()
+        first = self.allgather_ints((len(data), *mine[:_GATHER_MAX - 1]))
+        sizes, parts = [size for size, *_ in first], [list(words) for _, *words in first]
+        for start in range(_GATHER_MAX - 1, -(-max(sizes) // 8), _GATHER_MAX):
+            for rank, words in enumerate(self.allgather_ints(tuple(mine[start:start + _GATHER_MAX]))):
+                parts[rank] += words
+        return [pickle.loads(torch.tensor(words, dtype=torch.int64).numpy().tobytes()[:size])
+                for size, words in zip(sizes, parts)]
 
     def attach_device_barrier(self, slots: torch.Tensor) -> None:
         """The symmetric words `dl.shmem.barrier_all` uses: slot r holds rank r's latest epoch."""

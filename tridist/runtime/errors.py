@@ -10,8 +10,10 @@ class NotInitializedError(TridistError):
 
 
 class WaitTimeoutError(TridistError):
-    """A bounded wait expired (in the emulator after TRIDIST_WAIT_TIMEOUT seconds): the message
-    names the rank, the kernel, the signal (its heap offset) and the expected and observed values."""
+    """A bounded wait expired (after TRIDIST_WAIT_TIMEOUT seconds: always in the emulator, on GPUs
+    with TRIDIST_DEBUG=1): the message is one line naming the rank, the kernel, the program, the
+    word waited on (its symmetric allocation and index) and the expected and observed values
+    (`tridist.runtime.wait_report`); host waits of the emulator (barriers, gathers) say which."""
 
 
 class PeerFailedError(TridistError):

@@ -29,6 +29,7 @@ class SymmetricHeap:
         self.nbytes = self.base.numel()
         self.base_ptr = self.base.data_ptr()
         self._blocks: list[tuple[int, int]] = []  # (offset, size), sorted by offset
+        self._labels: dict[int, tuple[str, torch.dtype, tuple]] = {}  # offset -> (name, dtype, shape)
         self._seq = 0
 
     @property
@@ -41,11 +42,13 @@ class SymmetricHeap:
     def offset_of(self, t: torch.Tensor) -> int:
         return t.data_ptr() - self.base_ptr
 
-    def allocate(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def allocate(self, shape: tuple, dtype: torch.dtype, name: str | None = None) -> torch.Tensor:
         if dtype not in _DTYPES:
             raise ValueError(f"symmetric tensors take one of {', '.join(str(d) for d in _DTYPES)}; got {dtype}")
         nbytes = math.prod(shape) * dtype.itemsize
         self._agree(_ALLOC, nbytes, dtype, shape)
+        if nbytes == 0:  # torch gives empty tensors no address, so none in the heap either
+            return torch.empty(shape, dtype=dtype, device=self.base.device)
         size = max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
         offset = self._first_fit(size)
         if offset is None:
@@ -56,9 +59,13 @@ class SymmetricHeap:
             )
         self._blocks.append((offset, size))
         self._blocks.sort()
+        self._labels[offset] = (name or f"allocation #{self._seq}", dtype, shape)
         return self.base[offset:offset + nbytes].view(dtype).view(shape)
 
     def free(self, t: torch.Tensor) -> None:
+        if t.numel() == 0:  # see `allocate`
+            self._agree(_FREE, -1, t.dtype, tuple(t.shape))
+            return
         offset = self.offset_of(t) if self.contains(t) else -1
         index = next((i for i, (o, _) in enumerate(self._blocks) if o == offset), None)
         if index is None:
@@ -66,23 +73,21 @@ class SymmetricHeap:
                              "or a regular tensor")
         self._agree(_FREE, offset, t.dtype, tuple(t.shape))
         del self._blocks[index]
+        del self._labels[offset]
 
-    def agree_on(self, t: torch.Tensor | None, name: str) -> None:
-        """When checked: that every rank passes the same symmetric tensor `t` (offset and size), as a
-        kernel writing into the peers' copies of it assumes, or that none passes a symmetric one
-        (a regular tensor or None)."""
-        if not self.checked:
-            return
-        symmetric = t is not None and self.contains(t)
-        mine = (self.offset_of(t), t.numel() * t.element_size()) if symmetric else (-1, 0)
-        everyone = self.transport.allgather_ints(mine)
-        if all(other == mine for other in everyone):
-            return
-        lines = [f"  rank {r}: " + (f"{size} bytes at offset {offset}" if offset >= 0 else "not symmetric")
-                 for r, (offset, size) in enumerate(everyone)]
-        raise SymmetricAllocationError(
-            f"{name} must be the same symmetric tensor on every rank (one allocated by every rank in the same "
-            "order), or none a symmetric one:\n" + "\n".join(lines))
+    def name_of(self, address: int) -> str:
+        """The word at `address` (a pointer into this rank's heap), as the reports of expired waits
+        name it: its allocation, by the name given or by number, the word's index there (in elements
+        of the allocation's dtype), dtype, shape and heap offset."""
+        offset = address - self.base_ptr
+        for start, size in self._blocks:
+            if start <= offset < start + size and start in self._labels:
+                name, dtype, shape = self._labels[start]
+                return (f"{name}[{(offset - start) // dtype.itemsize}] ({_describe(dtype, shape)} at heap offset "
+                        f"{start:#x})")
+        if 0 <= offset < self.nbytes:
+            return f"the word at heap offset {offset:#x} (in no allocation)"
+        return f"the word at {address:#x} (not in the symmetric heap)"
 
     def _first_fit(self, size: int):
         cursor = 0

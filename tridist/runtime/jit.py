@@ -24,14 +24,15 @@ grid it cannot make resident.
 import concurrent.futures
 import inspect
 import math
+import sys
 import threading
 
 import torch
 import triton
 
-from . import backend, config, occupancy
-from .errors import TridistError
-from .world import transport, world
+from . import backend, config, occupancy, wait_report
+from .errors import TridistError, WaitTimeoutError
+from .world import heap, mark_failed, transport, world
 
 
 def jit(fn=None, **kwargs):
@@ -159,11 +160,22 @@ def _init_module(kernel) -> None:
 
 
 def _synchronize_and_name(kernel: str) -> None:
+    """Debug mode, after each launch on a GPU: a kernel that failed is named here. If a bounded wait
+    of it expired, its report (`wait_report`) is printed, one line, and raised as WaitTimeoutError;
+    else (`dl.check`, or another fault) the CUDA error is. The CUDA context is lost either way, so
+    this rank is marked failed: `finalize` then leaves the GPU alone."""
     try:
         torch.cuda.synchronize()
     except RuntimeError as error:
-        raise TridistError(f"rank {world().rank}: kernel {kernel} failed: {error}. A bounded wait that expired "
-                           "printed its signal, expected and observed values above.") from error
+        rank = world().rank
+        mark_failed()
+        report = wait_report.take(rank, kernel, heap().name_of)
+        if report is None:
+            problem = wait_report.problem()
+            raise TridistError(f"rank {rank}: kernel {kernel} failed on the GPU: {error}"
+                               + (f" ({problem}: an expired wait could not be reported)" if problem else "")) from None
+        print(report, file=sys.stderr, flush=True)
+        raise WaitTimeoutError(report) from None
 
 
 def _launch(kernel, python_fn, grid, args, kwargs, coresident):

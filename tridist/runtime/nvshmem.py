@@ -95,10 +95,16 @@ class NvshmemTransport:
         dist.barrier(device_ids=self._barrier_devices)
         torch.cuda.synchronize(self.device)
 
-    def allgather_ints(self, values: tuple) -> list:
+    def allgather_objects(self, value) -> list:
+        """Every rank's `value` (any picklable object), in rank order. A host collective that moves
+        a pickle through the process group: never while a CUDA graph is captured (with NCCL it copies
+        a CPU tensor to the GPU, which a capture refuses)."""
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, tuple(values))
+        dist.all_gather_object(everyone, value)
         return everyone
+
+    def allgather_ints(self, values: tuple) -> list:
+        return self.allgather_objects(tuple(values))
 
     def close(self, failed: bool = False) -> None:
         if not failed:

@@ -22,30 +22,34 @@ def _shape(shape) -> tuple:
     return shape
 
 
-def symm_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def symm_empty(shape, dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
     """An uninitialised symmetric tensor: a torch tensor (CUDA on GPUs, CPU in the emulator) in
     this rank's symmetric heap, at the same offset as every other rank's copy, which kernels
     reach with `dl.symm_at` and `dl.shmem`.
 
     Collective: every rank must allocate the same shapes and dtypes in the same order (checked
-    in the emulator and with TRIDIST_DEBUG=1, where every rank waits for the others).
+    in the emulator and with TRIDIST_DEBUG=1, where every rank waits for the others). An empty
+    shape gives an empty regular tensor (torch gives empty tensors no address), which
+    `symm_free` takes back all the same.
 
     Args:
         shape: an int or a sequence of ints.
         dtype: the element type.
+        name: what the report of a wait that expired on a word of it calls it (default:
+            "allocation #N", its place among this rank's allocations).
 
     Raises:
         ValueError: a shape that is not non-negative ints, or a dtype the heap does not take.
         SymmetricAllocationError: the heap (TRIDIST_HEAP_SIZE) is exhausted, or ranks asked
             for different allocations (what each asked for is in the message).
     """
-    return heap().allocate(_shape(shape), dtype)
+    return heap().allocate(_shape(shape), dtype, name)
 
 
-def symm_zeros(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def symm_zeros(shape, dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
     """A zeroed symmetric tensor (as `symm_empty`). Collective: it returns once every rank has
     zeroed its copy, so that no rank's zeroing can erase what a faster peer already wrote into it."""
-    t = symm_empty(shape, dtype)
+    t = symm_empty(shape, dtype, name)
     t.zero_()
     barrier_all()
     return t
@@ -57,30 +61,15 @@ def symm_free(t: torch.Tensor) -> None:
     heap().free(t)
 
 
-def signals(n: int) -> torch.Tensor:
+def signals(n: int, name: str | None = None) -> torch.Tensor:
     """`n` zeroed signal words (`SIGNAL_DTYPE`) in symmetric memory, for `dl.notify`, `dl.wait`
     and `dl.shmem`'s signals. Collective, like `symm_zeros`."""
-    return symm_zeros((n,), SIGNAL_DTYPE)
+    return symm_zeros((n,), SIGNAL_DTYPE, name)
 
 
 def is_symmetric(t: torch.Tensor) -> bool:
     """Whether `t` lies in this rank's symmetric heap (a tensor from `symm_empty`, or a view of one)."""
     return heap().contains(t)
-
-
-def agree_symmetric(t: torch.Tensor | None, name: str) -> None:
-    """For ops that take one protocol for a symmetric `t` and another for a regular one (or None):
-    (checked in the emulator and with TRIDIST_DEBUG=1) that every rank passes the same symmetric
-    tensor or none does, since ranks on different protocols would wait for each other forever."""
-    heap().agree_on(t, name)
-
-
-def check_symmetric(t: torch.Tensor, name: str) -> None:
-    """For ops that write into the peers' copies of `t`: it must be symmetric, and (checked in the
-    emulator and with TRIDIST_DEBUG=1) the same tensor on every rank."""
-    heap().agree_on(t, name)  # first: a rank that raised alone would leave the others waiting here
-    if not is_symmetric(t):
-        raise ValueError(f"{name} must be a symmetric tensor (tridist.symm_empty) for this op")
 
 
 def peer_tensor(t: torch.Tensor, peer: int) -> torch.Tensor:

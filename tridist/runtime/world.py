@@ -16,7 +16,7 @@ import sys
 import torch
 
 from . import backend as _backend
-from . import config, sharing
+from . import config, sharing, wait_report
 from .errors import NotInitializedError, TridistError
 from .heap import SymmetricHeap
 
@@ -65,6 +65,7 @@ class _State:
     transport = None
     heap: SymmetricHeap | None = None
     bounded_barrier: tuple[torch.Tensor, torch.Tensor] | None = None
+    failed = False  # this rank failed: its GPU context may be lost, so it is left alone
     finalized = False
 
 
@@ -164,6 +165,8 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
         reachable = [peer // per_node == node for peer in range(world_size)]
         transport = NvshmemTransport(rank, world_size, device, heap_bytes, reachable,
                                      sharing.process_group_backend(host_world, per_gpu))
+        if config.debug():
+            wait_report.register_page()
     world = World(rank, world_size, local_rank, local_world_size, node, nnodes, _backend.BACKEND, device)
     _state.transport = transport
     _state.heap = SymmetricHeap(transport, rank, checked=_backend.is_emulator() or config.debug())
@@ -201,12 +204,20 @@ def _emulator_folder(world_size: int) -> str:
 def _install_failure_hook() -> None:
     previous = sys.excepthook
 
-    def mark_failed(kind, value, traceback):
-        if _state.transport is not None:
-            _state.transport.close(failed=True)
+    def fail(kind, value, traceback):
+        mark_failed()
         previous(kind, value, traceback)
 
-    sys.excepthook = mark_failed
+    sys.excepthook = fail
+
+
+def mark_failed() -> None:
+    """This rank failed (an uncaught exception, or a kernel that failed on the GPU, whose context is
+    then lost): tell the peers (the emulator's waits end at once) and leave the device alone from
+    here on, `finalize` at exit included."""
+    _state.failed = True
+    if _state.transport is not None:
+        _state.transport.close(failed=True)
 
 
 def finalize() -> None:
@@ -214,7 +225,7 @@ def finalize() -> None:
     afterwards, and `init()` cannot be called again in this process."""
     if _state.world is None:
         return
-    _state.transport.close()
+    _state.transport.close(failed=_state.failed)
     _state.world = None
     _state.heap = None
     _state.bounded_barrier = None

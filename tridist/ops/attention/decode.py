@@ -23,7 +23,6 @@ import torch
 import triton
 
 import tridist
-from tridist.runtime import config as settings
 from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
@@ -152,10 +151,11 @@ class FlashDecode:
         outside a CUDA-graph capture. Otherwise such values are not checked: the kernel would read
         whatever memory they point at.
         """
-        out = self._checked_out(q, out)
-        page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
-        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride,
-                                _scale(sm_scale, self.head_dim))
+        out, (page, seq_stride), scale = _protocol.agree(
+            "flash_decode", lambda: (self._checked_out(q, out), self._layout(q, k_cache, v_cache, seqlens, block_table),
+                                     _scale(sm_scale, self.head_dim)),
+            {"shape and dtype of q": _protocol.shape_of(q)})
+        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale)
         ws = self.workspace
         # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
         staging, calls = (ws.staging, ws.calls) if ws else (self.partials, seqlens)
@@ -273,7 +273,7 @@ def check_positions(seqlens: torch.Tensor, capacity: int, block_table: torch.Ten
     """seqlens within [0, capacity] and the block-table entries they use within [0, num_blocks), where
     reading them costs no device synchronisation (CPU tensors) or TRIDIST_DEBUG=1 allows one (not
     while a CUDA graph is captured, which a synchronisation would end)."""
-    if seqlens.is_cuda and not (settings.debug() and not torch.cuda.is_current_stream_capturing()):
+    if not _protocol.host_reads(seqlens):
         return
     lengths = seqlens.cpu()
     bad = ((lengths < 0) | (lengths > capacity)).nonzero()
@@ -312,16 +312,20 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     across the ranks: every rank returns out [B, Hq, D], the attention over every rank's positions,
     the same bits on every rank. A collective. Arguments, limits and errors: `FlashDecode.__call__`;
     keeps one `FlashDecode` per shape, dtype and stream."""
-    check_input(q, "q", DTYPES)
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
-    check_tensor(k_cache, "k_cache")
-    if k_cache.dim() != 4:
-        raise ValueError(f"k_cache must be [B, L, Hkv, D] or [num_blocks, block_size, Hkv, D], got shape "
-                         f"{tuple(k_cache.shape)}")
+    def check() -> None:
+        check_input(q, "q", DTYPES)
+        if q.dim() != 3:
+            raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+        check_tensor(k_cache, "k_cache")
+        if k_cache.dim() != 4:
+            raise ValueError(f"k_cache must be [B, L, Hkv, D] or [num_blocks, block_size, Hkv, D], got shape "
+                             f"{tuple(k_cache.shape)}")
+        check_sizes(*q.shape[:2], k_cache.shape[2], q.shape[2], q.dtype)
+
+    heads = tuple(k_cache.shape[2:]) if isinstance(k_cache, torch.Tensor) else None
+    _protocol.agree("flash_decode", check, {"shape and dtype of q": _protocol.shape_of(q), "heads of k_cache": heads})
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    check_sizes(batch, q_heads, kv_heads, head_dim, q.dtype)
     op = _protocol.instance(lambda: FlashDecode(batch, q_heads, kv_heads, head_dim, q.dtype), FlashDecode, batch,
                             q_heads, kv_heads, head_dim, q.dtype, device=q.device)
     return op(q, k_cache, v_cache, seqlens, block_table, sm_scale)

@@ -5,7 +5,7 @@ messages, one node and several.
 | --- | --- | --- |
 | `all_gather(x)`, `AllGather` | `torch.distributed.all_gather_into_tensor`; floats, integers, raw bytes | `ll`, `push`, `pull`, `ce`, `2d`, `ring`, `auto` |
 | `reduce_scatter(x)`, `ReduceScatter` | `reduce_scatter_tensor`, sum, fp32 accumulation | `ll`, `one_shot`, `ce`, `2d`, `ring`, `auto` |
-| `all_reduce(x)`, `AllReduce` | `all_reduce`, sum, fp32 accumulation | `ll`, `one_shot`, `two_shot`, `ce`, `auto` |
+| `all_reduce(x)`, `all_reduce_(x)`, `AllReduce` | `all_reduce`, sum, fp32 accumulation; `all_reduce` returns a new tensor, `all_reduce_` sums in place | `ll`, `one_shot`, `two_shot`, `ce`, `auto` |
 
 Each class's docstring says what its methods do and where they work. Common to all three:
 
@@ -20,6 +20,6 @@ Each class's docstring says what its methods do and where they work. Common to a
   that keep the SMs busy with other work, except into a symmetric `out` (all-gather).
 """
 from .allgather import AllGather, all_gather
-from .allreduce import AllReduce, ReduceScatter, all_reduce, reduce_scatter
+from .allreduce import AllReduce, ReduceScatter, all_reduce, all_reduce_, reduce_scatter
 
-__all__ = ["AllGather", "all_gather", "AllReduce", "all_reduce", "ReduceScatter", "reduce_scatter"]
+__all__ = ["AllGather", "all_gather", "AllReduce", "all_reduce", "all_reduce_", "ReduceScatter", "reduce_scatter"]

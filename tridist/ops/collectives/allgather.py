@@ -48,12 +48,11 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
-from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
 from .. import _protocol, sync
 from .._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, PeerStreams, Workspace, after_flags, call_epoch,
                         check_input, check_output, copy_slice, finish_call, notify_peers, placement, push_slice,
-                        row_stride, split_bounds, wait_chunks)
+                        row_stride, shape_of, split_bounds, symmetric_identity, wait_chunks)
 
 METHODS = ("auto", "push", "pull", "ll", "ce", "2d", "ring")
 # An all-gather only moves data, so it takes raw bytes and integers as well.
@@ -245,7 +244,7 @@ class AllGather:
     | `"auto"` | [`choose_method`][tridist.ops.collectives.allgather.choose_method]: `2d` across nodes, `ll` up to 1 MB in all, `ce` into a symmetric `out` above 64 MB, else `push` | |
 
     Args:
-        numel: elements of each rank's shard.
+        numel: elements of each rank's shard (0: calls do nothing).
         dtype: bf16, fp16, fp32, uint8, int8, int16, int32 or int64 (an all-gather only moves
             bytes).
         method: one of the methods above.
@@ -254,8 +253,8 @@ class AllGather:
             tensor on every rank; `"ce"` then writes into it directly.
 
     Raises:
-        ValueError: an unknown method, a dtype it does not take, `numel` not a positive int,
-            `programs` not a positive int, a one-node method in a world of several nodes, an
+        ValueError: an unknown method, a dtype it does not take, `numel` not a non-negative
+            int, `programs` not a positive int, a one-node method in a world of several nodes, an
             output past 2^31 elements, or for `"ll"` a shard that is not whole 4-byte words.
     """
 
@@ -269,6 +268,8 @@ class AllGather:
         nbytes = numel * dtype.itemsize
         self.method = choose_method(nbytes * w.world_size, w, symmetric_out) if method == "auto" else method
         self.symmetric_out = symmetric_out
+        if numel == 0:  # nothing to move: no buffers, and calls return at once
+            return
         self.direct = symmetric_out and self.method == "ce" and w.world_size > 1
         self.fitted = self.method != "2d"  # "2d" fits its splits to what can be resident at its first call
         _protocol.check_offsets("all_gather", w.world_size * row_stride(numel))
@@ -281,25 +282,26 @@ class AllGather:
             self.splits = self.workspace.splits
         elif self.method == "pull":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
-            self.workspace = Workspace(numel, dtype, w.world_size * self.splits)
+            self.workspace = Workspace(numel, dtype, w.world_size * self.splits, "all_gather pull")
         elif self.method == "push":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer)
             self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
             self.row = row_stride(numel)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.slices)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.slices, "all_gather push")
         elif self.method in ("2d", "ring"):
             tasks = spread_tasks(w) if self.method == "2d" else 1  # programs per slice
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
                                                                       max(1, limit // tasks))
             self.row = row_stride(numel)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
+                                       f"all_gather {self.method}")
         elif self.direct:
             self.streams = PeerStreams(w)
             self.barrier = sync.Barrier()
         else:  # "ce" through staging
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, per_peer,
                                                                       _protocol.CE_STEP_BYTES)
-            self.transfer = CopyEnginePush(numel, dtype)
+            self.transfer = CopyEnginePush(numel, dtype, name="all_gather ce")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather `x` from every rank into `out`.
@@ -315,21 +317,29 @@ class AllGather:
             `out`, every rank's shard in rank order.
 
         Raises:
-            ValueError: `x` or `out` not what this instance was built for.
-            SymmetricAllocationError: with `symmetric_out`, ranks passed different tensors (in
-                the emulator and with TRIDIST_DEBUG=1).
+            ValueError: `x` or `out` not what this instance was built for, on any rank; with
+                `symmetric_out`, ranks passed different tensors (`_protocol.agree` says when
+                every rank checks).
         """
         w = self.world
-        _protocol.check_same(x, self.numel, self.dtype, "all-gather", DTYPES)
-        shape = (w.world_size * x.shape[0], *x.shape[1:]) if x.dim() else (w.world_size,)
-        if out is None and self.symmetric_out:
-            raise ValueError("this all-gather was built with symmetric_out=True: pass out, a symmetric tensor "
-                             "(tridist.symm_empty)")
+
+        def check() -> None:
+            _protocol.check_same(x, self.numel, self.dtype, "all-gather", DTYPES)
+            if out is None and self.symmetric_out:
+                raise ValueError("this all-gather was built with symmetric_out=True: pass out, a symmetric tensor "
+                                 "(tridist.symm_empty)")
+            if out is not None:
+                check_output(out, gathered_shape(x, w), x.dtype)
+            if self.symmetric_out and not tridist.is_symmetric(out):
+                raise ValueError("this all-gather was built with symmetric_out=True: out must be a symmetric tensor "
+                                 "(tridist.symm_empty), the same on every rank")
+
+        _protocol.agree("all_gather", check, {"shape and dtype of x": shape_of(x),
+                                              "out": symmetric_identity(out) if self.symmetric_out else "any"})
         if out is None:
-            out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        check_output(out, shape, x.dtype)
-        if self.symmetric_out:
-            check_symmetric(out, "out")
+            out = torch.empty(gathered_shape(x, w), dtype=x.dtype, device=x.device)
+        if self.numel == 0:
+            return out
         if self.direct:
             self._into_symmetric(x, out)
             return out
@@ -387,12 +397,19 @@ class AllGather:
     def free(self) -> None:
         """Give the symmetric buffers back (collective: every rank frees its instance in the same
         order)."""
+        if self.numel == 0:
+            return
         if self.direct:
             self.barrier.free()
         elif self.method == "ce":
             self.transfer.free()
         else:
             self.workspace.free()
+
+
+def gathered_shape(x: torch.Tensor, world) -> tuple:
+    """The shape of the all-gather of `x`: `world_size` times its rows."""
+    return (world.world_size * x.shape[0], *x.shape[1:]) if x.dim() else (world.world_size,)
 
 
 def spread_tasks(world) -> int:
@@ -427,7 +444,8 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     `torch.distributed.all_gather_into_tensor`.
 
     A collective: every rank calls it with the same shape, dtype and method, and a symmetric
-    `out` on every rank or on none. Keeps one [`AllGather`][tridist.ops.AllGather] per shape,
+    `out` on every rank or on none. An empty `x` (on every rank) gives an empty `out` and moves
+    nothing. Keeps one [`AllGather`][tridist.ops.AllGather] per shape,
     dtype, method and stream (its table lists the methods).
 
     Args:
@@ -443,14 +461,20 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
         `out`, every rank's shard in rank order.
 
     Raises:
-        ValueError: before any launch, for a dtype, device, layout or size it does not take, an
-            unknown method, or a one-node method on several nodes (see `AllGather`).
+        ValueError: before any launch, on every rank: a dtype, device, layout or size it does not
+            take on any rank, ranks that disagree on the shape, dtype, method or a symmetric
+            `out`, an unknown method, or a one-node method on several nodes (see `AllGather`).
         TypeError: `x` is not a tensor.
-        SymmetricAllocationError: ranks disagree on a symmetric `out` (in the emulator and with
-            TRIDIST_DEBUG=1).
     """
-    check_input(x, "x", DTYPES)
-    agree_symmetric(out, "out")
+    def check() -> None:
+        check_input(x, "x", DTYPES)
+        if method not in METHODS:
+            raise _protocol.method_error("all_gather", method, METHODS)
+        if out is not None:
+            check_output(out, gathered_shape(x, tridist.world()), x.dtype)
+
+    _protocol.agree("all_gather", check, {"shape and dtype of x": shape_of(x), "method": method,
+                                          "out": symmetric_identity(out)})
     symmetric = out is not None and tridist.is_symmetric(out)
     op = _protocol.instance(lambda: AllGather(x.numel(), x.dtype, method, symmetric_out=symmetric), AllGather,
                             x.numel(), x.dtype, method, symmetric, device=x.device)

@@ -52,12 +52,12 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
-from tridist.runtime.tensors import agree_symmetric, check_symmetric
 
 from .. import _protocol
 from .._protocol import (LL_BLOCK, CopyEnginePush, PacketRows, Workspace, after_flags, call_epoch, check_input,
                         check_output, copy_slice, finish_call, notify_peers, pack_halves, placement, push_slice,
-                        row_stride, split_bounds, sync_program, unpack_halves, wait_chunks)
+                        row_stride, shape_of, split_bounds, symmetric_identity, sync_program, unpack_halves,
+                        wait_chunks)
 from .allgather import all_gather_ce_kernel
 
 REDUCE_SCATTER_METHODS = ("auto", "ll", "one_shot", "ce", "2d", "ring")
@@ -409,13 +409,13 @@ class ReduceScatter:
     | `"auto"` | [`choose_reduce_scatter`][tridist.ops.collectives.allreduce.choose_reduce_scatter]: `2d` across nodes, `ll` while a rank sends at most 1 MB, else `one_shot` | |
 
     Args:
-        numel: elements of each rank's x, a multiple of the world size.
+        numel: elements of each rank's x, a multiple of the world size (0: calls do nothing).
         dtype: bf16, fp16 or fp32.
         method: one of the methods above.
         programs: the most programs (blocks, so SMs) a call's kernel runs (default: one per SM).
 
     Raises:
-        ValueError: an unknown method, a dtype it does not take, `numel` not a positive
+        ValueError: an unknown method, a dtype it does not take, `numel` not a non-negative
             multiple of the world size, `programs` not a positive int, a one-node method in a
             world of several nodes, buffers past 2^31 elements, or for `"ll"` chunks that are
             not whole 4-byte words.
@@ -430,6 +430,8 @@ class ReduceScatter:
             raise ValueError(f"reduce_scatter needs a multiple of world_size={w.world_size} elements, got {numel}")
         self.numel, self.dtype = numel, dtype
         self.method = choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
+        if numel == 0:  # nothing to sum: no buffers, and calls return at once
+            return
         if self.method in ("ll", "ce"):
             _protocol.require_one_node(f"reduce_scatter method {self.method!r}", "method='2d' or 'one_shot'")
         self.chunk = numel // w.world_size
@@ -445,15 +447,17 @@ class ReduceScatter:
         self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit, step_bytes)
         self.row = row = row_stride(self.chunk)
         if self.method == "ce":
-            self.transfer = CopyEnginePush(self.chunk, dtype)
+            self.transfer = CopyEnginePush(self.chunk, dtype, name="reduce_scatter ce")
         elif self.method == "ring":  # fp32 partials: world-1 received and world-1 sent rows
-            self.workspace = Workspace(2 * max(1, w.world_size - 1) * row, torch.float32, w.world_size * self.splits)
+            self.workspace = Workspace(2 * max(1, w.world_size - 1) * row, torch.float32, w.world_size * self.splits,
+                                       "reduce_scatter ring")
         elif self.method == "2d":  # flags for the rows, then for the node sums
-            self.workspace = Workspace(w.world_size * row, dtype, (w.world_size + w.nnodes) * self.splits)
+            self.workspace = Workspace(w.world_size * row, dtype, (w.world_size + w.nnodes) * self.splits,
+                                       "reduce_scatter 2d")
             self.sums = tridist.symm_empty((2, 2 * w.nnodes * row), torch.float32)
         else:  # "one_shot"
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
-            self.workspace = Workspace(w.world_size * row, dtype, w.world_size * self.slices)
+            self.workspace = Workspace(w.world_size * row, dtype, w.world_size * self.slices, "reduce_scatter one_shot")
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum `x` over ranks and give this rank its chunk.
@@ -468,17 +472,20 @@ class ReduceScatter:
             `out`: chunk `rank` of the sum over ranks.
 
         Raises:
-            ValueError: `x` or `out` not what this instance was built for.
+            ValueError: `x` or `out` not what this instance was built for, on any rank
+                (`_protocol.agree` says when every rank checks).
         """
         w = self.world
-        _protocol.check_same(x, self.numel, self.dtype, "reduce-scatter")
-        if x.dim() == 0 or x.shape[0] % w.world_size:
-            raise ValueError(f"reduce_scatter splits dim 0 of x ({tuple(x.shape)}) into {w.world_size} chunks; make "
-                             "it a multiple of the world size")
-        shape = (x.shape[0] // w.world_size, *x.shape[1:])
+
+        def check() -> None:
+            _protocol.check_same(x, self.numel, self.dtype, "reduce-scatter")
+            check_scattered(x, out, w)
+
+        _protocol.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x)})
         if out is None:
-            out = torch.empty(shape, dtype=x.dtype, device=x.device)
-        check_output(out, shape, x.dtype)
+            out = torch.empty(scattered_shape(x, w), dtype=x.dtype, device=x.device)
+        if self.numel == 0:
+            return out
         if self.method == "ll":
             _reduce_packets(self.workspace, x, out, peer_stride=self.workspace.words)
             return out
@@ -508,6 +515,8 @@ class ReduceScatter:
 
     def free(self) -> None:
         """Give the symmetric buffers back (collective: every rank, in the same order)."""
+        if self.numel == 0:
+            return
         if self.method == "ce":
             self.transfer.free()
             return
@@ -539,15 +548,15 @@ class AllReduce:
     rank's x, as PyTorch's `two_shot_all_reduce_` does (from 64 MB with two programs per SM).
 
     Args:
-        numel: elements of each rank's x.
+        numel: elements of each rank's x (0: calls do nothing).
         dtype: bf16, fp16 or fp32.
         method: one of the methods above.
         programs: the most programs (blocks, so SMs) a call's kernels run (default: one per SM).
         symmetric_in_place: every call passes a symmetric x with `out=x`.
 
     Raises:
-        ValueError: an unknown method, a dtype it does not take, `numel` not a positive int,
-            `programs` not a positive int, a one-node method in a world of several nodes,
+        ValueError: an unknown method, a dtype it does not take, `numel` not a non-negative
+            int, `programs` not a positive int, a one-node method in a world of several nodes,
             buffers past 2^31 elements, or for `"ll"` data that is not whole 4-byte words.
     """
 
@@ -561,6 +570,8 @@ class AllReduce:
         self.symmetric_in_place = symmetric_in_place
         self.method = (choose_all_reduce(numel * dtype.itemsize, w, symmetric_in_place) if method == "auto"
                        else method)
+        if numel == 0:  # nothing to sum: no buffers, and calls return at once
+            return
         self.direct = symmetric_in_place and self.method == "two_shot" and w.nnodes == 1
         # one-shot and LL staging hold all of x per rank; the others a chunk per rank, twice
         whole = self.method in ("one_shot", "ll")
@@ -574,28 +585,30 @@ class AllReduce:
         elif self.method == "one_shot":
             self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, limit)
             self.row = row_stride(numel)
-            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits)
+            self.workspace = Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
+                                       "all_reduce one_shot")
         elif self.method == "ce":
             self.chunk = triton.cdiv(numel, w.world_size)
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
                                                                       max(1, limit // w.world_size),
                                                                       _protocol.CE_STEP_BYTES)
-            self.scatter = CopyEnginePush(self.chunk, dtype)
-            self.gather = CopyEnginePush(self.chunk, dtype)
+            self.scatter = CopyEnginePush(self.chunk, dtype, name="all_reduce ce scatter")
+            self.gather = CopyEnginePush(self.chunk, dtype, name="all_reduce ce gather")
         elif self.direct:
             self.chunk = triton.cdiv(numel, w.world_size)
             if programs is None and numel * dtype.itemsize >= SYMMETRIC_TWO_PER_SM_BYTES:
                 limit *= 2
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, limit)
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
-            self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1))
+            self.workspace = Workspace(0, dtype, w.world_size * (self.splits + 1), "all_reduce symmetric two_shot")
         else:  # "two_shot" through staging
             self.chunk = triton.cdiv(numel, w.world_size)
             self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
                                                                       max(1, limit // w.world_size))
             self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
             self.row = row_stride(self.chunk)
-            self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.slices)
+            self.workspace = Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.slices,
+                                       "all_reduce two_shot")
             self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
                 2, self.chunk * w.world_size, dtype=dtype, device=w.device)
 
@@ -611,18 +624,25 @@ class AllReduce:
             `out`, the sum over ranks.
 
         Raises:
-            ValueError: `x` or `out` not what this instance was built for.
-            SymmetricAllocationError: with `symmetric_in_place`, ranks passed different tensors
-                (in the emulator and with TRIDIST_DEBUG=1).
+            ValueError: `x` or `out` not what this instance was built for, on any rank; with
+                `symmetric_in_place`, ranks passed different tensors (`_protocol.agree` says when
+                every rank checks).
         """
-        _protocol.check_same(x, self.numel, self.dtype, "all-reduce")
-        if self.symmetric_in_place:
-            if out is None or out.data_ptr() != x.data_ptr():
-                raise ValueError("this all-reduce was built with symmetric_in_place=True: call it with out=x")
-            check_symmetric(x, "x")
+        def check() -> None:
+            _protocol.check_same(x, self.numel, self.dtype, "all-reduce")
+            if out is not None:
+                check_output(out, tuple(x.shape), x.dtype)
+            if self.symmetric_in_place and (out is None or out.data_ptr() != x.data_ptr()
+                                            or not tridist.is_symmetric(x)):
+                raise ValueError("this all-reduce was built with symmetric_in_place=True: call it with out=x, x a "
+                                 "symmetric tensor (tridist.symm_empty), the same on every rank")
+
+        _protocol.agree("all_reduce", check, {"shape and dtype of x": shape_of(x),
+                                              "x": symmetric_identity(x) if self.symmetric_in_place else "any"})
         if out is None:
             out = torch.empty_like(x)
-        check_output(out, tuple(x.shape), x.dtype)
+        if self.numel == 0:
+            return out
         if self.direct:
             ws = self.workspace
             all_reduce_symmetric_kernel[(self.splits,)](x, ws.flags, ws.calls, self.numel, self.chunk, self.slices,
@@ -673,6 +693,8 @@ class AllReduce:
 
     def free(self) -> None:
         """Give the symmetric buffers back (collective: every rank, in the same order)."""
+        if self.numel == 0:
+            return
         if self.method == "ce":
             self.scatter.free()
             self.gather.free()
@@ -684,6 +706,20 @@ def _reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, pee
     reduce_ll_kernel[(packets.splits,)](x.view(-1).view(torch.int32), out.view(-1).view(torch.int32), packets.staging,
                                         packets.calls, packets.words, peer_stride, packets.row, packets.slot_numel,
                                         DTYPE=_protocol.TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK)
+
+
+def scattered_shape(x: torch.Tensor, world) -> tuple:
+    """The shape of a rank's part of the reduce-scatter of `x`: dim 0 cut in `world_size` chunks."""
+    return (x.shape[0] // world.world_size, *x.shape[1:])
+
+
+def check_scattered(x: torch.Tensor, out: torch.Tensor | None, world) -> None:
+    """x's dim 0 splits in `world_size` chunks, and `out` (unless None) is one of them."""
+    if x.dim() == 0 or x.shape[0] % world.world_size:
+        raise ValueError(f"reduce_scatter splits dim 0 of x ({tuple(x.shape)}) into {world.world_size} chunks; make "
+                         "it a multiple of the world size")
+    if out is not None:
+        check_output(out, scattered_shape(x, world), x.dtype)
 
 
 def choose_reduce_scatter(nbytes: int, world) -> str:
@@ -727,7 +763,8 @@ def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str
     """Sum `x` over ranks and give rank r the r-th of `world_size` chunks of dim 0, like
     `torch.distributed.reduce_scatter_tensor`; summed in fp32, rounded once.
 
-    A collective: every rank calls it with the same shape, dtype and method. Keeps one
+    A collective: every rank calls it with the same shape, dtype and method. An empty `x` (on
+    every rank) gives an empty `out` and moves nothing. Keeps one
     [`ReduceScatter`][tridist.ops.ReduceScatter] per shape, dtype, method and stream (its table
     lists the methods).
 
@@ -742,23 +779,32 @@ def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str
         `out`.
 
     Raises:
-        ValueError: before any launch, for a dtype, device, layout or size it does not take, an
-            unknown method, or a one-node method on several nodes (see `ReduceScatter`).
+        ValueError: before any launch, on every rank: a dtype, device, layout or size it does not
+            take on any rank, ranks that disagree on the shape, dtype or method, an unknown
+            method, or a one-node method on several nodes (see `ReduceScatter`).
         TypeError: `x` is not a tensor.
     """
-    check_input(x, "x")
+    def check() -> None:
+        check_input(x, "x")
+        if method not in REDUCE_SCATTER_METHODS:
+            raise _protocol.method_error("reduce_scatter", method, REDUCE_SCATTER_METHODS)
+        check_scattered(x, out, tridist.world())
+
+    _protocol.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x), "method": method})
     op = _protocol.instance(lambda: ReduceScatter(x.numel(), x.dtype, method), ReduceScatter, x.numel(), x.dtype,
                             method, device=x.device)
     return op(x, out)
 
 
 def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
-    """Sum `x` over ranks into `out`, like `torch.distributed.all_reduce`; summed in fp32,
-    rounded once, the same bits on every rank.
+    """Sum `x` over ranks into `out`, a new tensor unless given: out of place, where
+    `torch.distributed.all_reduce` sums in place (that is `all_reduce_(x)`, or `out=x`); summed
+    in fp32, rounded once, the same bits on every rank.
 
     A collective: every rank calls it with the same shape, dtype and method, and a symmetric x
-    in place on every rank or on none. Keeps one [`AllReduce`][tridist.ops.AllReduce] per shape,
-    dtype, method and stream (its table lists the methods).
+    in place on every rank or on none. An empty `x` (on every rank) moves nothing. Keeps one
+    [`AllReduce`][tridist.ops.AllReduce] per shape, dtype, method and stream (its table lists the
+    methods).
 
     Args:
         x: contiguous, on this rank's device, bf16, fp16 or fp32.
@@ -768,22 +814,47 @@ def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
         method: `"auto"` or one of `AllReduce`'s methods.
 
     Returns:
-        `out`.
+        `out` (a new tensor if None was given): the sum over ranks.
 
     Raises:
-        ValueError: before any launch, for a dtype, device, layout or size it does not take, an
-            unknown method, or a one-node method on several nodes (see `AllReduce`).
+        ValueError: before any launch, on every rank: a dtype, device, layout or size it does not
+            take on any rank, ranks that disagree on the shape, dtype, method or a symmetric x in
+            place, an unknown method, or a one-node method on several nodes (see `AllReduce`).
         TypeError: `x` is not a tensor.
-        SymmetricAllocationError: ranks disagree on a symmetric x in place (in the emulator and
-            with TRIDIST_DEBUG=1).
     """
-    check_input(x, "x")
-    in_place = out is not None and out.data_ptr() == x.data_ptr()
-    agree_symmetric(x if in_place else None, "x (reduced in place)")
+    def check() -> None:
+        check_input(x, "x")
+        if method not in ALL_REDUCE_METHODS:
+            raise _protocol.method_error("all_reduce", method, ALL_REDUCE_METHODS)
+        if out is not None:
+            check_output(out, tuple(x.shape), x.dtype)
+
+    in_place = isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.data_ptr() == x.data_ptr()
+    _protocol.agree("all_reduce", check, {"shape and dtype of x": shape_of(x), "method": method,
+                                          "x in place": symmetric_identity(x) if in_place else "not in place"})
     symmetric = in_place and tridist.is_symmetric(x)
     op = _protocol.instance(lambda: AllReduce(x.numel(), x.dtype, method, symmetric_in_place=symmetric), AllReduce,
                             x.numel(), x.dtype, method, symmetric, device=x.device)
     return op(x, out)
+
+
+def all_reduce_(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """Sum `x` over ranks in place, as `torch.distributed.all_reduce(x)` does: `all_reduce(x,
+    out=x)`. On a symmetric x (`tridist.symm_empty`, the same tensor on every rank) on one node,
+    the two-shot sums it without staging (see `all_reduce`).
+
+    Args:
+        x: contiguous, on this rank's device, bf16, fp16 or fp32; regular or symmetric.
+        method: `"auto"` or one of `AllReduce`'s methods.
+
+    Returns:
+        `x`, which now holds the sum over ranks (summed in fp32, rounded once, the same bits on
+        every rank).
+
+    Raises:
+        ValueError, TypeError: as `all_reduce`.
+    """
+    return all_reduce(x, out=x, method=method)
 
 
 @torch.library.custom_op("tridist::reduce_scatter", mutates_args=())
@@ -806,3 +877,15 @@ def all_reduce_op(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
 @all_reduce_op.register_fake
 def _all_reduce_shape(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("tridist::all_reduce_", mutates_args=("x",))
+def all_reduce_in_place_op(x: torch.Tensor, method: str = "auto") -> None:
+    """`all_reduce_` (in place) as a PyTorch custom op (`torch.ops.tridist.all_reduce_`), which
+    torch.compile knows to mutate `x`."""
+    all_reduce_(x, method=method)
+
+
+@all_reduce_in_place_op.register_fake
+def _all_reduce_in_place_shape(x: torch.Tensor, method: str = "auto") -> None:
+    return None

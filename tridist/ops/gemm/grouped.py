@@ -16,8 +16,8 @@ grid; the loop itself stops at the real count.
 
 x and w are read through TMA descriptors. w's covers E x K x N, so that the last step along K reads
 zeros past the end of the expert's matrix, never the next expert's rows. A tile's rows past the
-end of its group belong to the next group: they are multiplied (rows are independent) and never
-stored.
+end of its group (the next group's, or past the last group whatever the buffer holds there) are
+never stored, and in the emulator they are zeroed before they are multiplied (`group_product`).
 
 fp8 (e4m3), as `torch._scaled_grouped_mm(x, w, scale_a, scale_b, offs=offs)` takes it: x row-major,
 w column-major per expert (w = v.transpose(1, 2) for a contiguous E x N x K v; Hopper reads fp8
@@ -33,10 +33,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ...runtime import config as runtime_config
 from ...runtime.tensors import check_tensor
 from ...runtime.tune import tune
-from .._protocol import capturing, check_output, programs_for
+from .. import _protocol
+from .._protocol import check_output, programs_for
 from . import persistent
 
 FP8 = persistent.FP8
@@ -100,14 +100,26 @@ def expert_weights(w_desc, group, k, col, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
         return w_desc.load([group, k, col]).reshape(BLOCK_K, BLOCK_N)
 
 
+def zero_tail(device: torch.device) -> bool:
+    """`group_product`'s ZERO_TAIL for kernels on `device`: in the emulator only."""
+    return device.type != "cuda"
+
+
 @triton.jit
-def group_product(x_desc, w_desc, row, group, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """x[row:row+BLOCK_M, :] @ w[group][:, col:col+BLOCK_N] in fp32."""
+def group_product(x_desc, w_desc, row, row_end, group, col, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, ZERO_TAIL: tl.constexpr):
+    """x[row:row+BLOCK_M, :] @ w[group][:, col:col+BLOCK_N] in fp32, of which the caller stores the
+    rows below `row_end` (the end of the group) only. Rows of a product are independent, so the rows
+    from row_end on change none of those. ZERO_TAIL (`zero_tail`: the emulator) zeroes them before
+    multiplying: numpy warns of the overflows and NaNs that a buffer's unwritten rows make. GPUs
+    multiply them as they are: a select on every element of x would take its tile off the tensor
+    cores' shared-memory path (TMA straight into wgmma) in every tile, for rows nobody reads."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, tl.cdiv(K, BLOCK_K)):
-        acc = dl.dot(x_desc.load([row, k * BLOCK_K]), expert_weights(w_desc, group, k * BLOCK_K, col, BLOCK_N, BLOCK_K),
-                     acc)
+        a = x_desc.load([row, k * BLOCK_K])
+        if ZERO_TAIL:
+            a = tl.where((row + tl.arange(0, BLOCK_M) < row_end)[:, None], a, 0)
+        acc = dl.dot(a, expert_weights(w_desc, group, k * BLOCK_K, col, BLOCK_N, BLOCK_K), acc)
     return acc
 
 
@@ -128,7 +140,7 @@ def scaled(acc, scale_a_ptr, scale_b_ptr, row, row_end, group, col, N, BLOCK_M: 
 @jit
 def grouped_gemm_kernel(x_desc, w_desc, scale_a_ptr, scale_b_ptr, out_ptr, offs_ptr, T, E, N, K, E_PAD: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        FLATTEN: tl.constexpr):
+                        FLATTEN: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """E_PAD: E rounded up to a power of two (the groups' vectors). Row ends are clamped to T and
     groups to at least no rows, so that offs out of order costs wrong products, never an access
     outside x or out."""
@@ -143,7 +155,7 @@ def grouped_gemm_kernel(x_desc, w_desc, scale_a_ptr, scale_b_ptr, out_ptr, offs_
         group, first = locate(tm, tiles)
         row = pick(starts, group) + (tm - first) * BLOCK_M
         row_end = pick(ends, group)
-        acc = group_product(x_desc, w_desc, row, group, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = group_product(x_desc, w_desc, row, row_end, group, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K, ZERO_TAIL)
         acc = scaled(acc, scale_a_ptr, scale_b_ptr, row, row_end, group, tn * BLOCK_N, N, BLOCK_M, BLOCK_N)
         persistent.store_tile(out_ptr, acc, row, tn * BLOCK_N, row_end, N, BLOCK_M, BLOCK_N)
 
@@ -201,9 +213,7 @@ def check_call(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out, scale_
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=x.device)
     check_output(out, shape, dtype)
-    # A host synchronisation, which debug runs can afford, but not while a CUDA graph is captured
-    # (the read would end the capture).
-    if runtime_config.debug() and not capturing():
+    if _protocol.host_reads(offs):
         check_offs(offs, x.shape[0])
     return out
 
@@ -275,5 +285,5 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torc
     x_desc = TensorDescriptor.from_tensor(x, [config["BLOCK_M"], config["BLOCK_K"]])
     grouped_gemm_kernel[(min(bound, programs_for(x.device)),)](
         x_desc, weight_descriptor(w, config), scale_a, scale_b, out, offs, x.shape[0], experts, n, k,
-        E_PAD=triton.next_power_of_2(experts), **config)
+        E_PAD=triton.next_power_of_2(experts), ZERO_TAIL=zero_tail(x.device), **config)
     return out

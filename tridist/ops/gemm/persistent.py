@@ -23,7 +23,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ...runtime.tune import tune
-from .._protocol import check_input, check_output, instance, programs_for
+from .. import _protocol
+from .._protocol import check_input, check_output, instance, programs_for, shape_of
 
 FP8 = torch.float8_e4m3fn
 """The fp8 dtype the GEMMs take (e4m3), with per-tensor scales."""
@@ -251,27 +252,34 @@ def check_scales(dtype: torch.dtype, scale_a, scale_b, device: torch.device) -> 
 def check_call(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out: torch.Tensor | None, out_rows: int,
                a_name: str = "a", built: tuple | None = None) -> torch.Tensor:
     """Checks the operands, scales and `out` (out_rows x N, of `out_dtype`) of a GEMM call; returns
-    `out`, a new tensor if None. `built`: (op name, a's shape, b's shape, dtype) of the op instance
-    called, which takes nothing else."""
-    check_operands(a, b, a_name)
-    if built is not None:
-        op, a_shape, b_shape, dtype = built
-        if (tuple(a.shape), tuple(b.shape), a.dtype) != (a_shape, b_shape, dtype):
-            raise ValueError(f"this {op} takes {a_name} {dtype} {a_shape} and b {b_shape}; got {a.dtype} "
-                             f"{tuple(a.shape)} and {tuple(b.shape)}: build another instance, or call "
-                             f"`tridist.ops.{op}`, which keeps one per shape")
-    check_scales(a.dtype, scale_a, scale_b, a.device)
-    shape = (out_rows, b.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype(a.dtype), device=a.device)
-    check_output(out, shape, out_dtype(a.dtype))
-    return out
+    `out`, a new tensor if None. `built`: (op name, a's shape, b's shape, dtype) of the collective op
+    instance called, which takes nothing else; its ranks then check together (`_protocol.agree`)."""
+    def check() -> None:
+        check_operands(a, b, a_name)
+        if built is not None:
+            op, a_shape, b_shape, dtype = built
+            if (tuple(a.shape), tuple(b.shape), a.dtype) != (a_shape, b_shape, dtype):
+                raise ValueError(f"this {op} takes {a_name} {dtype} {a_shape} and b {b_shape}; got {a.dtype} "
+                                 f"{tuple(a.shape)} and {tuple(b.shape)}: build another instance, or call "
+                                 f"`tridist.ops.{op}`, which keeps one per shape")
+        check_scales(a.dtype, scale_a, scale_b, a.device)
+        if out is not None:
+            check_output(out, (out_rows, b.shape[1]), out_dtype(a.dtype))
+
+    if built is None:
+        check()
+    else:
+        _protocol.agree(built[0], check, {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b)})
+    return torch.empty((out_rows, b.shape[1]), dtype=out_dtype(a.dtype), device=a.device) if out is None else out
 
 
 def cached(cls, a: torch.Tensor, b: torch.Tensor, config, a_name: str = "a", **options):
-    """The instance of `cls` (an overlapped GEMM op) for these operands' shapes and dtype, `config`
-    and `options`, on the current stream (`_protocol.instance`)."""
-    check_operands(a, b, a_name)
+    """The instance of `cls` (an overlapped GEMM op, a collective) for these operands' shapes and
+    dtype, `config` and `options`, on the current stream (`_protocol.instance`), once every rank's
+    operands are checked and alike (`_protocol.agree`)."""
+    _protocol.agree(cls.__name__, lambda: check_operands(a, b, a_name),
+                    {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b), "config": repr(config),
+                     **{name: repr(value) for name, value in options.items()}})
     return instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, **options),
                     cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), *options.values(), device=a.device)
 

@@ -187,16 +187,20 @@ class AllGatherMoE:
         """`(h, handle)` for this rank's tokens, as `ag_moe` (which keeps an instance of this class per
         shape and stream): `out`, if given, is h's storage, `world_size * tokens * topk` rows of the
         built N columns."""
-        _protocol.check_input(x_shard, "x_shard", (self.dtype,))
-        if tuple(x_shard.shape) != (self.tokens, self.k):
-            raise ValueError(f"this ag_moe takes x_shard {self.dtype} of shape {(self.tokens, self.k)}; got shape "
-                             f"{tuple(x_shard.shape)}: build another instance, or call tridist.ops.ag_moe")
-        check_routing(topk_idx_shard, "topk_idx_shard", self.tokens, self.topk, torch.int64)
-        check_weights(w_shard, "w_shard", self.experts, self.k, self.n, self.dtype)
-        tp_routing.check_experts(topk_idx_shard, self.experts)
+        def check() -> None:
+            _protocol.check_input(x_shard, "x_shard", (self.dtype,))
+            if tuple(x_shard.shape) != (self.tokens, self.k):
+                raise ValueError(f"this ag_moe takes x_shard {self.dtype} of shape {(self.tokens, self.k)}; got "
+                                 f"shape {tuple(x_shard.shape)}: build another instance, or call tridist.ops.ag_moe")
+            check_routing(topk_idx_shard, "topk_idx_shard", self.tokens, self.topk, torch.int64)
+            check_weights(w_shard, "w_shard", self.experts, self.k, self.n, self.dtype)
+            tp_routing.check_experts(topk_idx_shard, self.experts)
+            if out is not None:
+                _protocol.check_output(out, (self.pairs, self.n), self.dtype)
+
+        _protocol.agree("ag_moe", check, {"shape and dtype of x_shard": _protocol.shape_of(x_shard)})
         if out is None:
             out = torch.empty((self.pairs, self.n), dtype=self.dtype, device=x_shard.device)
-        _protocol.check_output(out, (self.pairs, self.n), self.dtype)
         config = self.config
         self.gather.start(x_shard)
         handle = self.router(topk_idx_shard)
@@ -248,12 +252,19 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
     K and N/world must be multiples of 8. Keeps one `AllGatherMoE` per shape and stream. Raises
     ValueError before launching anything for shapes, dtypes or layouts it does not take.
     """
-    _protocol.check_input(x_shard, "x_shard", DTYPES)
-    _protocol.check_input(topk_idx_shard, "topk_idx_shard", (torch.int64,))
-    grouped.check_weights(w_shard, "w_shard", DTYPES)
-    if x_shard.dim() != 2 or topk_idx_shard.dim() != 2:
-        raise ValueError(f"x_shard and topk_idx_shard must be matrices (tokens x K, tokens x topk); got shapes "
-                         f"{tuple(x_shard.shape)} and {tuple(topk_idx_shard.shape)}")
+    def check() -> None:
+        _protocol.check_input(x_shard, "x_shard", DTYPES)
+        _protocol.check_input(topk_idx_shard, "topk_idx_shard", (torch.int64,))
+        grouped.check_weights(w_shard, "w_shard", DTYPES)
+        if x_shard.dim() != 2 or topk_idx_shard.dim() != 2:
+            raise ValueError(f"x_shard and topk_idx_shard must be matrices (tokens x K, tokens x topk); got shapes "
+                             f"{tuple(x_shard.shape)} and {tuple(topk_idx_shard.shape)}")
+
+    shape_of = _protocol.shape_of
+    _protocol.agree("ag_moe", check, {"shape and dtype of x_shard": shape_of(x_shard),
+                                      "shape of topk_idx_shard": shape_of(topk_idx_shard),
+                                      "shape of w_shard": shape_of(w_shard), "comm": comm, "config": repr(config),
+                                      "tile_order": tile_order})
     (tokens, k), topk, (experts, _, n) = x_shard.shape, topk_idx_shard.shape[1], w_shard.shape
     op = _protocol.instance(lambda: AllGatherMoE(tokens, k, n, experts, topk, x_shard.dtype, comm, config=config,
                                                  tile_order=tile_order),

@@ -169,9 +169,10 @@ class AllToAllV:
             raise ValueError(f"all_to_all_v: unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
         if dtype not in DTYPES:
             raise ValueError(f"all_to_all_v moves {', '.join(str(d) for d in DTYPES)}; got {dtype}")
-        for name, value in (("rows", rows), ("out_rows", out_rows), ("experts_per_rank", experts_per_rank)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"all_to_all_v: {name} must be a positive int, got {value!r}")
+        for name, value, least in (("rows", rows, 0), ("out_rows", out_rows, 0),
+                                   ("experts_per_rank", experts_per_rank, 1)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"all_to_all_v: {name} must be an int of at least {least}, got {value!r}")
         self.world = w = tridist.world()
         self.rows, self.out_rows, self.row_shape, self.dtype = rows, out_rows, tuple(row_shape), dtype
         self.width = max(1, int(torch.Size(self.row_shape).numel()))
@@ -183,13 +184,16 @@ class AllToAllV:
         self.splits = max(1, limit // w.world_size)  # programs per destination; fitted at the first call
         self.fitted = False
         self.block_w = triton.next_power_of_2(min(self.width, TILE // BLOCK_R))
-        self.workspace = _protocol.Workspace(w.world_size * rows * self.width, _WORDS[dtype.itemsize],
-                                             w.world_size * self.splits)
+        # At least a row per source: the kernel takes a staging pointer even when nothing is sent.
+        self.workspace = _protocol.Workspace(w.world_size * max(rows, 1) * self.width, _WORDS[dtype.itemsize],
+                                             w.world_size * self.splits, "all_to_all_v")
         self.counts = tridist.symm_zeros((2, self.w_pad * self.g_pad), torch.int32)
 
     def _check(self, x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name: str,
-               splits_shape: tuple) -> None:
+               splits_shape: tuple, major_align: int) -> None:
         _protocol.check_input(x, "x", DTYPES)
+        if not isinstance(major_align, int) or major_align < 1:
+            raise ValueError(f"major_align must be a positive int, got {major_align!r}")
         expected = (self.rows, *self.row_shape)
         if tuple(x.shape) != expected or x.dtype != self.dtype:
             raise ValueError(f"this all-to-all was built for x of shape {expected} and dtype {self.dtype}; got "
@@ -220,16 +224,14 @@ class AllToAllV:
                  major_align: int = 1) -> torch.Tensor:
         """One call in the layout the instance was built for ("expert_offset": `in_splits` is the
         (2, world_size * experts_per_rank) splits and offsets); see the module's functions."""
-        w = self.world
-        chunks = w.world_size * self.experts
-        rows = [int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() else -1 for t in (x, out)]
-        _protocol.agree("all_to_all_v", "(layout, rows of x, rows of out)", (LAYOUTS.index(self.layout), *rows))
-        if self.layout == "expert_offset":
-            self._check(x, in_splits, out, "in_splits_offsets", (2, chunks))
+        chunks = self.world.world_size * self.experts
+        offsets = self.layout == "expert_offset"
+        name, shape = ("in_splits_offsets", (2, chunks)) if offsets else ("in_splits", (chunks,))
+        _protocol.agree("all_to_all_v", lambda: self._check(x, in_splits, out, name, shape, major_align),
+                        {"layout": self.layout, "shape of x": _protocol.shape_of(x),
+                         "shape of out": _protocol.shape_of(out)})
+        if offsets:
             return self._launch(x, in_splits[0], in_splits[1], out, 1, 2)
-        if not isinstance(major_align, int) or major_align < 1:
-            raise ValueError(f"major_align must be a positive int, got {major_align!r}")
-        self._check(x, in_splits, out, "in_splits", (chunks,))
         return self._launch(x, in_splits, in_splits, out, major_align, 0 if self.layout == "rank" else 1)
 
     def free(self) -> None:
@@ -238,24 +240,27 @@ class AllToAllV:
         tridist.symm_free(self.counts)
 
 
-def _call(x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, experts: int, layout: str,
+def _call(x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name: str, layout: str,
           major_align: int = 1) -> torch.Tensor:
-    _protocol.check_input(x, "x", DTYPES)
-    if x.dim() < 1:
-        raise ValueError("x must have a dimension of rows")
-    check_tensor(out, "out")
+    def check() -> None:
+        _protocol.check_input(x, "x", DTYPES)
+        if x.dim() < 1:
+            raise ValueError("x must have a dimension of rows")
+        check_tensor(out, "out")
+        check_tensor(splits, splits_name)
+        if splits.dim() < 1 or splits.shape[-1] % world_size or not splits.shape[-1]:
+            raise ValueError(f"{splits_name} has shape {tuple(splits.shape)}: its rows must hold world_size * "
+                             f"experts_per_rank entries (world size {world_size})")
+
+    world_size = tridist.world().world_size
+    _protocol.agree(f"all_to_all_v ({layout} layout)", check,
+                    {"shape of x": _protocol.shape_of(x), "shape of out": _protocol.shape_of(out),
+                     splits_name: _protocol.shape_of(splits)})
+    experts = splits.shape[-1] // world_size
     op = _protocol.instance(lambda: AllToAllV(x.shape[0], out.shape[0], x.shape[1:], x.dtype, experts, layout),
                             AllToAllV, x.shape[0], out.shape[0], tuple(x.shape[1:]), x.dtype, experts, layout,
                             device=x.device)
     return op(x, splits, out, major_align)
-
-
-def _experts(splits: torch.Tensor, name: str) -> int:
-    world_size = tridist.world().world_size
-    if splits.shape[-1] % world_size:
-        raise ValueError(f"{name} has {splits.shape[-1]} entries per row, not a multiple of the world size "
-                         f"{world_size} (world_size * experts_per_rank)")
-    return max(1, splits.shape[-1] // world_size)
 
 
 def all_to_all_v(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -279,7 +284,7 @@ def all_to_all_v(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor) ->
     Raises:
         ValueError: before any launch, for a dtype, shape, device or layout it does not take.
     """
-    return _call(x, in_splits, out, 1, "rank")
+    return _call(x, in_splits, out, "in_splits", "rank")
 
 
 def all_to_all_v_2d(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor, major_align: int = 1) -> torch.Tensor:
@@ -300,7 +305,7 @@ def all_to_all_v_2d(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor,
         int64 (2, world_size * experts_per_rank), expert-major ([e * world_size + s]): the rows
         from rank s for local expert e, and where they start in `out`.
     """
-    return _call(x, in_splits, out, _experts(in_splits, "in_splits"), "expert", major_align)
+    return _call(x, in_splits, out, "in_splits", "expert", major_align)
 
 
 def all_to_all_v_2d_offset(x: torch.Tensor, in_splits_offsets: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -319,7 +324,7 @@ def all_to_all_v_2d_offset(x: torch.Tensor, in_splits_offsets: torch.Tensor, out
         int64 (2, world_size * experts_per_rank), rank-major ([s * experts_per_rank + e]): rows
         received from expert e of rank s, and where they start in `out`.
     """
-    return _call(x, in_splits_offsets, out, _experts(in_splits_offsets, "in_splits_offsets"), "expert_offset")
+    return _call(x, in_splits_offsets, out, "in_splits_offsets", "expert_offset")
 
 
 def _new_out(x: torch.Tensor, out_rows: int) -> torch.Tensor:

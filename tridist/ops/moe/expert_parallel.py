@@ -26,7 +26,6 @@ import torch
 import triton
 
 import tridist
-from tridist.runtime import config
 from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
@@ -41,7 +40,6 @@ FP8_MAX = 448.0   # the largest e4m3 value
 BLOCK_R = 8       # rows a step moves
 CHUNK = 4         # steps of the normal mode's sends between two progress words (`ep_normal`)
 TILE = 8192       # elements a step moves at most
-CALLS = ("dispatch", "combine", "low_latency_dispatch", "low_latency_dispatch fp8", "low_latency_combine")
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +64,7 @@ class EPHandle:
         positions: normal mode, [T, world]: each token's row among those sent to each rank (-1: not
             sent there); low-latency mode, [T * topk]: each pair's row among this rank's pairs of its
             expert.
+        topk_idx: the expert ids the dispatch routed by ([T, topk]; ids out of range as -1).
     """
     mode: str
     tokens: int
@@ -73,27 +72,30 @@ class EPHandle:
     recv_src: torch.Tensor
     recv_layout: torch.Tensor
     positions: torch.Tensor
+    topk_idx: torch.Tensor
 
 
 class _Exchange:
     """The symmetric buffers of one kind of launch of an `EPBuffer`: per slot, staging of `rows` rows
     of `width` elements of `dtype` (and `meta_width` int32 per row, if any) and `count_words` int32
     of counts; an arrival counter per source (`exchange.arrive`); with `progress` a progress word per
-    (source, part) and this rank's two counters of claimed blocks (`ep_normal`); the calls counter."""
+    (source, part) and this rank's two counters of claimed blocks (`ep_normal`); the calls counter.
+    `kind` names the allocations in the report of a wait that expires on them."""
 
-    def __init__(self, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int, splits: int,
-                 progress: bool = False):
+    def __init__(self, kind: str, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int,
+                 splits: int, progress: bool = False):
         w = tridist.world()
         _protocol.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.splits = splits
         self.fitted = False
         self.slot_numel = rows * width
-        self.staging = tridist.symm_zeros((2, self.slot_numel), dtype)
-        self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32) if meta_width else None
-        self.counts = tridist.symm_zeros((2, count_words), torch.int32) if count_words else None
-        self.arrivals = tridist.signals(w.world_size)
+        name = f"EPBuffer {kind}"
+        self.staging = tridist.symm_zeros((2, self.slot_numel), dtype, f"{name} staging")
+        self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32, f"{name} meta") if meta_width else None
+        self.counts = tridist.symm_zeros((2, count_words), torch.int32, f"{name} counts") if count_words else None
+        self.arrivals = tridist.signals(w.world_size, f"{name} arrivals")
         # Sized for the splits asked for: `fit` only lowers them.
-        self.progress = tridist.signals(w.world_size * splits) if progress else None
+        self.progress = tridist.signals(w.world_size * splits, f"{name} progress") if progress else None
         self.claims = torch.zeros(2, dtype=torch.int32, device=w.device) if progress else None
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
@@ -139,6 +141,12 @@ class EPBuffer:
     host synchronisation (except `dispatch(..., sync=True)`), run back to back, and can be
     captured in CUDA graphs.
 
+    Expert ids: -1 (none) or 0 ... num_experts - 1. Others are refused with a ValueError where the
+    ids can be read on the host without a synchronisation (CPU tensors, the emulator) or one is
+    allowed (TRIDIST_DEBUG=1, not while a CUDA graph is captured); elsewhere (GPUs) each is treated
+    as -1, the token not sent to that expert, and counted in `dropped_expert_ids`, a device tensor
+    the caller can read when it likes.
+
     Memory per rank, per slot (two slots): normal mode world_size x max_tokens_per_rank rows of
     `hidden` for each way; low-latency mode num_experts x max_tokens_per_rank rows for the
     dispatch and max_tokens_per_rank x topk rows for the combine.
@@ -149,6 +157,11 @@ class EPBuffer:
         hidden: elements of a token (even; a multiple of 128 for fp8 dispatch).
         max_tokens_per_rank: the most tokens any rank passes to one call.
         dtype: of tokens and expert outputs: bf16 or fp16.
+
+    Attributes:
+        dropped_expert_ids: int64 [1] on this rank's device: the expert ids out of range that
+            this rank's dispatches treated as -1 since the buffer was built (see above; zero
+            where the host checks them).
 
     Raises:
         ValueError: sizes that are not positive ints, experts that do not split evenly across
@@ -178,6 +191,7 @@ class EPBuffer:
         self._exchanges: dict = {}
         self._hook_pending = False
         self._pair_ids = None
+        self.dropped_expert_ids = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     # ---- checks ----
     def _check_routing(self, topk_idx: torch.Tensor) -> tuple[int, int]:
@@ -191,17 +205,24 @@ class EPBuffer:
                              "built for")
         if topk < 1 or topk > self.num_experts:
             raise ValueError(f"topk_idx has {topk} experts per token; this layer has {self.num_experts}")
-        # Reading the ids costs a synchronisation on GPUs, which a CUDA-graph capture cannot take.
-        if topk_idx.device.type == "cpu" or (config.debug() and not _protocol.capturing()):
-            if tokens and (int(topk_idx.min()) < -1 or int(topk_idx.max()) >= self.num_experts):
+        if _protocol.host_reads(topk_idx) and tokens:
+            if int(topk_idx.min()) < -1 or int(topk_idx.max()) >= self.num_experts:
                 raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; "
                                  f"ids are -1 (none) or 0 to {self.num_experts - 1}")
         return tokens, topk
 
-    def _agree(self, call: str, topk: int) -> None:
-        """Every rank makes the same call with the same topk (emulator, TRIDIST_DEBUG=1): `call`'s
-        index in CALLS and topk."""
-        _protocol.agree(f"EPBuffer.{call}", "(call, topk)", (CALLS.index(call), topk))
+    def _routing(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        """The ids a dispatch routes by: `topk_idx` where the host checked it, else a copy with ids
+        out of range made -1 and counted in `dropped_expert_ids` (on the device)."""
+        if _protocol.host_reads(topk_idx):
+            return topk_idx
+        return sort.drop_ids(topk_idx, self.num_experts, self.dropped_expert_ids)
+
+    def _agree(self, call: str, topk_idx, check) -> None:
+        """`check()` (this rank's checks of its arguments) with the outcome shared by every rank,
+        which must make the same call with the same topk (`_protocol.agree`)."""
+        topk = topk_idx.shape[-1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() else -1
+        _protocol.agree("EPBuffer", check, {"call": call, "experts per token (topk)": topk})
 
     def _check_tokens(self, x: torch.Tensor, tokens: int, name: str = "x") -> None:
         check_tensor(x, name)
@@ -221,18 +242,18 @@ class EPBuffer:
         if key not in self._exchanges:
             w, rows = self.world, self.max_tokens
             if kind == "dispatch":
-                made = _Exchange(w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
+                made = _Exchange(kind, w.world_size * rows, self.hidden // 2, torch.int32, 2 * topk + 1,
                                  self.w_pad * 2 * self.e_pad, self.splits, progress=True)
             elif kind == "combine":
-                made = _Exchange(w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits, progress=True)
+                made = _Exchange(kind, w.world_size * rows, self.hidden, self.dtype, 0, 0, self.splits, progress=True)
             elif kind == "ll_dispatch":
-                made = _Exchange(self.num_experts * rows, self._ll_words(False), torch.int32, 1,
+                made = _Exchange(kind, self.num_experts * rows, self._ll_words(False), torch.int32, 1,
                                  self.w_pad * self.e_pad, self.splits)
             elif kind == "ll_dispatch_fp8":
-                made = _Exchange(self.num_experts * rows, self._ll_words(True), torch.int32, 1,
+                made = _Exchange(kind, self.num_experts * rows, self._ll_words(True), torch.int32, 1,
                                  self.w_pad * self.e_pad, self.splits)
             else:  # "ll_combine"
-                made = _Exchange(rows * topk, self.hidden, self.dtype, 0, 0, self.splits)
+                made = _Exchange(kind, rows * topk, self.hidden, self.dtype, 0, 0, self.splits)
             self._exchanges[key] = made
         return self._exchanges[key]
 
@@ -300,11 +321,15 @@ class EPBuffer:
             recv_tokens_per_expert int64 [E_local]: received (token, local expert) pairs per
             expert; handle: for `combine`).
         """
-        tokens, topk = self._check_routing(topk_idx)
-        self._check_tokens(x, tokens)
-        self._check_weights(topk_weights, (tokens, topk))
-        self._no_hook_pending()
-        self._agree("dispatch", topk)
+        def check() -> None:
+            tokens, topk = self._check_routing(topk_idx)
+            self._check_tokens(x, tokens)
+            self._check_weights(topk_weights, (tokens, topk))
+            self._no_hook_pending()
+
+        self._agree("dispatch", topk_idx, check)
+        tokens, topk = topk_idx.shape
+        topk_idx = self._routing(topk_idx)
         w = self.world
         exchange_ = self._exchange("dispatch", topk)
         order = torch.empty((w.world_size, max(tokens, 1)), dtype=torch.int32, device=w.device)
@@ -326,7 +351,7 @@ class EPBuffer:
         exchange_.launch(dispatch_kernel, w.world_size, args,
                          {"W_PAD": self.w_pad, "E_PAD": self.e_pad, "K_PAD": triton.next_power_of_2(2 * topk + 1),
                           "BLOCK_R": BLOCK_R, "BLOCK_W": _block_w(self.hidden // 2), "CHUNK": CHUNK, "num_warps": 8})
-        handle = EPHandle("normal", tokens, topk, recv_src, recv_layout, positions)
+        handle = EPHandle("normal", tokens, topk, recv_src, recv_layout, positions, topk_idx)
         if sync:
             received = int(recv_layout[0].sum())
             return recv_x[:received], recv_idx[:received], recv_weights[:received], recv_per_expert, handle
@@ -344,15 +369,18 @@ class EPBuffer:
         Returns:
             out [T, hidden], in this rank's token order (zeros for a token with no expert).
         """
-        self._check_handle(handle, "normal")
-        check_tensor(y, "y")
         w = self.world
-        capacity = w.world_size * self.max_tokens
-        if y.dtype != self.dtype or y.dim() != 2 or y.shape[1] != self.hidden or y.shape[0] > capacity:
-            raise ValueError(f"y must be {self.dtype} of shape (received tokens, {self.hidden}); got {y.dtype} of "
-                             f"shape {tuple(y.shape)}")
-        self._no_hook_pending()
-        self._agree("combine", handle.topk)
+
+        def check() -> None:
+            self._check_handle(handle, "normal")
+            check_tensor(y, "y")
+            capacity = w.world_size * self.max_tokens
+            if y.dtype != self.dtype or y.dim() != 2 or y.shape[1] != self.hidden or y.shape[0] > capacity:
+                raise ValueError(f"y must be {self.dtype} of shape (received tokens, {self.hidden}); got {y.dtype} "
+                                 f"of shape {tuple(y.shape)}")
+            self._no_hook_pending()
+
+        self._agree("combine", getattr(handle, "topk_idx", None), check)
         exchange_ = self._exchange("combine", 1)
         out = torch.empty((max(handle.tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_
@@ -386,13 +414,17 @@ class EPBuffer:
             ValueError: bad shapes or dtypes, an `hidden` not a multiple of 128 with use_fp8, or a
                 hook still pending.
         """
-        tokens, topk = self._check_routing(topk_idx)
-        self._check_tokens(x, tokens)
-        if use_fp8 and self.hidden % FP8_GROUP:
-            raise ValueError(f"use_fp8 scales groups of {FP8_GROUP} columns: hidden must be a multiple, got "
-                             f"{self.hidden}")
-        self._no_hook_pending()
-        self._agree("low_latency_dispatch fp8" if use_fp8 else "low_latency_dispatch", topk)
+        def check() -> None:
+            tokens, _ = self._check_routing(topk_idx)
+            self._check_tokens(x, tokens)
+            if use_fp8 and self.hidden % FP8_GROUP:
+                raise ValueError(f"use_fp8 scales groups of {FP8_GROUP} columns: hidden must be a multiple, got "
+                                 f"{self.hidden}")
+            self._no_hook_pending()
+
+        self._agree("low_latency_dispatch fp8" if use_fp8 else "low_latency_dispatch", topk_idx, check)
+        tokens, topk = topk_idx.shape
+        topk_idx = self._routing(topk_idx)
         w = self.world
         exchange_ = self._exchange("ll_dispatch_fp8" if use_fp8 else "ll_dispatch", topk)
         _, routed, positions = self._route(topk_idx, per_rank=False)
@@ -429,7 +461,7 @@ class EPBuffer:
 
             def hook() -> None:
                 pass
-        handle = EPHandle("low_latency", tokens, topk, recv_src, recv_layout, positions)
+        handle = EPHandle("low_latency", tokens, topk, recv_src, recv_layout, positions, topk_idx)
         recv_x = recv[..., :self.hidden].view(FP8) if use_fp8 else recv.view(self.dtype)
         if use_fp8:
             recv_x = (recv_x, recv[..., self.hidden:].view(torch.float32))
@@ -443,27 +475,33 @@ class EPBuffer:
         Args:
             y: [E_local, world_size * max_tokens_per_rank, hidden], recv_x's layout, the buffer's
                 dtype: each received pair's expert output.
-            topk_idx: the dispatch's routing, int64 [T, topk].
+            topk_idx: the dispatch's routing, int64 [T, topk] (the sums follow the ids the
+                dispatch routed by, kept in the handle).
             topk_weights: float32 [T, topk].
             handle: the dispatch's.
 
         Returns:
             out [T, hidden].
         """
-        self._check_handle(handle, "low_latency")
-        tokens, topk = self._check_routing(topk_idx)
-        if (tokens, topk) != (handle.tokens, handle.topk):
-            raise ValueError(f"topk_idx has shape {(tokens, topk)}; the handle's dispatch had "
-                             f"{(handle.tokens, handle.topk)}")
-        self._check_weights(topk_weights, (tokens, topk))
         w = self.world
-        check_tensor(y, "y")
-        shape = (self.experts_local, w.world_size * self.max_tokens, self.hidden)
-        if y.dtype != self.dtype or tuple(y.shape) != shape:
-            raise ValueError(f"y must be {self.dtype} of shape {shape} (recv_x's); got {y.dtype} of shape "
-                             f"{tuple(y.shape)}")
-        self._no_hook_pending()
-        self._agree("low_latency_combine", topk)
+
+        def check() -> None:
+            self._check_handle(handle, "low_latency")
+            tokens, topk = self._check_routing(topk_idx)
+            if (tokens, topk) != (handle.tokens, handle.topk):
+                raise ValueError(f"topk_idx has shape {(tokens, topk)}; the handle's dispatch had "
+                                 f"{(handle.tokens, handle.topk)}")
+            self._check_weights(topk_weights, (tokens, topk))
+            check_tensor(y, "y")
+            shape = (self.experts_local, w.world_size * self.max_tokens, self.hidden)
+            if y.dtype != self.dtype or tuple(y.shape) != shape:
+                raise ValueError(f"y must be {self.dtype} of shape {shape} (recv_x's); got {y.dtype} of shape "
+                                 f"{tuple(y.shape)}")
+            self._no_hook_pending()
+
+        self._agree("low_latency_combine", topk_idx, check)
+        tokens, topk = topk_idx.shape
+        topk_idx = handle.topk_idx
         exchange_ = self._exchange("ll_combine", topk)
         out = torch.empty((max(tokens, 1), self.hidden), dtype=self.dtype, device=w.device)
         ex = exchange_

@@ -61,7 +61,7 @@ WEIGHTS_BLOCK = tl.constexpr(1024)  # weights moved per step of their exchange
 def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_ptr, calls_ptr, N, K,
                        COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       FLATTEN: tl.constexpr):
+                       FLATTEN: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
     count per source rank, two slots, raised with COUNT (by source with peers: the peers' combine
     beside the GEMM waits for them).
@@ -85,7 +85,8 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
         source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
                                                            base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
                                                            BY_EXPERT)
-        acc = grouped.group_product(h_desc, w_desc, row, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = grouped.group_product(h_desc, w_desc, row, end, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                    ZERO_TAIL)
         if COUNT:
             if late >= 0:
                 dl.notify(done + late, me, signal=1, sig_op="add")
@@ -266,20 +267,26 @@ class MoEReduceScatter:
         """This rank's tokens' outputs, as `moe_rs` (which keeps an instance of this class per shape
         and stream): `out`, if given, is the tokens x K result's storage."""
         w = self.world
-        allgather_moe.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk, torch.float32)
-        allgather_moe.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
-        check_handle(handle, w.world_size, self.tokens, self.topk, self.experts, w.device)
-        _protocol.check_input(h, "h", (self.dtype,))
-        if tuple(h.shape) != (self.pairs, self.n):
-            raise ValueError(f"this moe_rs takes h {self.dtype} of shape {(self.pairs, self.n)} (a row per pair of "
-                             f"every rank's tokens); got shape {tuple(h.shape)}: build another instance, or call "
-                             "tridist.ops.moe_rs")
-        if h.data_ptr() % 16:
-            raise ValueError("h does not start on a 16-byte boundary, as TMA needs (a view at an odd offset?): pass "
-                             "h.clone()")
+
+        def check() -> None:
+            allgather_moe.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk,
+                                        torch.float32)
+            allgather_moe.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
+            check_handle(handle, w.world_size, self.tokens, self.topk, self.experts, w.device)
+            _protocol.check_input(h, "h", (self.dtype,))
+            if tuple(h.shape) != (self.pairs, self.n):
+                raise ValueError(f"this moe_rs takes h {self.dtype} of shape {(self.pairs, self.n)} (a row per pair "
+                                 f"of every rank's tokens); got shape {tuple(h.shape)}: build another instance, or "
+                                 "call tridist.ops.moe_rs")
+            if h.data_ptr() % 16:
+                raise ValueError("h does not start on a 16-byte boundary, as TMA needs (a view at an odd offset?): "
+                                 "pass h.clone()")
+            if out is not None:
+                _protocol.check_output(out, (self.tokens, self.k), self.dtype)
+
+        _protocol.agree("moe_rs", check, {"shape and dtype of h": _protocol.shape_of(h)})
         if out is None:
             out = torch.empty((self.tokens, self.k), dtype=self.dtype, device=h.device)
-        _protocol.check_output(out, (self.tokens, self.k), self.dtype)
         config = self.config
         h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
         bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
@@ -288,7 +295,7 @@ class MoEReduceScatter:
         moe_rs_gemm_kernel[(min(bound, self.gemm_programs),)](
             h_desc, grouped.weight_descriptor(w_shard, config), self.products, handle.padded_counts,
             handle.padded_base, self.done, self.gemm_calls, self.k, self.n, COUNT=self.overlap, W_PAD=w_pad,
-            E_PAD=e_pad, BY_EXPERT=self.by_expert, **config)
+            E_PAD=e_pad, BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), **config)
         ws = self.workspace
         args = (self.products, handle.row_of_pair, handle.padded_counts, topk_weights_shard, self.exchange, ws.staging,
                 self.send if self.send is not None else ws.staging, ws.flags, self.done)
@@ -380,12 +387,18 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
     N/world and K must be multiples of 8. Keeps one `MoEReduceScatter` per shape and stream. Raises
     ValueError before launching anything for shapes, dtypes, layouts or a handle it does not take.
     """
-    _protocol.check_input(h, "h", allgather_moe.DTYPES)
-    _protocol.check_input(topk_weights_shard, "topk_weights_shard", (torch.float32,))
-    grouped.check_weights(w_shard, "w_shard", allgather_moe.DTYPES)
-    if h.dim() != 2 or topk_weights_shard.dim() != 2:
-        raise ValueError(f"h and topk_weights_shard must be matrices; got shapes {tuple(h.shape)} and "
-                         f"{tuple(topk_weights_shard.shape)}")
+    def check() -> None:
+        _protocol.check_input(h, "h", allgather_moe.DTYPES)
+        _protocol.check_input(topk_weights_shard, "topk_weights_shard", (torch.float32,))
+        grouped.check_weights(w_shard, "w_shard", allgather_moe.DTYPES)
+        if h.dim() != 2 or topk_weights_shard.dim() != 2:
+            raise ValueError(f"h and topk_weights_shard must be matrices; got shapes {tuple(h.shape)} and "
+                             f"{tuple(topk_weights_shard.shape)}")
+
+    shape_of = _protocol.shape_of
+    _protocol.agree("moe_rs", check, {"shape and dtype of h": shape_of(h), "shape of w_shard": shape_of(w_shard),
+                                      "shape of topk_weights_shard": shape_of(topk_weights_shard),
+                                      "config": repr(config), "tile_order": tile_order})
     (tokens, topk), (experts, n, k) = topk_weights_shard.shape, w_shard.shape
     op = _protocol.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config,
                                                      tile_order=tile_order),

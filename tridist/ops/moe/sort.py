@@ -146,3 +146,26 @@ def count(idx, counts, groups: int, per_group: int) -> None:
     block_counts_kernel[(blocks, triton.cdiv(groups, chunk))](idx, counts, items, 1, groups, per_group, per_block,
                                                                CLAMP=False, ADD=True, GROUPS=chunk, STEP=step,
                                                                num_warps=4)
+
+
+@jit
+def drop_ids_kernel(idx_ptr, kept_ptr, dropped_ptr, items, limit, BLOCK: tl.constexpr):
+    """kept[i] = idx[i] where it is -1 or in [0, limit), else -1; dropped[0] += the ids replaced."""
+    item = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = item < items
+    ids = tl.load(idx_ptr + item, mask=inside, other=-1)
+    bad = inside & ((ids < -1) | (ids >= limit))
+    tl.store(kept_ptr + item, tl.where(bad, -1, ids), mask=inside)
+    count = tl.sum(bad.to(tl.int64), 0)
+    if count > 0:
+        tl.atomic_add(dropped_ptr, count)
+
+
+def drop_ids(idx: torch.Tensor, limit: int, dropped: torch.Tensor) -> torch.Tensor:
+    """`idx` (int64) with every id outside -1 ... limit - 1 replaced by -1 (none), and their number
+    added to `dropped` (int64 [1]), all on the device: one launch, no synchronisation."""
+    kept = torch.empty_like(idx)
+    if idx.numel():
+        block = min(1024, triton.next_power_of_2(idx.numel()))
+        drop_ids_kernel[(triton.cdiv(idx.numel(), block),)](idx, kept, dropped, idx.numel(), limit, BLOCK=block)
+    return kept

@@ -38,7 +38,6 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ...runtime import config
 from .. import _protocol
 from .._protocol import after_flags, call_epoch, finish_call, push_slice, sync_program
 from ..gemm import grouped, persistent
@@ -239,7 +238,7 @@ def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
     """Expert ids in [0, experts), checked where reading them costs no synchronisation (on the CPU:
     the emulator) or where it is asked for (TRIDIST_DEBUG=1), but not while a CUDA graph is captured
     (the read would end the capture)."""
-    if (topk_idx.device.type == "cuda" and not config.debug()) or _protocol.capturing():
+    if not _protocol.host_reads(topk_idx):
         return
     if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= experts):
         raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; there are "
