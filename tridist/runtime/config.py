@@ -128,7 +128,7 @@ SETTINGS = {
                               "(default 256)",
     "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
     "TRIDIST_DEVICE_LIBRARY": "cut (default): Triton links NVSHMEM's device library cut to the functions tridist "
-                              "calls (needs llvmlite; kernels compile about ten times faster), or whole",
+                              "calls (kernels compile about ten times faster), or whole",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
     "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",
 }

@@ -1,12 +1,13 @@
 """`tridist.jit`: `triton.jit` plus what a distributed kernel needs on each backend.
 
 On GPUs the kernel is a `JITFunction` that links NVSHMEM's device library and initialises every
-module it compiles. In the emulator it is Triton's interpreter, with three changes:
+module it compiles. In the emulator it is Triton's interpreter, with four changes:
 - arguments are used in place: the interpreter would copy each tensor and copy it back after the
   launch, which would overwrite whatever peers wrote into a symmetric buffer meanwhile;
 - the programs of a launch run at once (up to TRIDIST_EMU_THREADS of them, like resident blocks on
   a GPU), so a kernel whose programs wait on each other works as it does on a GPU;
-- atomics hold a lock shared by all ranks, because the interpreter's are plain read-modify-writes.
+- atomics hold a lock shared by all ranks, because the interpreter's are plain read-modify-writes;
+- a scalar used as an index is read in a way numpy 2.4 and later accept.
 
 Co-resident launches. `kernel[grid](..., coresident=True)` launches a grid whose programs may wait
 on each other (a persistent kernel with `dl.grid_barrier`, or programs that wait for signals other
@@ -113,6 +114,16 @@ if backend.is_emulator():
     _interpreter._patch_lang = _holding(lambda: _interpreter_lock, _interpreter._patch_lang)
     _interpreter.InterpretedFunction.rewrite = _holding(lambda: _interpreter_lock,
                                                         _interpreter.InterpretedFunction.rewrite)
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+
+    def _index_by_item(tensor, *scope):
+        """The interpreter's patches of `tl.tensor`, with `__index__` (a scalar used as a loop bound or
+        an index) reading the scalar's one-element array with `.item()`: the interpreter's `int()`
+        of it fails from numpy 2.4 on ("only 0-dimensional arrays can be converted")."""
+        _patch_lang_tensor(tensor, *scope)
+        tensor.__index__ = lambda self: self.handle.data.item()  # removed with the interpreter's own patches
+
+    _interpreter._patch_lang_tensor = _index_by_item
     for _atomic in ("create_atomic_rmw", "create_atomic_cas"):
         setattr(_interpreter.InterpreterBuilder, _atomic,
                 _holding(lambda: transport().atomic_lock(), getattr(_interpreter.InterpreterBuilder, _atomic)))
