@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -212,6 +213,36 @@ def test_killed_rank_is_named_and_reaped(tmp_path):
     assert code == 128 + 9 and time.monotonic() - started < 30
     assert re.search(r"tridist run: rank 1 was killed by SIGKILL; stopping ranks? 0\b", err.getvalue().decode())
     pids = [int((tmp_path / str(rank)).read_text()) for rank in range(3)]
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "sigterm to the job"])
+def test_stopped_job_names_the_stopped_ranks(tmp_path, stop):
+    """Ctrl-C (SIGINT to every process of the job, as a terminal sends it), SIGTERM to the launcher, or
+    SIGTERM to every process of the job: no traceback, the ranks that were stopped named, none left."""
+    job = subprocess.Popen([sys.executable, "-m", "tridist", "run", "-n", "2", "--backend", "emulator", CHATTY],
+                           cwd=ROOT, env={**os.environ, "PIDS": str(tmp_path), "SLEEP_RANK": "all"}, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / str(rank)).exists() for rank in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # each rank's pid is written before it sleeps
+    if stop == "ctrl-c":
+        os.killpg(job.pid, signal.SIGINT)
+    elif stop == "sigterm":
+        job.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(job.pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert "Traceback" not in out + err, err
+    if stop == "ctrl-c":
+        assert job.returncode == 130 and "tridist run: interrupted (Ctrl-C); stopping ranks 0, 1" in err, err
+    elif stop == "sigterm":
+        assert job.returncode == 143 and "tridist run: terminated (SIGTERM); stopping ranks 0, 1" in err, err
+    else:  # the launcher may see its ranks die first
+        assert job.returncode == 143 and re.search(r"tridist run: (terminated \(SIGTERM\)|rank \d was killed by SIGTERM)",
+                                                   err), err
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
     assert not [pid for pid in pids if _alive(pid)]
 
 

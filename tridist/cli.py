@@ -30,7 +30,9 @@ def main(argv=None) -> int:
     run.add_argument("--no-prefix", action="store_true",
                      help="let the ranks write to the terminal directly, without the '[rank N] ' in front of "
                           "each line")
-    run.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args]")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="run a module of the Python path, as `python -m`: tridist run -n 2 -m package.module [args]")
+    run.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args], or with -m: module [args]")
 
     commands.add_parser("info", help="backend, devices, peer access, NVSHMEM device library, CUDA MPS and GPU "
                                      "sharing, versions")
@@ -46,11 +48,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run":
         if not args.script:
-            parser.error("tridist run needs a script: tridist run -n 2 script.py [args]")
+            parser.error("tridist run needs a script: tridist run -n 2 script.py [args], or -m package.module [args]")
         from .runtime.launcher import run as launch
 
         return launch(args.nproc, args.script, nnodes=args.nnodes, backend=args.backend,
-                      ranks_per_gpu=args.ranks_per_gpu, start_mps=args.start_mps, prefix=not args.no_prefix)
+                      ranks_per_gpu=args.ranks_per_gpu, start_mps=args.start_mps, prefix=not args.no_prefix,
+                      module=args.module)
     if args.command == "stress":
         return stress.main(args)
     from .runtime.info import report

@@ -114,16 +114,23 @@ if backend.is_emulator():
     _interpreter._patch_lang = _holding(lambda: _interpreter_lock, _interpreter._patch_lang)
     _interpreter.InterpretedFunction.rewrite = _holding(lambda: _interpreter_lock,
                                                         _interpreter.InterpretedFunction.rewrite)
+    class _IndexByItem:
+        """The interpreter's patch scope, giving `tl.tensor.__index__` (a scalar used as a loop bound or an
+        index) `.item()` of the scalar's one-element array where the interpreter would take `int()` of
+        it, which numpy 2.4 and later refuse ("only 0-dimensional arrays can be converted"). Replaced as
+        it is set, never after: other program threads may be reading it meanwhile."""
+
+        def __init__(self, scope):
+            self._scope = scope
+
+        def set_attr(self, obj, name, value):
+            self._scope.set_attr(obj, name, _scalar_index if name == "__index__" else value)
+
+    def _scalar_index(tensor) -> int:
+        return tensor.handle.data.item()
+
     _patch_lang_tensor = _interpreter._patch_lang_tensor
-
-    def _index_by_item(tensor, *scope):
-        """The interpreter's patches of `tl.tensor`, with `__index__` (a scalar used as a loop bound or
-        an index) reading the scalar's one-element array with `.item()`: the interpreter's `int()`
-        of it fails from numpy 2.4 on ("only 0-dimensional arrays can be converted")."""
-        _patch_lang_tensor(tensor, *scope)
-        tensor.__index__ = lambda self: self.handle.data.item()  # removed with the interpreter's own patches
-
-    _interpreter._patch_lang_tensor = _index_by_item
+    _interpreter._patch_lang_tensor = lambda tensor, scope: _patch_lang_tensor(tensor, _IndexByItem(scope))
     for _atomic in ("create_atomic_rmw", "create_atomic_cas"):
         setattr(_interpreter.InterpreterBuilder, _atomic,
                 _holding(lambda: transport().atomic_lock(), getattr(_interpreter.InterpreterBuilder, _atomic)))
