@@ -63,6 +63,21 @@ def test_example_runs():
     assert all(line.startswith(f"[rank {line[6]}] ") for line in result.stdout.splitlines()), result.stdout
 
 
+def test_emulator_runs_under_torchrun():
+    """torchrun's ranks find each other's heaps (a folder named after their torchrun job) and leave
+    nothing behind in /dev/shm."""
+    if backend() != "emulator":
+        pytest.skip("torchrun on GPUs needs nothing of tridist's")
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "examples/allgather.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TRIDIST_BACKEND": "emulator"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("all-gather correct") == 2
+    if before:
+        assert not [name for name in set(os.listdir("/dev/shm")) - before if name.startswith("tridist-torchrun-")]
+
+
 def test_dead_rank_ends_the_job():
     if backend() == "nvshmem" and gpu_ranks() < 2:
         pytest.skip("needs 2 GPUs, or TRIDIST_RANKS_PER_GPU=2 and CUDA MPS")

@@ -45,11 +45,6 @@ def report() -> str:
     else:
         lines.append("no CUDA GPU: kernels run in the CPU emulator (Triton's interpreter, one process per rank); "
                      "it runs any number of ranks (tridist run --ranks-per-gpu changes nothing there)")
-        from .emulator import numpy_problem
-
-        problem = numpy_problem()
-        if problem:
-            fixes.append(problem)
     lines.append("settings:")
     for name, meaning in config.SETTINGS.items():
         lines.append(f"  {name}={os.environ.get(name, '')!s:<10} {meaning}")
