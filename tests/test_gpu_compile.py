@@ -23,18 +23,18 @@ def test_kernels_compile_for_hopper(debug):
 
 
 def test_compile_log_records_each_compile_once(tmp_path, monkeypatch):
-    """tests.precompile's log (kept by the GPU test ranks): one JSON line per compile Triton announces,
-    read back once each, lines cut short by a killed run skipped. (That `preload` of a logged compile
-    gives the launch's own Triton cache key was checked on this machine with a faked driver: the same
+    """The compile log (TRIDIST_COMPILE_LOG, runtime/compiles.py): one JSON line per compile Triton
+    announces, read back once each, lines cut short by a killed run skipped. (That `preload` of a
+    logged compile gives the launch's own Triton cache key was checked with a faked driver: the same
     cache entries for two kernels, each in two specialisations.)"""
     from triton import knobs
     from triton.runtime.jit import JitFunctionInfo
 
-    from . import precompile
+    from tridist.runtime import compiles
 
     log = tmp_path / "compile-log.jsonl"
     monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
-    precompile.record(str(log))
+    compiles.record(str(log))
 
     def kernel():
         pass
@@ -47,10 +47,63 @@ def test_compile_log_records_each_compile_once(tmp_path, monkeypatch):
                                                  compile=compiled, is_manual_warmup=False, already_compiled=False)
     with open(log, "a") as f:
         f.write('{"mode": "debug=0", "module": "cut sh')
-    entries = precompile.read(str(log))
+    entries = compiles.read(str(log))
     assert [json.loads(e["specialization"])["name"] for e in entries] == ["a", "b"]
     assert entries[0]["module"] == __name__ and entries[0]["name"] == "kernel" and entries[0]["file"] == __file__
-    assert entries[0]["mode"] == precompile._mode()
+    assert entries[0]["mode"] == compiles.mode()
+
+
+def fake_compile(entry: dict) -> str | None:
+    """`compiles.compile_entry` for test_precompile_compiles_this_mode_and_drops_failures (in a worker)."""
+    return "it broke" if entry["name"] == "broken" else None
+
+
+def test_precompile_compiles_this_mode_and_drops_failures(tmp_path, monkeypatch, caplog):
+    """`tridist precompile LOG` compiles the entries of this process's mode (on a process each) and
+    rewrites the log without the duplicates and the failures; the compiles themselves are Triton's
+    `preload`, which needs a GPU driver (checked on GPUs by scripts/gpu_suite.sh)."""
+    from tridist.runtime import compiles, device_library
+
+    monkeypatch.setattr(compiles, "compile_entry", fake_compile)
+    monkeypatch.setattr(device_library, "for_kernels", lambda whole: whole)
+    monkeypatch.setattr("tridist.runtime.nvshmem.find_device_library", lambda: "libnvshmem_device.bc")
+    log = tmp_path / "log.jsonl"
+    other = "debug=1 timeout=1"
+    lines = [{"mode": compiles.mode(), "module": "json", "name": name, "file": "", "specialization": name}
+             for name in ("loads", "broken", "loads", "dumps")]
+    lines.append({"mode": other, "module": "json", "name": "broken", "file": "", "specialization": "x"})
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with caplog.at_level("INFO", logger="tridist"):
+        compiled, failures = compiles.precompile(str(log), workers=2)
+    assert (compiled, failures) == (2, ["it broke"])
+    assert "compiling 3 kernels of" in caplog.text
+    assert [(e["mode"], e["name"]) for e in compiles.read(str(log))] == [(compiles.mode(), "loads"),
+                                                                       (compiles.mode(), "dumps"), (other, "broken")]
+
+
+def test_a_long_compile_is_said_once_on_the_first_rank(monkeypatch, caplog):
+    import time
+
+    from tridist.runtime import compiles
+
+    monkeypatch.setenv("RANK", "0")
+    watch = compiles.CompileWatch(say_after_s=0.3)
+    with caplog.at_level("INFO", logger="tridist"):
+        with watch:
+            pass  # quick: a kernel found in Triton's cache
+        with watch:
+            time.sleep(0.6)
+        with watch:
+            time.sleep(0.4)
+    said = [r.getMessage() for r in caplog.records if "compiling kernels" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("compiling kernels for the GPU (1 compiled in 0 s, one more"), said
+    monkeypatch.setenv("RANK", "1")
+    caplog.clear()
+    watch = compiles.CompileWatch(say_after_s=0.1)
+    with caplog.at_level("INFO", logger="tridist"):
+        with watch:
+            time.sleep(0.3)
+    assert not caplog.records
 
 
 def _library():

@@ -147,6 +147,15 @@ def test_info():
 CHATTY = os.path.join(ROOT, "tests", "scripts", "chatty_rank.py")
 
 
+def test_precompile_needs_a_gpu_and_a_log():
+    result, _ = tridist_cli("precompile", "no-such-log.jsonl")
+    assert result.returncode == 2
+    if backend() == "emulator":
+        assert "the emulator compiles nothing" in result.stderr, result.stderr
+    else:
+        assert "no compile log no-such-log.jsonl; record one with tridist run --record-compiles" in result.stderr
+
+
 def test_sharing_decisions():
     """Rank r of a host on GPU r // K; MPS percentages of a GPU's ranks add up to at most 100; gloo
     wherever two ranks share a GPU; how many GPUs a job needs."""

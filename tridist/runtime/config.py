@@ -106,6 +106,12 @@ def device_library() -> str:
     return value
 
 
+def compile_log() -> str | None:
+    """TRIDIST_COMPILE_LOG: the file where GPU ranks log each kernel they compile, for `tridist
+    precompile` (see `runtime/compiles.py`); None when unset."""
+    return os.environ.get("TRIDIST_COMPILE_LOG") or None
+
+
 def tune_verbose() -> bool:
     """TRIDIST_TUNE_VERBOSE=1: `tridist.tune` prints each configuration's time on rank 0."""
     return os.environ.get("TRIDIST_TUNE_VERBOSE", "0") not in ("", "0")
@@ -129,6 +135,8 @@ SETTINGS = {
     "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
     "TRIDIST_DEVICE_LIBRARY": "cut (default): Triton links NVSHMEM's device library cut to the functions tridist "
                               "calls (kernels compile about ten times faster), or whole",
+    "TRIDIST_COMPILE_LOG": "a file where GPU ranks log each kernel they compile, for `tridist precompile FILE` to "
+                           "compile them all on every core; set by `tridist run --record-compiles FILE`",
     "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
     "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",
 }

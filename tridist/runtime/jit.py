@@ -142,6 +142,11 @@ if backend.is_emulator():
             return _launch(self, self.rewrite(), grid, args, kwargs, coresident)
 
 else:
+    from .compiles import CompileWatch, record
+
+    _compiles = CompileWatch()
+    if config.compile_log():
+        record(config.compile_log())
 
     class NvshmemFunction(triton.runtime.jit.JITFunction):
         def run(self, *args, grid, warmup, coresident=False, **kwargs):
@@ -160,7 +165,8 @@ else:
             return kernel
 
         def _do_compile(self, *args, **kwargs):
-            kernel = super()._do_compile(*args, **kwargs)
+            with _compiles:  # a job that compiles for long says so
+                kernel = super()._do_compile(*args, **kwargs)
             if kernel is not None:
                 _init_module(kernel)
             return kernel
