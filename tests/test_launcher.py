@@ -134,10 +134,12 @@ def test_more_ranks_than_gpus_is_refused():
 
 
 def test_info():
-    result, _ = tridist_cli("info")
+    result, _ = tridist_cli("info", env={"TRIDIST_EMU_THREADS": "8", "TRIDIST_EMU_CORESIDENT": ""})
     assert result.returncode == 0, result.stderr
     assert f"tridist backend: {backend()}" in result.stdout and "to fix:" in result.stdout
-    assert "TRIDIST_RANKS_PER_GPU=" in result.stdout
+    # each setting on a line: its value and where it came from, or that it is unset and its default
+    assert re.search(r"^  TRIDIST_EMU_THREADS +8  \(from the environment\)$", result.stdout, re.M), result.stdout
+    assert re.search(r"^  TRIDIST_EMU_CORESIDENT +unset: default 256$", result.stdout, re.M), result.stdout
     sharing_line = "CUDA MPS control daemon: " if backend() == "nvshmem" else "--ranks-per-gpu changes nothing"
     assert sharing_line in result.stdout
 

@@ -1,5 +1,4 @@
 """`tridist info`: what this machine offers tridist, and what to fix."""
-import os
 import platform
 
 import torch
@@ -45,9 +44,8 @@ def report() -> str:
     else:
         lines.append("no CUDA GPU: kernels run in the CPU emulator (Triton's interpreter, one process per rank); "
                      "it runs any number of ranks (tridist run --ranks-per-gpu changes nothing there)")
-    lines.append("settings:")
-    for name, meaning in config.SETTINGS.items():
-        lines.append(f"  {name}={os.environ.get(name, '')!s:<10} {meaning}")
+    lines.append("settings (docs/guide/settings.md says what each does):")
+    lines += ["  " + line for line in config.describe_settings()]
     lines.append("to fix: " + ("; ".join(fixes) if fixes else "nothing"))
     return "\n".join(lines)
 
