@@ -10,7 +10,9 @@ output to files, and its exits name no rank we could print; piping the ranks our
   the terminal directly.
 - Failures: the first rank that fails or dies (a signal, SIGKILL included) is named, and the others
   are stopped (SIGTERM, then SIGKILL after a grace period), so that nobody waits for a dead peer
-  and no rank process outlives the job. Ctrl-C and SIGTERM to the launcher stop them the same way.
+  and no rank process outlives the job. Ctrl-C and SIGTERM to the launcher stop them the same way,
+  naming the ranks stopped, with no traceback: the ranks ignore Ctrl-C (the terminal sends it to
+  every process of the job), and a second signal while they stop is ignored.
 - Sharing GPUs (`ranks_per_gpu` K, `runtime/sharing.py`): K ranks on each GPU, each with its MPS
   share of the SMs; CUDA MPS must run, and `start_mps` starts a daemon for the job and quits it
   however the job ends. For correctness and debugging, not speed (docs/guide/one-gpu.md).
