@@ -96,7 +96,7 @@ def test_a_long_compile_is_said_once_on_the_first_rank(monkeypatch, caplog):
         with watch:
             time.sleep(0.4)
     said = [r.getMessage() for r in caplog.records if "compiling kernels" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("compiling kernels for the GPU (1 compiled in 0 s, one more"), said
+    assert len(said) == 1 and said[0].startswith("compiling kernels for the GPU: 0 s so far, 1 done, one under way"), said
     monkeypatch.setenv("RANK", "1")
     caplog.clear()
     watch = compiles.CompileWatch(say_after_s=0.1)

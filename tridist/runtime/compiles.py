@@ -188,6 +188,6 @@ class CompileWatch:
                 return
             self._said = True
             compiled, seconds = self._compiled, self._spent + time.monotonic() - self._since
-        logger.info(f"compiling kernels for the GPU ({compiled} compiled in {seconds:.0f} s, one more under way); "
-                    "Triton caches them for the next runs, and `tridist precompile` compiles a job's kernels on "
-                    "every core at once (docs/guide/running.md)")
+        logger.info(f"compiling kernels for the GPU: {seconds:.0f} s so far, {compiled} done, one under way. Triton "
+                    "caches them for the next runs, and `tridist precompile` compiles a job's kernels on every core "
+                    "at once (docs/guide/running.md)")
