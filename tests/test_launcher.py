@@ -317,9 +317,10 @@ def test_mps_status_and_the_missing_daemon(tmp_path, monkeypatch):
     assert "needs CUDA MPS" not in report
 
 
-def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
+def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd, caplog):
     """`--start-mps` starts a daemon in a folder of its own, hands the ranks its pipe directory and
-    their MPS percentage, and quits it when the job ends, a failed job too."""
+    their MPS percentage, and quits it when the job ends, a failed job too; it says so through the
+    `tridist` logger."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -332,14 +333,14 @@ def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
                     "'TRIDIST_BACKEND', 'NVSHMEM_DISABLE_NVLS', 'MASTER_PORT')}))\n"
                     "raise SystemExit(int(os.environ['RANK']) == int(os.environ.get('FAIL_RANK', -1)))\n")
     assert launcher.run(4, [str(show)], backend="nvshmem", ranks_per_gpu=4, start_mps=True) == 0
-    out, err = capfd.readouterr()
+    out, _ = capfd.readouterr()
     seen = [json.loads(line.split("] ", 1)[1]) for line in out.splitlines()]
     assert sorted(s["RANK"] for s in seen) == ["0", "1", "2", "3"]
     assert all(s["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and s["TRIDIST_RANKS_PER_GPU"] == "4" for s in seen)
     assert all(s["NVSHMEM_DISABLE_NVLS"] == "1" and s["MASTER_PORT"] for s in seen)
     pipe = seen[0]["CUDA_MPS_PIPE_DIRECTORY"]
     assert "tridist-mps-" in pipe and all(s["CUDA_MPS_PIPE_DIRECTORY"] == pipe for s in seen)
-    assert "started an MPS control daemon" in err and "stopped the MPS control daemon" in err
+    assert "started an MPS control daemon" in caplog.text and "stopped the MPS control daemon" in caplog.text
     assert not os.path.exists(pipe), "the daemon's folder is removed"
     monkeypatch.setenv("FAIL_RANK", "1")
     assert launcher.run(2, [str(show)], backend="nvshmem", ranks_per_gpu=2, start_mps=True) == 1
@@ -351,7 +352,7 @@ def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "existing"))
     monkeypatch.delenv("FAIL_RANK")
     assert launcher.run(2, [str(show)], backend="nvshmem", ranks_per_gpu=2, start_mps=True) == 0
-    assert f"through the MPS control daemon in {tmp_path / 'existing'}" in capfd.readouterr().err
+    assert f"through the MPS control daemon in {tmp_path / 'existing'}" in caplog.text
     assert (tmp_path / "log").read_text().split().count("start") == 2
     assert (tmp_path / "existing" / "fake-daemon").exists()
 
