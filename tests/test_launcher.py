@@ -69,7 +69,7 @@ def test_emulator_runs_under_torchrun():
     if backend() != "emulator":
         pytest.skip("torchrun on GPUs needs nothing of tridist's")
     before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "examples/allgather.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TRIDIST_BACKEND": "emulator"})
     assert result.returncode == 0, result.stderr[-3000:]
