@@ -27,9 +27,9 @@
 # torch, triton and the NVSHMEM wheel). Logs and results are written to $OUT (default out/: a dozen
 # files; under the device tool, which returns at most 8, give it another folder and copy back what
 # is needed). Kernels with NVSHMEM linked take seconds each to compile: the test and stress ranks log
-# each kernel they compile (.triton-cache/compile-log.jsonl), and a run first compiles the logged
-# kernels on every core at once (tests/precompile.py), so that they do not compile one by one in the
-# middle of the tests.
+# each kernel they compile (TRIDIST_COMPILE_LOG=.triton-cache/compile-log.jsonl), and a run first
+# compiles the logged kernels on every core at once (`tridist precompile`), so that they do not compile
+# one by one in the middle of the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -68,7 +68,7 @@ if [ -f "$TRIDIST_COMPILE_LOG" ]; then
     done
   fi
   for mode in "${modes[@]}"; do
-    TRIDIST_DEBUG=$mode timeout ${PRECOMPILE_TIMEOUT:-240} python -m tests.precompile "$TRIDIST_COMPILE_LOG" 2>&1 \
+    TRIDIST_DEBUG=$mode timeout ${PRECOMPILE_TIMEOUT:-240} python -m tridist precompile "$TRIDIST_COMPILE_LOG" 2>&1 \
       | tail -n 20 | tee -a "$OUT/precompile.log"
   done
 fi
@@ -156,8 +156,8 @@ stress_job() {  # place index job; place gpus (a rank per GPU) or shared (all of
     left=$((stress_deadline - SECONDS))
     [ "$left" -gt 0 ] || { echo "no time left for stress run $run" | tee -a "$log"; code=$((code | 5)); continue; }
     echo "== stress $1 $run, TRIDIST_DEBUG=$mode, --time-limit $left" >> "$log"
-    # The stress ranks log their compiles too (scripts/record_compiles), for the next run's precompile.
-    PYTHONPATH=$PWD/scripts/record_compiles:$PYTHONPATH TRIDIST_DEBUG=$mode \
+    # The stress ranks log their compiles too (TRIDIST_COMPILE_LOG), for the next run's precompile.
+    TRIDIST_DEBUG=$mode \
       timeout $((left + 150)) python -m tridist stress -n "$ranks" --calls "$calls" \
       --seed "${seed:-0}" --first-call "${first:-0}" --ranks-per-gpu "$per_gpu" \
       --time-limit "$left" --out benchmarks/results > "$log.run" 2>&1

@@ -13,7 +13,7 @@ On GPUs, TRIDIST_RANKS_PER_GPU=K puts K ranks on each GPU as `tridist run --rank
 through CUDA MPS, which must be running: scripts/gpu_suite.sh starts it with RANKS_PER_GPU=K), so
 that a machine with one GPU runs the suite with peers; under pytest-xdist each worker takes a GPU
 of its own (`pin_worker_gpu`). TRIDIST_COMPILE_LOG=path makes the ranks
-record the kernels they compile, for `python -m tests.precompile` (see there).
+record the kernels they compile, for `tridist precompile` (tridist/runtime/compiles.py).
 """
 import importlib.util
 import multiprocessing
@@ -120,10 +120,6 @@ def _worker(rank: int, env: dict, conn) -> None:
 
     import tridist
 
-    if os.environ.get("TRIDIST_COMPILE_LOG") and tridist.BACKEND == "nvshmem":
-        from .precompile import record
-
-        record(os.environ["TRIDIST_COMPILE_LOG"])
     world = tridist.init()
     conn.send(("ready", None))
     while True:

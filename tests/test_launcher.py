@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -60,6 +61,21 @@ def test_example_runs():
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("all-gather correct") == int(ranks)
     assert all(line.startswith(f"[rank {line[6]}] ") for line in result.stdout.splitlines()), result.stdout
+
+
+def test_emulator_runs_under_torchrun():
+    """torchrun's ranks find each other's heaps (a folder named after their torchrun job) and leave
+    nothing behind in /dev/shm."""
+    if backend() != "emulator":
+        pytest.skip("torchrun on GPUs needs nothing of tridist's")
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "examples/allgather.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TRIDIST_BACKEND": "emulator"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("all-gather correct") == 2
+    if before:
+        assert not [name for name in set(os.listdir("/dev/shm")) - before if name.startswith("tridist-torchrun-")]
 
 
 def test_dead_rank_ends_the_job():
@@ -124,10 +140,12 @@ def test_more_ranks_than_gpus_is_refused():
 
 
 def test_info():
-    result, _ = tridist_cli("info")
+    result, _ = tridist_cli("info", env={"TRIDIST_EMU_THREADS": "8", "TRIDIST_EMU_CORESIDENT": ""})
     assert result.returncode == 0, result.stderr
     assert f"tridist backend: {backend()}" in result.stdout and "to fix:" in result.stdout
-    assert "TRIDIST_RANKS_PER_GPU=" in result.stdout
+    # each setting on a line: its value and where it came from, or that it is unset and its default
+    assert re.search(r"^  TRIDIST_EMU_THREADS +8  \(from the environment\)$", result.stdout, re.M), result.stdout
+    assert re.search(r"^  TRIDIST_EMU_CORESIDENT +unset: default 256$", result.stdout, re.M), result.stdout
     sharing_line = "CUDA MPS control daemon: " if backend() == "nvshmem" else "--ranks-per-gpu changes nothing"
     assert sharing_line in result.stdout
 
@@ -135,6 +153,15 @@ def test_info():
 # The launcher's own logic, with ranks that are plain Python scripts (no tridist: quick to start).
 
 CHATTY = os.path.join(ROOT, "tests", "scripts", "chatty_rank.py")
+
+
+def test_precompile_needs_a_gpu_and_a_log():
+    result, _ = tridist_cli("precompile", "no-such-log.jsonl")
+    assert result.returncode == 2
+    if backend() == "emulator":
+        assert "the emulator compiles nothing" in result.stderr, result.stderr
+    else:
+        assert "no compile log no-such-log.jsonl; record one with tridist run --record-compiles" in result.stderr
 
 
 def test_sharing_decisions():
@@ -235,6 +262,36 @@ def test_killed_rank_is_named_and_reaped(tmp_path):
     assert not [pid for pid in pids if _alive(pid)]
 
 
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "sigterm to the job"])
+def test_stopped_job_names_the_stopped_ranks(tmp_path, stop):
+    """Ctrl-C (SIGINT to every process of the job, as a terminal sends it), SIGTERM to the launcher, or
+    SIGTERM to every process of the job: no traceback, the ranks that were stopped named, none left."""
+    job = subprocess.Popen([sys.executable, "-m", "tridist", "run", "-n", "2", "--backend", "emulator", CHATTY],
+                           cwd=ROOT, env={**os.environ, "PIDS": str(tmp_path), "SLEEP_RANK": "all"}, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / str(rank)).exists() for rank in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # each rank's pid is written before it sleeps
+    if stop == "ctrl-c":
+        os.killpg(job.pid, signal.SIGINT)
+    elif stop == "sigterm":
+        job.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(job.pid, signal.SIGTERM)
+    out, err = job.communicate(timeout=60)
+    assert "Traceback" not in out + err, err
+    if stop == "ctrl-c":
+        assert job.returncode == 130 and "tridist run: interrupted (Ctrl-C); stopping ranks 0, 1" in err, err
+    elif stop == "sigterm":
+        assert job.returncode == 143 and "tridist run: terminated (SIGTERM); stopping ranks 0, 1" in err, err
+    else:  # the launcher may see its ranks die first
+        assert job.returncode == 143 and re.search(r"tridist run: (terminated \(SIGTERM\)|rank \d was killed by SIGTERM)",
+                                                   err), err
+    pids = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    assert not [pid for pid in pids if _alive(pid)]
+
+
 def _fake_mps(folder) -> str:
     """A fake nvidia-cuda-mps-control in `folder`, whose daemon "runs" while a file does in its pipe
     directory; it logs its commands. Returns a PATH that finds it first."""
@@ -280,9 +337,10 @@ def test_mps_status_and_the_missing_daemon(tmp_path, monkeypatch):
     assert "needs CUDA MPS" not in report
 
 
-def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
+def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd, caplog):
     """`--start-mps` starts a daemon in a folder of its own, hands the ranks its pipe directory and
-    their MPS percentage, and quits it when the job ends, a failed job too."""
+    their MPS percentage, and quits it when the job ends, a failed job too; it says so through the
+    `tridist` logger."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -295,14 +353,14 @@ def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
                     "'TRIDIST_BACKEND', 'NVSHMEM_DISABLE_NVLS', 'MASTER_PORT')}))\n"
                     "raise SystemExit(int(os.environ['RANK']) == int(os.environ.get('FAIL_RANK', -1)))\n")
     assert launcher.run(4, [str(show)], backend="nvshmem", ranks_per_gpu=4, start_mps=True) == 0
-    out, err = capfd.readouterr()
+    out, _ = capfd.readouterr()
     seen = [json.loads(line.split("] ", 1)[1]) for line in out.splitlines()]
     assert sorted(s["RANK"] for s in seen) == ["0", "1", "2", "3"]
     assert all(s["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25" and s["TRIDIST_RANKS_PER_GPU"] == "4" for s in seen)
     assert all(s["NVSHMEM_DISABLE_NVLS"] == "1" and s["MASTER_PORT"] for s in seen)
     pipe = seen[0]["CUDA_MPS_PIPE_DIRECTORY"]
     assert "tridist-mps-" in pipe and all(s["CUDA_MPS_PIPE_DIRECTORY"] == pipe for s in seen)
-    assert "started an MPS control daemon" in err and "stopped the MPS control daemon" in err
+    assert "started an MPS control daemon" in caplog.text and "stopped the MPS control daemon" in caplog.text
     assert not os.path.exists(pipe), "the daemon's folder is removed"
     monkeypatch.setenv("FAIL_RANK", "1")
     assert launcher.run(2, [str(show)], backend="nvshmem", ranks_per_gpu=2, start_mps=True) == 1
@@ -314,7 +372,7 @@ def test_start_mps_for_the_job(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "existing"))
     monkeypatch.delenv("FAIL_RANK")
     assert launcher.run(2, [str(show)], backend="nvshmem", ranks_per_gpu=2, start_mps=True) == 0
-    assert f"through the MPS control daemon in {tmp_path / 'existing'}" in capfd.readouterr().err
+    assert f"through the MPS control daemon in {tmp_path / 'existing'}" in caplog.text
     assert (tmp_path / "log").read_text().split().count("start") == 2
     assert (tmp_path / "existing" / "fake-daemon").exists()
 

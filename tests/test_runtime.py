@@ -113,20 +113,6 @@ def test_emulator_rejects_device_tensors(world):
     world.run(_emulated_kernel_rejects_cuda)
 
 
-def test_emulator_refuses_numpy_it_breaks_on(monkeypatch, tmp_path):
-    """Triton 3.6's interpreter fails with numpy 2.4 deep inside a kernel; the emulator says so first."""
-    import numpy
-
-    from tridist.runtime import emulator
-
-    monkeypatch.setattr(numpy, "__version__", "2.4.0")
-    assert "pip install 'numpy<2.4'" in emulator.numpy_problem()
-    with pytest.raises(RuntimeError, match=r"tridist emulator, rank 0: numpy 2.4.0 breaks Triton's interpreter"):
-        emulator.EmulatorTransport(str(tmp_path), 0, 1, 1 << 20)
-    monkeypatch.setattr(numpy, "__version__", "2.3.5")
-    assert emulator.numpy_problem() is None
-
-
 def test_use_before_init():
     with pytest.raises(tridist.NotInitializedError, match=r"tridist.init\(\)"):
         tridist.world()

@@ -19,6 +19,6 @@ def settings() -> dict:
 def on_page_markdown(markdown, page, config, files):
     if MARKER not in markdown:
         return markdown
-    rows = ["| setting | meaning |", "| --- | --- |"]
-    rows += [f"| `{name}` | {meaning} |" for name, meaning in settings().items()]
+    rows = ["| setting | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{name}` | {default} | {meaning} |" for name, (default, meaning) in settings().items()]
     return markdown.replace(MARKER, "\n".join(rows))

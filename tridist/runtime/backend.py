@@ -20,7 +20,9 @@ def _choose() -> str:
         else:
             import torch
 
-            name = NVSHMEM if torch.cuda.is_available() else EMULATOR
+            # device_count asks NVML and leaves CUDA uninitialised (is_available would initialise it), so
+            # that this process may still fork workers that use CUDA (`tridist precompile` does).
+            name = NVSHMEM if torch.cuda.device_count() > 0 else EMULATOR
     if name not in BACKENDS:
         raise ValueError(f"TRIDIST_BACKEND={name!r}: use one of {', '.join(BACKENDS)}")
     if name == EMULATOR:

@@ -1,5 +1,5 @@
 """tridist's own settings (TRIDIST_*): each is read from the environment through an accessor here
-and listed in SETTINGS, which `tridist info` prints with the values the environment gives them.
+and listed in SETTINGS, which `tridist info` prints with the value each has and where it came from.
 Variables of other programs (torchrun's RANK and WORLD_SIZE, TRITON_INTERPRET, NVSHMEM_LIB_DIR)
 are read where they are used.
 
@@ -106,32 +106,57 @@ def device_library() -> str:
     return value
 
 
+def compile_log() -> str | None:
+    """TRIDIST_COMPILE_LOG: the file where GPU ranks log each kernel they compile, for `tridist
+    precompile` (see `runtime/compiles.py`); None when unset."""
+    return os.environ.get("TRIDIST_COMPILE_LOG") or None
+
+
 def tune_verbose() -> bool:
     """TRIDIST_TUNE_VERBOSE=1: `tridist.tune` prints each configuration's time on rank 0."""
     return os.environ.get("TRIDIST_TUNE_VERBOSE", "0") not in ("", "0")
 
 
+# Each setting: its default, as words, and what it does. `tridist info` prints each with its value and
+# where the value came from; docs/hooks/settings.py makes the table of docs/guide/settings.md.
 SETTINGS = {
-    "TRIDIST_BACKEND": "nvshmem (default with CUDA GPUs) or emulator; set before importing tridist",
-    "TRIDIST_NNODES": "virtual nodes: split the ranks of one host into this many nodes",
-    "TRIDIST_HEAP_SIZE": "symmetric heap per rank (default 4G on GPU, 256M in the emulator)",
-    "TRIDIST_WAIT_TIMEOUT": "seconds a bounded wait spins before it reports (default 60); set before "
-                            "importing tridist",
-    "TRIDIST_DEBUG": "1: bound GPU waits, check allocations across ranks, synchronise after each launch (not "
-                     "while a CUDA graph is captured); set before importing tridist",
-    "TRIDIST_RANKS_PER_GPU": "ranks per GPU (default 1); set by `tridist run --ranks-per-gpu K`, or by hand for "
-                             "torchrun: rank r uses GPU LOCAL_RANK // K, the host group is gloo where ranks share a "
-                             "GPU, and each rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 100 // K (CUDA MPS needed); "
-                             "ignored by the emulator",
-    "TRIDIST_EMU_THREADS": "programs of one launch the emulator runs at once (default 64)",
-    "TRIDIST_EMU_CORESIDENT": "programs of a co-resident launch the emulator runs at most, a thread each "
-                              "(default 256)",
-    "TRIDIST_EMU_DIR": "set by `tridist run`: the folder where the emulated ranks share their heaps",
-    "TRIDIST_DEVICE_LIBRARY": "cut (default): Triton links NVSHMEM's device library cut to the functions tridist "
-                              "calls (needs llvmlite; kernels compile about ten times faster), or whole",
-    "TRIDIST_TUNE_CACHE": "folder of tridist.tune's cache, tune.json (default ~/.cache/tridist)",
-    "TRIDIST_TUNE_VERBOSE": "1: tridist.tune prints each config's slowest-rank time on rank 0",
-    "TRIDIST_BENCH_RUN": "an id of one benchmark run, recorded in each JSON `tridist bench` saves: ag_gemm and "
-                         "gemm_rs take PyTorch's fused times only from torch_fused's JSON of the same run "
-                         "(scripts/gpu_suite.sh sets one)",
+    "TRIDIST_BACKEND": ("nvshmem with CUDA GPUs, else emulator (also under TRITON_INTERPRET=1)",
+                        "nvshmem or emulator; set before importing tridist"),
+    "TRIDIST_NNODES": ("the real nodes", "virtual nodes: split the ranks of one host into this many nodes"),
+    "TRIDIST_HEAP_SIZE": ("4G on GPUs, 256M in the emulator", "symmetric heap per rank"),
+    "TRIDIST_WAIT_TIMEOUT": ("60", "seconds a bounded wait spins before it reports; set before importing tridist"),
+    "TRIDIST_DEBUG": ("0", "1: bound GPU waits, check allocations across ranks, synchronise after each launch "
+                           "(not while a CUDA graph is captured); set before importing tridist"),
+    "TRIDIST_RANKS_PER_GPU": ("1", "ranks per GPU; set by `tridist run --ranks-per-gpu K`, or by hand for torchrun: "
+                                   "rank r uses GPU LOCAL_RANK // K, the host group is gloo where ranks share a GPU, "
+                                   "and each rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 100 // K (CUDA MPS "
+                                   "needed); ignored by the emulator"),
+    "TRIDIST_EMU_THREADS": ("64", "programs of one launch the emulator runs at once"),
+    "TRIDIST_EMU_CORESIDENT": ("256", "programs of a co-resident launch the emulator runs at most, a thread each"),
+    "TRIDIST_EMU_DIR": ("a folder of the job's (under torchrun, named after the job)",
+                        "set by `tridist run`: the folder where the emulated ranks share their heaps"),
+    "TRIDIST_DEVICE_LIBRARY": ("cut", "cut: Triton links NVSHMEM's device library cut to the functions tridist "
+                                      "calls (kernels compile about ten times faster), or whole"),
+    "TRIDIST_COMPILE_LOG": ("no log", "a file where GPU ranks log each kernel they compile, for `tridist precompile "
+                                      "FILE` to compile them all on every core; set by `tridist run "
+                                      "--record-compiles FILE`"),
+    "TRIDIST_TUNE_CACHE": ("~/.cache/tridist", "folder of tridist.tune's cache, tune.json"),
+    "TRIDIST_TUNE_VERBOSE": ("0", "1: tridist.tune logs each config's slowest-rank time on rank 0"),
+    "TRIDIST_BENCH_RUN": ("no id", "an id of one benchmark run, recorded in each JSON `tridist bench` saves: ag_gemm "
+                                   "and gemm_rs take PyTorch's fused times only from torch_fused's JSON of the same run "
+                                   "(scripts/gpu_suite.sh sets one)"),
 }
+
+
+def describe_settings() -> list[str]:
+    """One line per setting: its value and where it came from (the environment), or that it is unset
+    and what its default is."""
+    width = max(map(len, SETTINGS))
+    lines = []
+    for name, (default, _) in SETTINGS.items():
+        value = os.environ.get(name)
+        if value:
+            lines.append(f"{name:<{width}}  {value}  (from the environment)")
+        else:
+            lines.append(f"{name:<{width}}  unset: default {default}")
+    return lines

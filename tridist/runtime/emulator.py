@@ -1,6 +1,7 @@
 """The CPU emulator's shared-memory world: one process per rank, heaps in shared memory.
 
-The ranks share a folder (TRIDIST_EMU_DIR, made by `tridist run` with `make_shared_folder`). Every
+The ranks share a folder (TRIDIST_EMU_DIR, made by `tridist run` with `make_shared_folder`; under
+torchrun, `torchrun_folder`, which the ranks remove as soon as each has mapped every file). Every
 rank creates two files there: `heap.<rank>`, its symmetric heap, and `ctl.<rank>`, a small control
 block of 64-bit words that the host side of the runtime uses (state, pid, barrier count, a gather
 slot); and all of them lock `atomics.lock` around atomic read-modify-writes. Every rank maps every
@@ -10,6 +11,7 @@ Waits here are always bounded, and while they spin they watch the peers: a peer 
 whose process is gone ends the wait at once with `PeerFailedError` instead of a timeout.
 """
 import fcntl
+import hashlib
 import mmap
 import os
 import pickle
@@ -30,6 +32,7 @@ _CTL_WORDS = 64
 _GATHER_MAX = _CTL_WORDS - _GATHER
 _READY, _FINISHED, _FAILED = 1, 2, 3
 _STARTUP_TIMEOUT_S = 300.0
+_SHARED_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None  # None: the default temporary folder
 
 
 class LaunchAborted(Exception):
@@ -66,7 +69,21 @@ def _map(path: str, nbytes: int, create: bool) -> torch.Tensor:
 def make_shared_folder(prefix: str) -> str:
     """A new folder for a world's heaps, in /dev/shm where there is one (so that the heaps live in
     memory), else in the default temporary folder; whoever makes it removes it."""
-    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    return tempfile.mkdtemp(prefix=prefix, dir=_SHARED_ROOT)
+
+
+def torchrun_folder() -> str | None:
+    """The folder the ranks of a torchrun job share (made by the first rank to get there), or None
+    outside torchrun. Its name comes from what every rank of the job knows and no other job has:
+    torchrun's agent process (the ranks' parent), its run id, its master port and its restart count."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    job = ":".join([str(os.getppid()), os.environ["TORCHELASTIC_RUN_ID"], os.environ.get("MASTER_PORT", ""),
+                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")])
+    folder = os.path.join(_SHARED_ROOT or tempfile.gettempdir(),
+                          "tridist-torchrun-" + hashlib.sha256(job.encode()).hexdigest()[:16])
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return folder
 
 
 def spin_until(done, describe, transport: "EmulatorTransport | None" = None, timeout_s: float | None = None) -> None:
@@ -97,26 +114,11 @@ def spin_until(done, describe, transport: "EmulatorTransport | None" = None, tim
         pause = min(pause * 2 or 1e-5, 1e-3)
 
 
-def numpy_problem() -> str | None:
-    """Why Triton's interpreter cannot run with this numpy, or None. (2026-11-26: a world that fell
-    back to the emulator on a machine with numpy 2.4 failed its first kernel with "only 0-dimensional
-    arrays can be converted to Python scalars".)"""
-    import numpy
-
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        return (f"numpy {numpy.__version__} breaks Triton's interpreter, which the emulator runs: "
-                "pip install 'numpy<2.4'")
-    return None
-
-
 class EmulatorTransport:
     """This rank's view of an emulated world, the emulator's counterpart of `NvshmemTransport`: all
     heaps mapped, host barrier and gather."""
 
     def __init__(self, folder: str, rank: int, world_size: int, heap_bytes: int):
-        problem = numpy_problem()
-        if problem:
-            raise RuntimeError(f"tridist emulator, rank {rank}: {problem}")
         self.folder, self.rank, self.world_size, self.heap_bytes = folder, rank, world_size, heap_bytes
         self._barriers = 0
         self._gathers = 0

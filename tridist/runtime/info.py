@@ -1,5 +1,4 @@
 """`tridist info`: what this machine offers tridist, and what to fix."""
-import os
 import platform
 
 import torch
@@ -32,8 +31,8 @@ def report() -> str:
             linked = for_kernels(whole)
             lines.append(f"  linked into kernels: {'the cut copy ' + linked if linked != whole else 'whole'}")
             if linked == whole and config.device_library() == "cut":
-                fixes.append("kernels compile about ten times faster with NVSHMEM's device library cut: "
-                             "pip install 'llvmlite>=0.45' (see the warning above)")
+                fixes.append("NVSHMEM's device library could not be cut (the warning above says why), so kernels "
+                             "compile about ten times slower")
         except Exception as error:  # noqa: BLE001 - reported, not raised
             lines.append(f"NVSHMEM device library: missing; searched {', '.join(device_library_candidates())}")
             fixes.append(str(error))
@@ -45,14 +44,8 @@ def report() -> str:
     else:
         lines.append("no CUDA GPU: kernels run in the CPU emulator (Triton's interpreter, one process per rank); "
                      "it runs any number of ranks (tridist run --ranks-per-gpu changes nothing there)")
-        from .emulator import numpy_problem
-
-        problem = numpy_problem()
-        if problem:
-            fixes.append(problem)
-    lines.append("settings:")
-    for name, meaning in config.SETTINGS.items():
-        lines.append(f"  {name}={os.environ.get(name, '')!s:<10} {meaning}")
+    lines.append("settings (docs/guide/settings.md says what each does):")
+    lines += ["  " + line for line in config.describe_settings()]
     lines.append("to fix: " + ("; ".join(fixes) if fixes else "nothing"))
     return "\n".join(lines)
 

@@ -1,12 +1,13 @@
 """`tridist.jit`: `triton.jit` plus what a distributed kernel needs on each backend.
 
 On GPUs the kernel is a `JITFunction` that links NVSHMEM's device library and initialises every
-module it compiles. In the emulator it is Triton's interpreter, with three changes:
+module it compiles. In the emulator it is Triton's interpreter, with four changes:
 - arguments are used in place: the interpreter would copy each tensor and copy it back after the
   launch, which would overwrite whatever peers wrote into a symmetric buffer meanwhile;
 - the programs of a launch run at once (up to TRIDIST_EMU_THREADS of them, like resident blocks on
   a GPU), so a kernel whose programs wait on each other works as it does on a GPU;
-- atomics hold a lock shared by all ranks, because the interpreter's are plain read-modify-writes.
+- atomics hold a lock shared by all ranks, because the interpreter's are plain read-modify-writes;
+- a scalar used as an index is read in a way numpy 2.4 and later accept.
 
 Co-resident launches. `kernel[grid](..., coresident=True)` launches a grid whose programs may wait
 on each other (a persistent kernel with `dl.grid_barrier`, or programs that wait for signals other
@@ -114,6 +115,23 @@ if backend.is_emulator():
     _interpreter._patch_lang = _holding(lambda: _interpreter_lock, _interpreter._patch_lang)
     _interpreter.InterpretedFunction.rewrite = _holding(lambda: _interpreter_lock,
                                                         _interpreter.InterpretedFunction.rewrite)
+    class _IndexByItem:
+        """The interpreter's patch scope, giving `tl.tensor.__index__` (a scalar used as a loop bound or an
+        index) `.item()` of the scalar's one-element array where the interpreter would take `int()` of
+        it, which numpy 2.4 and later refuse ("only 0-dimensional arrays can be converted"). Replaced as
+        it is set, never after: other program threads may be reading it meanwhile."""
+
+        def __init__(self, scope):
+            self._scope = scope
+
+        def set_attr(self, obj, name, value):
+            self._scope.set_attr(obj, name, _scalar_index if name == "__index__" else value)
+
+    def _scalar_index(tensor) -> int:
+        return tensor.handle.data.item()
+
+    _patch_lang_tensor = _interpreter._patch_lang_tensor
+    _interpreter._patch_lang_tensor = lambda tensor, scope: _patch_lang_tensor(tensor, _IndexByItem(scope))
     for _atomic in ("create_atomic_rmw", "create_atomic_cas"):
         setattr(_interpreter.InterpreterBuilder, _atomic,
                 _holding(lambda: transport().atomic_lock(), getattr(_interpreter.InterpreterBuilder, _atomic)))
@@ -125,6 +143,11 @@ if backend.is_emulator():
             return _launch(self, self.rewrite(), grid, args, kwargs, coresident)
 
 else:
+    from .compiles import CompileWatch, record
+
+    _compiles = CompileWatch()
+    if config.compile_log():
+        record(config.compile_log())
 
     class NvshmemFunction(triton.runtime.jit.JITFunction):
         def run(self, *args, grid, warmup, coresident=False, **kwargs):
@@ -143,7 +166,8 @@ else:
             return kernel
 
         def _do_compile(self, *args, **kwargs):
-            kernel = super()._do_compile(*args, **kwargs)
+            with _compiles:  # a job that compiles for long says so
+                kernel = super()._do_compile(*args, **kwargs)
             if kernel is not None:
                 _init_module(kernel)
             return kernel

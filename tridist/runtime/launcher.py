@@ -10,13 +10,16 @@ output to files, and its exits name no rank we could print; piping the ranks our
   the terminal directly.
 - Failures: the first rank that fails or dies (a signal, SIGKILL included) is named, and the others
   are stopped (SIGTERM, then SIGKILL after a grace period), so that nobody waits for a dead peer
-  and no rank process outlives the job. Ctrl-C and SIGTERM to the launcher stop them the same way.
+  and no rank process outlives the job. Ctrl-C and SIGTERM to the launcher stop them the same way,
+  naming the ranks stopped, with no traceback: the ranks ignore Ctrl-C (the terminal sends it to
+  every process of the job), and a second signal while they stop is ignored.
 - Sharing GPUs (`ranks_per_gpu` K, `runtime/sharing.py`): K ranks on each GPU, each with its MPS
   share of the SMs; CUDA MPS must run, and `start_mps` starts a daemon for the job and quits it
   however the job ends. For correctness and debugging, not speed (docs/guide/one-gpu.md).
 Emulated ranks share a fresh folder in /dev/shm for their heaps; `ranks_per_gpu` and `start_mps`
 change nothing there.
 """
+import contextlib
 import os
 import shutil
 import signal
@@ -29,6 +32,7 @@ import time
 from . import backend as _backend
 from . import config, mps, sharing
 from .emulator import make_shared_folder
+from .log import logger
 from .nvshmem import SAFE_ENVIRONMENT
 
 _GRACE_S = 5.0  # a stopped rank's time to exit after SIGTERM, before SIGKILL
@@ -41,9 +45,9 @@ class _Terminated(BaseException):
 
 
 def run(nproc: int, script: list[str], nnodes: int | None = None, backend: str | None = None,
-        ranks_per_gpu: int | None = None, start_mps: bool = False, prefix: bool = True) -> int:
-    """Start `nproc` ranks of `python *script` and return the job's exit code (see the module docstring).
-    `ranks_per_gpu` defaults to TRIDIST_RANKS_PER_GPU, else 1."""
+        ranks_per_gpu: int | None = None, start_mps: bool = False, prefix: bool = True, module: bool = False) -> int:
+    """Start `nproc` ranks of `python *script` (`python -m *script` with `module`) and return the job's
+    exit code (see the module docstring). `ranks_per_gpu` defaults to TRIDIST_RANKS_PER_GPU, else 1."""
     if nproc < 1:
         raise SystemExit("tridist run: -n must be at least 1")
     if nnodes is not None and (nnodes < 1 or nproc % nnodes):
@@ -56,7 +60,7 @@ def run(nproc: int, script: list[str], nnodes: int | None = None, backend: str |
         env["TRIDIST_NNODES"] = str(nnodes)
     if prefix:
         env.setdefault("PYTHONUNBUFFERED", "1")  # lines arrive as they are printed, and none is lost to a kill
-    command = [sys.executable, *script]
+    command = [sys.executable, *(["-m"] if module else []), *script]
     if backend == _backend.EMULATOR:
         folder = make_shared_folder("tridist-")
         env.update(TRITON_INTERPRET="1", TRIDIST_EMU_DIR=folder)
@@ -112,21 +116,23 @@ def _run_on_gpus(nproc: int, command: list[str], env: dict, ranks_per_gpu: int |
             raise SystemExit(f"tridist run: {share} need CUDA MPS (NVSHMEM refuses ranks that share a GPU "
                              f"without it): {mps.missing_message(found)}")
         if found.running:
-            print(f"tridist run: {share}, through the MPS control daemon in {found.pipe_directory}", file=sys.stderr)
+            logger.info(f"{share}, through the MPS control daemon in {found.pipe_directory}")
         else:
             try:
                 daemon = mps.Daemon(env)
             except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
                 raise SystemExit(f"tridist run: --start-mps: {error}") from None
             env.update(daemon.env)
-            print(f"tridist run: {share}; started an MPS control daemon for this job ({daemon.pipe_directory})",
-                  file=sys.stderr)
+            logger.info(f"{share}; started an MPS control daemon for this job ({daemon.pipe_directory})")
     try:
         return launch([command] * nproc, rank_environments(nproc, env, _free_port()), prefix)
     finally:
         if daemon is not None:
             trouble = daemon.stop()
-            print(f"tridist run: {trouble or 'stopped the MPS control daemon'}", file=sys.stderr)
+            if trouble:
+                logger.warning(trouble)
+            else:
+                logger.info("stopped the MPS control daemon")
 
 
 def _free_port() -> int:
@@ -144,22 +150,47 @@ def launch(commands: list[list[str]], envs: list[dict], prefix: bool = True, out
     ranks = []
     previous = _on_sigterm()
     try:
-        for rank, (command, env) in enumerate(zip(commands, envs)):
-            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if prefix else {}
-            ranks.append(subprocess.Popen(command, env=env, **pipes))
-            output.follow(rank, ranks[-1])
+        # The ranks start with Ctrl-C ignored (an ignored signal stays ignored in a child): the
+        # terminal sends it to every process of the job, and each rank would print a traceback of
+        # its own. The launcher gets it and stops them.
+        with _ignoring(signal.SIGINT):
+            for rank, (command, env) in enumerate(zip(commands, envs)):
+                pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if prefix else {}
+                ranks.append(subprocess.Popen(command, env=env, **pipes))
+                output.follow(rank, ranks[-1])
         return _supervise(ranks, output)
     except KeyboardInterrupt:
-        output.say("tridist run: interrupted; stopping the ranks")
-        return 130
+        output.say(f"tridist run: interrupted (Ctrl-C){_stopping(ranks)}")
+        return 128 + signal.SIGINT
     except _Terminated:
-        output.say("tridist run: terminated; stopping the ranks")
+        output.say(f"tridist run: terminated (SIGTERM){_stopping(ranks)}")
         return 128 + signal.SIGTERM
     finally:
-        _stop(ranks, output)
-        output.drain()
+        with _ignoring(signal.SIGINT, signal.SIGTERM):  # a second one would cut the stopping short
+            _stop(ranks, output)
+            output.drain()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _stopping(ranks: list) -> str:
+    """'; stopping ranks 0, 2': those of `ranks` still running."""
+    running = [str(rank) for rank, r in enumerate(ranks) if r.poll() is None]
+    return f"; stopping rank{'s' if len(running) > 1 else ''} {', '.join(running)}" if running else ""
+
+
+@contextlib.contextmanager
+def _ignoring(*signals):
+    """Ignore `signals` in this process for the block (only the main thread may change handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in signals}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _on_sigterm():
@@ -193,11 +224,8 @@ def _supervise(ranks: list, output: "_Output") -> int:
             # A rank killed by a signal first: its peers may fail in turn as they notice, at the same poll.
             failed.sort(key=lambda entry: (entry[1] > 0, entry[0]))
             output.drain([rank for rank, _ in failed])  # their last words (a traceback) before the verdict
-            others = [i for i, c in enumerate(codes) if c is None]
-            stopping = (f"; stopping rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}"
-                        if others else "")
             verdicts = ", ".join(f"rank {rank} {describe_exit(code)}" for rank, code in failed)
-            output.say(f"tridist run: {verdicts}{stopping}")
+            output.say(f"tridist run: {verdicts}{_stopping(ranks)}")
             code = failed[0][1]
             return code if code > 0 else 128 - code
         if all(c == 0 for c in codes):

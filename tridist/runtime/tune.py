@@ -27,6 +27,7 @@ import torch
 
 from .config import tune_cache_folder, tune_verbose
 from .errors import PeerFailedError, TridistError
+from .log import logger
 from .world import transport, world
 
 _FILE = "tune.json"
@@ -63,7 +64,8 @@ def tune(name: str, key, configs: Sequence[dict], make_run: Callable[[dict], Cal
         warmup: untimed calls per config (at least 0).
         repetitions: timed calls per config (at least 1).
         use_cache: False neither reads nor writes the cache.
-        verbose: print each config's time on rank 0 (default: TRIDIST_TUNE_VERBOSE=1).
+        verbose: log each config's time on rank 0, through the `tridist` logger (default:
+            TRIDIST_TUNE_VERBOSE=1).
 
     Returns:
         A copy of the chosen config.
@@ -95,7 +97,7 @@ def tune(name: str, key, configs: Sequence[dict], make_run: Callable[[dict], Cal
     indices = {i for (i,) in transport().allgather_ints((mine,))}
     if len(indices) == 1 and mine >= 0:
         if verbose and w.rank == 0:
-            print(f"tridist.tune {name} {key!r}: {configs[mine]} (cached in {path})", flush=True)
+            logger.info(f"tune {name} {key!r}: {configs[mine]} (cached in {path})")
         return dict(configs[mine])
 
     results = [_measure(config, make_run, warmup, repetitions, w.device) for config in configs]
@@ -109,7 +111,7 @@ def tune(name: str, key, configs: Sequence[dict], make_run: Callable[[dict], Cal
     if verbose and w.rank == 0:
         for i, (config, (ranks_ns, failed, error)) in enumerate(zip(configs, results)):
             outcome = f"{max(ranks_ns) / 1e3:10.1f} us" if ranks_ns else f"skipped, {_describe_failure(failed, error)}"
-            print(f"tridist.tune {name} {key!r}: {config} {outcome}{'  <- chosen' if i == best else ''}", flush=True)
+            logger.info(f"tune {name} {key!r}: {config} {outcome}{'  <- chosen' if i == best else ''}")
     # One rank of each node writes, as hosts need not share the folder. Virtual nodes (TRIDIST_NNODES)
     # make that several writers on one host, of the same entry to the same file: _write_cache allows it.
     if use_cache and w.local_rank == 0:

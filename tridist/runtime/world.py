@@ -127,7 +127,7 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
         TridistError: a backend other than the imported one; already initialised with other
             arguments; called after `finalize()`; `nnodes` that does not divide the world or
             split a host evenly; more ranks on a host than GPUs; in the emulator, a world of
-            more than one rank not started by `tridist run`.
+            more than one rank started by neither `tridist run` nor torchrun, or on several hosts.
     """
     if _state.world is not None:
         w = _state.world
@@ -147,7 +147,14 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
         from .emulator import EmulatorTransport
 
         device = torch.device("cpu")
-        transport = EmulatorTransport(_emulator_folder(world_size), rank, world_size, heap_bytes)
+        folder, torchrun = _emulator_folder(world_size)
+        transport = EmulatorTransport(folder, rank, world_size, heap_bytes)
+        if torchrun:
+            # Every rank has mapped every file and opened the lock: the folder can go now, so that a job
+            # that is killed leaves nothing behind in /dev/shm (nobody else would remove it).
+            transport.barrier()
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
     else:
         from .nvshmem import NvshmemTransport
 
@@ -185,20 +192,29 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
     return world
 
 
-def _emulator_folder(world_size: int) -> str:
+def _emulator_folder(world_size: int) -> tuple[str, bool]:
+    """The folder the emulated ranks share, and whether torchrun's ranks made it (see `init`)."""
+    from .emulator import make_shared_folder, torchrun_folder
+
     folder = config.emulator_folder()
     if folder:
-        return folder
-    if world_size > 1:
+        return folder, False
+    if world_size == 1:
+        folder = make_shared_folder("tridist-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return folder, False
+    host_world = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if host_world != world_size:
+        raise TridistError(f"the emulator runs the ranks of one host, but WORLD_SIZE={world_size} with "
+                           f"LOCAL_WORLD_SIZE={host_world}; start all of them on one host (virtual nodes: "
+                           "TRIDIST_NNODES)")
+    folder = torchrun_folder()
+    if folder is None:
         raise TridistError(
             f"WORLD_SIZE={world_size} in the emulator needs the ranks' shared folder; start the job with "
-            f"`tridist run -n {world_size} script.py`"
+            f"`tridist run -n {world_size} script.py` or `torchrun --nproc-per-node {world_size} script.py`"
         )
-    from .emulator import make_shared_folder
-
-    folder = make_shared_folder("tridist-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder
+    return folder, True
 
 
 def _install_failure_hook() -> None:
