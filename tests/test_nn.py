@@ -82,3 +82,56 @@ def _refuses(w):
 @pytest.mark.worlds("2")
 def test_parallelize_refuses_what_it_cannot_split(world):
     world.run(_refuses)
+
+
+def _layers(w):
+    """A Megatron MLP block with sequence-parallel inputs (ag_gemm in, gemm_rs out), column outputs
+    gathered, replicated rows through each of the row layer's kernels, and decode attention over a
+    cache split by position, each against torch on the whole tensors."""
+    g = torch.Generator().manual_seed(2)
+    n, hidden, inner = w.world_size, 32, 16 * w.world_size
+    x = torch.randn(4 * n, hidden, generator=g).to(torch.bfloat16)
+    up, down = torch.nn.Linear(hidden, inner, bias=True), torch.nn.Linear(inner, hidden, bias=True)
+    for param in (*up.parameters(), *down.parameters()):
+        param.data = torch.randn(param.shape, generator=g).div(param.shape[-1] ** 0.5).to(torch.bfloat16)
+    up.to(w.device), down.to(w.device)
+    column = tridist.nn.ColumnParallelLinear.from_linear(up, sequence_parallel=True)
+    row = tridist.nn.RowParallelLinear.from_linear(down, sequence_parallel=True)
+    mine = slice(w.rank * 4, (w.rank + 1) * 4)
+    h = torch.relu(column(x[mine].to(w.device)))
+    expected_up = x.float() @ up.weight.float().cpu().t() + up.bias.float().cpu()
+    expected_h = torch.relu(expected_up)
+    columns = slice(w.rank * column.out_local, (w.rank + 1) * column.out_local)
+    torch.testing.assert_close(h.float().cpu(), expected_h[:, columns], rtol=2e-2, atol=2e-2)
+    expected = expected_h @ down.weight.float().cpu().t() + down.bias.float().cpu()
+    torch.testing.assert_close(row(h).float().cpu(), expected[mine], rtol=2e-2, atol=3e-2)
+
+    gathered = tridist.nn.ColumnParallelLinear.from_linear(up, gather_output=True)
+    torch.testing.assert_close(gathered(x.to(w.device)).float().cpu(), expected_up, rtol=2e-2, atol=2e-2)
+    replicated = tridist.nn.RowParallelLinear.from_linear(down)
+    a = torch.randn(14 * n, inner, generator=g).to(torch.bfloat16)
+    # 2 rows: gemm_ar; 14n (with DECODE_ROWS 1): gemm_rs + all-gather; 13, prime: a GEMM + all_reduce.
+    for rows, decode_rows in ((2, linear.DECODE_ROWS), (14 * n, 1), (13, 1)):
+        linear.DECODE_ROWS, saved = decode_rows, linear.DECODE_ROWS
+        try:
+            got = replicated(a[:rows, columns].to(w.device))
+        finally:
+            linear.DECODE_ROWS = saved
+        want = a[:rows].float() @ down.weight.float().cpu().t() + down.bias.float().cpu()
+        torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
+
+    batch, heads, kv_heads, dim = 2, 4, 2, 64
+    q = torch.randn(batch, heads, dim, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(batch, 6 * n, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    attention = tridist.nn.DecodeAttention(heads, dim, kv_heads)
+    positions = slice(w.rank * 6, (w.rank + 1) * 6)
+    got = attention(q.to(w.device), k[:, positions].contiguous().to(w.device), v[:, positions].contiguous().to(w.device),
+                    torch.full((batch,), 6, dtype=torch.int32, device=w.device))
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), k.float().repeat_interleave(heads // kv_heads, dim=2)) / dim ** 0.5
+    want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), v.float().repeat_interleave(heads // kv_heads, dim=2))
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.worlds("1", "2")
+def test_layers_match_torch(world):
+    world.run(_layers)
