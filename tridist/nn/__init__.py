@@ -20,7 +20,7 @@ group of every rank for now.
 from .attention import DecodeAttention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ExpertParallelMoE, TensorParallelMoE
-from .parallelize import ParallelSparseMoeBlock, parallelize
+from .hf_models import ParallelSparseMoeBlock, parallelize
 
 __all__ = ["parallelize", "ColumnParallelLinear", "RowParallelLinear", "ExpertParallelMoE", "TensorParallelMoE",
            "ParallelSparseMoeBlock", "DecodeAttention"]

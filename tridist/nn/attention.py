@@ -49,4 +49,5 @@ class DecodeAttention(nn.Module):
         return ops.flash_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale=self.scale)
 
     def extra_repr(self) -> str:
+        """The sizes, in the module's printout."""
         return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

@@ -141,6 +141,7 @@ class ColumnParallelLinear(_ShardedLinear):
         return y
 
     def extra_repr(self) -> str:
+        """The sizes, in the module's printout."""
         return (f"in_features={self.in_features}, out_features={self.out_features} ({self.out_local} on this rank), "
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
 
@@ -214,5 +215,6 @@ class RowParallelLinear(_ShardedLinear):
         return y
 
     def extra_repr(self) -> str:
+        """The sizes, in the module's printout."""
         return (f"in_features={self.in_features} ({self.in_local} on this rank), out_features={self.out_features}, "
                 f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")

@@ -61,6 +61,8 @@ class ParallelSparseMoeBlock(nn.Module):
         return experts, weights.to(x.dtype).float()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `[..., hidden_size]`, the same on every rank; returns the block's output,
+        the same on every rank."""
         layer = self.moe_layer
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         tokens = x.shape[0]
