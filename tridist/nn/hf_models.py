@@ -9,7 +9,8 @@ What each rank holds afterwards:
 | the KV cache (transformers' own cache objects) | this rank's KV heads: each rank's attention is the attention of its heads |
 | dense MLP `gate_proj`, `up_proj` / `down_proj` | `ColumnParallelLinear` / `RowParallelLinear` |
 | MoE block (`Qwen3MoeSparseMoeBlock`) | `moe="ep"`: `ExpertParallelMoE` (whole experts a rank); `moe="tp"`: `TensorParallelMoE` (a slice of every expert); the router replicated |
-| embeddings, norms, `lm_head`, rotary tables | replicated (whole on every rank) |
+| `lm_head` | `ColumnParallelLinear` by vocabulary rows, the logits all-gathered (replicated where the vocabulary does not split evenly) |
+| embeddings, norms, rotary tables | replicated (whole on every rank) |
 
 The activations between the layers are replicated: every rank holds every token, so the model's
 own forward, masks and caches run unchanged, and every rank returns the same logits. Each
@@ -181,4 +182,6 @@ def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
             _dense_mlp(layer.mlp, group)
         else:
             layer.mlp = _moe_block(layer.mlp, model.config, moe, group)
+    if isinstance(getattr(model, "lm_head", None), nn.Linear) and model.lm_head.out_features % world.world_size == 0:
+        model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, gather_output=True, group=group)
     return model.to(world.device)
