@@ -61,6 +61,10 @@ class ParallelSparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype).float()
 
+    def extra_repr(self) -> str:
+        """The routing, in the module's printout."""
+        return f"experts={self.router_weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states `[..., hidden_size]`, the same on every rank; returns the block's output,
         the same on every rank."""

@@ -119,6 +119,11 @@ class ExpertParallelMoE(nn.Module):
             return self._low_latency(x, topk_idx, topk_weights)
         return self._normal(x, topk_idx, topk_weights)
 
+    def extra_repr(self) -> str:
+        """The sizes, in the module's printout."""
+        return (f"num_experts={self.num_experts} ({self.local_experts} on this rank), hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, max_tokens_per_rank={self.max_tokens_per_rank}")
+
     def _experts(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Rows of x grouped by local expert (offs: cumulative ends, int32) through their experts;
         rows from offs[-1] on come out as zeros."""
@@ -220,3 +225,8 @@ class TensorParallelMoE(nn.Module):
             return x.new_empty(0, self.hidden_size)
         h, handle = ops.ag_moe(x.contiguous(), topk_idx, self.w_gate_up)
         return ops.moe_rs(gated(h, self.activation).contiguous(), self.w_down, handle, topk_weights)
+
+    def extra_repr(self) -> str:
+        """The sizes, in the module's printout."""
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, intermediate_size="
+                f"{self.intermediate_size} ({self.intermediate_local} on this rank)")
