@@ -82,8 +82,12 @@ class ParallelSparseMoeBlock(nn.Module):
         weights = weights.masked_fill(padding, 0.0)
         if isinstance(layer, ExpertParallelMoE):
             layer.reserve(share)
-        y = ops.all_gather(layer(mine.contiguous(), experts, weights).contiguous())
+        y = self.gather(layer(mine.contiguous(), experts, weights).contiguous())
         return y[:tokens].view(hidden_states.shape)
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's share of the outputs, in rank order (`ops.all_gather`)."""
+        return ops.all_gather(y)
 
 
 def _attention(attn: nn.Module, group) -> None:
