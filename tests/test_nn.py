@@ -1,11 +1,12 @@
 """tridist.nn: transformers decoders sharded with `parallelize` (tiny configs, built by
 examples/llm.py as users run it) against the whole model, prefill and decode with transformers'
-KV cache; and the inputs it refuses."""
+KV cache; the inputs it refuses; and the layers alone against torch."""
 import copy
 import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tridist
 import tridist.nn
@@ -125,13 +126,56 @@ def _layers(w):
     k, v = (torch.randn(batch, 6 * n, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2))
     attention = tridist.nn.DecodeAttention(heads, dim, kv_heads)
     positions = slice(w.rank * 6, (w.rank + 1) * 6)
-    got = attention(q.to(w.device), k[:, positions].contiguous().to(w.device), v[:, positions].contiguous().to(w.device),
-                    torch.full((batch,), 6, dtype=torch.int32, device=w.device))
-    scores = torch.einsum("bhd,blhd->bhl", q.float(), k.float().repeat_interleave(heads // kv_heads, dim=2)) / dim ** 0.5
-    want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), v.float().repeat_interleave(heads // kv_heads, dim=2))
+    mine = [cache[:, positions].contiguous().to(w.device) for cache in (k, v)]
+    got = attention(q.to(w.device), *mine, torch.full((batch,), 6, dtype=torch.int32, device=w.device))
+    k, v = (cache.float().repeat_interleave(heads // kv_heads, dim=2) for cache in (k, v))
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), k) / dim ** 0.5
+    want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), v)
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.worlds("1", "2")
 def test_layers_match_torch(world):
     world.run(_layers)
+
+
+def _moe_layers(w):
+    """Both MoE layers on random tokens and routing (the EP layer in each of its modes, a token routed
+    nowhere among them) against every expert computed in fp32 on the whole weights."""
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden, inner, experts, top_k = 5, 64, 32, 4, 2
+    every_x = torch.randn(w.world_size, tokens, hidden, generator=g).to(torch.bfloat16)
+    every_idx = torch.rand(w.world_size, tokens, experts, generator=g).topk(top_k, dim=-1).indices
+    every_weights = torch.rand(w.world_size, tokens, top_k, generator=g)
+    w_gate_up = (torch.randn(experts, hidden, 2 * inner, generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(experts, inner, hidden, generator=g) / inner ** 0.5).to(torch.bfloat16)
+    x, idx, weights = every_x[w.rank], every_idx[w.rank], every_weights[w.rank]
+    expected = torch.zeros(tokens, hidden)
+    for e in range(experts):
+        share = (weights * (idx == e)).sum(dim=1, keepdim=True)
+        gate, up = (x.float() @ w_gate_up[e].float()).chunk(2, dim=-1)
+        expected += share * ((F.silu(gate) * up) @ w_down[e].float())
+    ep_idx = idx.clone()
+    ep_idx[-1] = -1  # routed nowhere: zeros
+    ep_expected = expected.clone()
+    ep_expected[-1] = 0
+
+    ep = tridist.nn.ExpertParallelMoE(experts, hidden, inner, tokens)
+    ep.load(w_gate_up.to(w.device), w_down.to(w.device))
+    for low_latency_tokens in (nn_moe.LOW_LATENCY_TOKENS, 0):  # the low-latency mode, then the normal one
+        nn_moe.LOW_LATENCY_TOKENS, saved = low_latency_tokens, nn_moe.LOW_LATENCY_TOKENS
+        try:
+            got = ep(x.to(w.device), ep_idx.to(w.device), weights.to(w.device))
+        finally:
+            nn_moe.LOW_LATENCY_TOKENS = saved
+        torch.testing.assert_close(got.float().cpu(), ep_expected, rtol=2e-2, atol=2e-2)
+    ep.free()
+    tp = tridist.nn.TensorParallelMoE(experts, hidden, inner)
+    tp.load(w_gate_up.to(w.device), w_down.to(w.device))
+    got = tp(x.to(w.device), idx.to(w.device), weights.to(w.device))
+    torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.worlds("2")
+def test_moe_layers_match_torch(world):
+    world.run(_moe_layers)

@@ -160,12 +160,13 @@ class ExpertParallelMoE(nn.Module):
         offs = recv_count.cumsum(0).to(torch.int32)
         position = torch.arange(packed, device=x.device, dtype=torch.int32)
         expert = torch.searchsorted(offs, position, right=True)
-        starts = torch.cat([offs.new_zeros(1), offs])  # offs[-1] last: positions past every pair map past
-        slot = expert.clamp(max=experts) * block + (position - starts[expert])
-        slot = torch.where(expert < experts, slot, slots)  # slot `slots`: a spare row, written and never read
-        source = torch.cat([recv_x.reshape(slots, -1), recv_x.new_zeros(1, recv_x.shape[2])])
+        starts = torch.cat([offs.new_zeros(1), offs])  # expert e's first packed position; offs[-1] for e = E_local
+        slot = expert * block + (position - starts[expert])
+        # Positions past the pairs read any row (the GEMMs skip them) and write a spare row, never read.
+        source = recv_x.reshape(slots, -1)[slot.clamp(max=slots - 1)]
+        slot = torch.where(expert < experts, slot, slots)
         y = torch.empty(slots + 1, self.hidden_size, dtype=x.dtype, device=x.device)
-        y.index_copy_(0, slot, self._experts(source[slot], offs))
+        y.index_copy_(0, slot, self._experts(source, offs))
         return buffer.low_latency_combine(y[:slots].view(experts, block, -1), topk_idx, topk_weights, handle)
 
 
