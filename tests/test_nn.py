@@ -64,6 +64,10 @@ def _refuses(w):
     config.num_key_value_heads = 1
     with pytest.raises(ValueError, match="num_key_value_heads"):
         tridist.nn.parallelize(example.build_model(config, w.device))
+    config = example.tiny_config("qwen3-moe")
+    config.moe_intermediate_size = 24  # 12 a rank
+    with pytest.raises(ValueError, match="moe_intermediate_size .* multiples of 8"):
+        tridist.nn.parallelize(example.build_model(config, w.device), moe="tp")
     model = example.build_model(example.tiny_config("qwen3-moe"), w.device)
     q_proj = model.model.layers[0].self_attn.q_proj
     with pytest.raises(ValueError, match="moe must be one of"):
@@ -76,7 +80,7 @@ def _refuses(w):
     with pytest.raises(NotImplementedError, match="group"):
         tridist.nn.parallelize(model, group=Half())
     assert model.model.layers[0].self_attn.q_proj is q_proj, "a refused model must be left as it was"
-    with pytest.raises(ValueError, match="multiple of the world size"):
+    with pytest.raises(ValueError, match="must split over the 2 ranks"):
         tridist.nn.ColumnParallelLinear(64, 3)
 
 

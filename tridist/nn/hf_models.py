@@ -31,6 +31,7 @@ from .moe import ExpertParallelMoE, TensorParallelMoE
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 MOE_MODES = ("ep", "tp")
+GEMM_ALIGN = 8  # elements: tridist's GEMMs read their operands' rows with TMA, in 16-byte steps
 
 
 class ParallelSparseMoeBlock(nn.Module):
@@ -127,6 +128,11 @@ def _is_moe(mlp: nn.Module) -> bool:
             and isinstance(getattr(experts, "down_proj", None), torch.Tensor))
 
 
+def _aligned(size: int, what: str) -> None:
+    if size % GEMM_ALIGN:
+        raise ValueError(f"{what} ({size}) must be a multiple of {GEMM_ALIGN} for tridist's GEMMs")
+
+
 def _check(model: nn.Module, world_size: int, moe: str) -> None:
     """Everything that could refuse the model, before anything is changed."""
     if moe not in MOE_MODES:
@@ -138,16 +144,20 @@ def _check(model: nn.Module, world_size: int, moe: str) -> None:
                                   f"decoder layers are model.model.layers; got {type(model).__name__}")
     split(config.num_attention_heads, world_size, "num_attention_heads")
     split(config.num_key_value_heads, world_size, "num_key_value_heads")
+    # The GEMMs read rows of 16 bytes at least: the sizes they multiply, multiples of 8 elements.
+    split(layers[0].self_attn.o_proj.in_features, world_size, "the attention's heads x head_dim", GEMM_ALIGN)
+    _aligned(config.hidden_size, "hidden_size")
     for layer in layers:
         mlp = layer.mlp
         if _is_dense(mlp):
-            split(mlp.down_proj.in_features, world_size, "the MLP's intermediate_size")
+            split(mlp.down_proj.in_features, world_size, "the MLP's intermediate_size", GEMM_ALIGN)
         elif _is_moe(mlp):
             num_experts, _, inner = mlp.experts.down_proj.shape
             if moe == "ep":
                 split(num_experts, world_size, "num_experts (moe='ep' spreads whole experts)")
+                _aligned(inner, "moe_intermediate_size")
             else:
-                split(inner, world_size, "moe_intermediate_size (moe='tp' splits every expert)")
+                split(inner, world_size, "moe_intermediate_size (moe='tp' splits every expert)", GEMM_ALIGN)
         else:
             raise NotImplementedError(f"parallelize does not know the MLP {type(mlp).__name__} of "
                                       f"{type(model).__name__} (transformers 5's dense MLPs and MoE blocks with "
@@ -178,7 +188,8 @@ def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
 
     Raises:
         ValueError: an unknown `moe`; heads, KV heads, intermediate sizes or experts that do not
-            split over the world size (the message says which).
+            split over the world size, or sizes the GEMMs do not take (not multiples of 8 per
+            rank); the message says which.
         NotImplementedError: a model class or module layout it does not know; a group of some
             ranks only.
     """

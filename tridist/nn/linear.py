@@ -44,11 +44,12 @@ def check_group(group) -> tridist.World:
     return world
 
 
-def split(size: int, world_size: int, what: str) -> int:
-    """`size // world_size`, after checking that it divides."""
-    if size % world_size:
-        raise ValueError(f"{what} ({size}) must be a multiple of the world size ({world_size}) to split it "
-                         "over the ranks")
+def split(size: int, world_size: int, what: str, align: int = 1) -> int:
+    """`size // world_size`, after checking that it divides, into parts that are multiples of `align`."""
+    if size % (world_size * align):
+        parts = f"parts that are multiples of {align}" if align > 1 else "equal parts"
+        raise ValueError(f"{what} ({size}) must split over the {world_size} ranks into {parts}: a multiple of "
+                         f"{world_size * align}")
     return size // world_size
 
 
