@@ -39,7 +39,7 @@ import torch.distributed as dist
 import tridist
 import tridist.nn
 from tridist.nn import ColumnParallelLinear, ExpertParallelMoE, ParallelSparseMoeBlock, RowParallelLinear
-from tridist.nn.moe import gated
+from tridist.nn.moe import free_buffers, gated
 
 from . import shared_gpu
 from .ep import torch_combine, torch_dispatch
@@ -280,10 +280,8 @@ def _save_checkpoint(model) -> str:
 
 
 def _free(model) -> None:
-    """The model's symmetric buffers given back (a collective), its memory released."""
-    for module in model.modules():
-        if isinstance(module, ExpertParallelMoE):
-            module.free()
+    """The MoE layers' symmetric buffers given back (a collective), the model's memory released."""
+    free_buffers()
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

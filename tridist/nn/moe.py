@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tridist
 from tridist import ops
 
 from .linear import check_group, split
@@ -28,6 +29,39 @@ from .linear import check_group, split
 # Tokens per rank up to which `ExpertParallelMoE` runs the low-latency dispatch and combine: the
 # decode batches (the low-latency staging holds every expert's share of them, E x tokens rows).
 LOW_LATENCY_TOKENS = 128
+MODES = ("normal", "low_latency")
+
+# The EPBuffers of each layer shape (mode, experts, hidden size, dtype), shared by every
+# ExpertParallelMoE of that shape: a model's layers run one after another, and a buffer per layer
+# would multiply the symmetric staging by the layers (48 layers of Qwen3-30B-A3B's at 8192 tokens a
+# rank would not fit the default heap). {shape: (tokens a rank it has room for, buffer)}.
+_shared: dict[tuple, tuple[int, ops.EPBuffer]] = {}
+
+
+def shared_buffer(mode: str, num_experts: int, hidden: int, dtype: torch.dtype, tokens: int) -> ops.EPBuffer:
+    """The EPBuffer the layers of this shape share in `mode`, with room for `tokens` tokens a rank.
+    When it has less, a collective replaces it with one of room for the next power of two (each
+    mode's staging allocated at its first call), after the calls in flight on every rank are done."""
+    key = (mode, num_experts, hidden, dtype)
+    room, buffer = _shared.get(key, (0, None))
+    if room < tokens:
+        if buffer is not None:
+            tridist.barrier_all()  # a peer's kernel may still be writing into it
+            buffer.free()
+        room = 1 << (tokens - 1).bit_length()
+        buffer = ops.EPBuffer(num_experts, hidden, room, dtype)
+        _shared[key] = (room, buffer)
+    return buffer
+
+
+def free_buffers() -> None:
+    """Give back every shared EPBuffer (a collective, after the calls in flight on every rank are
+    done); a layer's next call allocates anew."""
+    if _shared:
+        tridist.barrier_all()  # a peer's kernel may still be writing into them
+    for _, buffer in _shared.values():  # in the order they were made: the same on every rank
+        buffer.free()
+    _shared.clear()
 
 
 def gated(h: torch.Tensor, activation: Callable) -> torch.Tensor:
@@ -43,7 +77,9 @@ class ExpertParallelMoE(nn.Module):
         num_experts: experts of the layer; a multiple of the world size.
         hidden_size: a token's size (even).
         intermediate_size: an expert's inner size (I).
-        max_tokens_per_rank: the most tokens a rank passes to one call; `reserve` raises it.
+        max_tokens_per_rank: the most tokens a rank passes to one call; `reserve` raises it. The
+            symmetric buffers are shared by the layers of one shape (`shared_buffer`):
+            `free_buffers()` gives them back.
         activation: of the gate, SiLU by default (SwiGLU experts).
         group: None or a group of every rank (see `tridist.nn.linear.check_group`).
         dtype: bf16 or fp16.
@@ -75,7 +111,6 @@ class ExpertParallelMoE(nn.Module):
                                                   device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(self.local_experts, intermediate_size, hidden_size, dtype=dtype,
                                                device=device), requires_grad=False)
-        self._buffers_by_mode: dict[str, ops.EPBuffer] = {}
         self.max_tokens_per_rank = 0
         self.reserve(max_tokens_per_rank)
 
@@ -88,23 +123,15 @@ class ExpertParallelMoE(nn.Module):
             self.w_down.copy_(w_down[mine])
 
     def reserve(self, max_tokens_per_rank: int) -> None:
-        """Make room for calls of up to `max_tokens_per_rank` tokens a rank. A collective (it
-        allocates symmetric memory, outside any CUDA-graph capture) when it grows; the staging of
-        each mode is allocated at the mode's first call."""
-        if max_tokens_per_rank <= self.max_tokens_per_rank:
-            return
-        self.free()
-        self.max_tokens_per_rank = max_tokens_per_rank
-        self._buffers_by_mode = {
-            "normal": ops.EPBuffer(self.num_experts, self.hidden_size, max_tokens_per_rank, self.dtype),
-            "low_latency": ops.EPBuffer(self.num_experts, self.hidden_size,
-                                        min(max_tokens_per_rank, LOW_LATENCY_TOKENS), self.dtype)}
+        """Make room for calls of up to `max_tokens_per_rank` tokens a rank: a collective that may
+        grow the shared buffers (see `shared_buffer`), outside any CUDA-graph capture."""
+        self.max_tokens_per_rank = max(self.max_tokens_per_rank, max_tokens_per_rank)
+        for mode in MODES:
+            self._buffer(mode)
 
-    def free(self) -> None:
-        """Give the symmetric buffers back (a collective)."""
-        for buffer in self._buffers_by_mode.values():
-            buffer.free()
-        self._buffers_by_mode, self.max_tokens_per_rank = {}, 0
+    def _buffer(self, mode: str) -> ops.EPBuffer:
+        tokens = self.max_tokens_per_rank if mode == "normal" else min(self.max_tokens_per_rank, LOW_LATENCY_TOKENS)
+        return shared_buffer(mode, self.num_experts, self.hidden_size, self.dtype, tokens)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]`, this rank's tokens (the same T on every rank, at most
@@ -134,7 +161,7 @@ class ExpertParallelMoE(nn.Module):
     def _normal(self, x, topk_idx, topk_weights) -> torch.Tensor:
         """Each token once on every rank holding one of its experts; the received (token, local
         expert) pairs sorted by expert on the device for the grouped GEMMs, then back."""
-        buffer = self._buffers_by_mode["normal"]
+        buffer = self._buffer("normal")
         recv_x, recv_idx, recv_weights, recv_per_expert, handle = buffer.dispatch(x, topk_idx, topk_weights)
         top_k = recv_idx.shape[1]
         pairs = recv_idx.reshape(-1)
@@ -151,7 +178,7 @@ class ExpertParallelMoE(nn.Module):
         recv_count[e] of them. The blocks' pairs are packed back to back for one grouped GEMM per
         projection and put back in their blocks, by indices computed on the device: static shapes,
         for the decode step's CUDA graph."""
-        buffer = self._buffers_by_mode["low_latency"]
+        buffer = self._buffer("low_latency")
         recv_x, recv_count, handle, _ = buffer.low_latency_dispatch(x, topk_idx)
         experts, block, _ = recv_x.shape
         slots = experts * block
