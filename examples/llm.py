@@ -11,6 +11,7 @@ if rank 0 found a difference. Tokens per second are those of the sharded model's
 """
 import argparse
 import copy
+import json
 import sys
 import time
 
@@ -39,6 +40,15 @@ def tiny_config(model: str):
     if model == "qwen3":
         return transformers.Qwen3Config(**TINY)
     return transformers.Qwen3MoeConfig(**TINY, **TINY_MOE)
+
+
+def load_config(path: str):
+    """The transformers config of a model's config.json (its `model_type` names the class)."""
+    import transformers
+
+    with open(path) as f:
+        fields = json.load(f)
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def build_model(config, device: torch.device, seed: int = 0) -> torch.nn.Module:
@@ -116,12 +126,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     w = tridist.init()
-    if args.config:
-        import transformers
-
-        config = transformers.AutoConfig.from_pretrained(args.config)
-    else:
-        config = tiny_config(args.model)
+    config = load_config(args.config) if args.config else tiny_config(args.model)
     model = build_model(config, w.device)
     whole = copy.deepcopy(model) if w.rank == 0 else None
     tridist.nn.parallelize(model, moe=args.moe)
