@@ -19,6 +19,13 @@ decode, `gemm_rs` + all-gather for prefill); the MoE block gives each rank an eq
 tokens (padded), runs the MoE layer on it and all-gathers the outputs. Nothing in a decode step
 reads back to the host or depends on data on the host: with a static cache
 (`transformers.StaticCache`) a step captures in one CUDA graph.
+
+Not done yet: a sequence-parallel residual stream (each rank holding its share of the tokens
+between the blocks, `ag_gemm` into q/k/v and the MLP, `gemm_rs` out of `o_proj` and `down_proj`,
+so that the all-gather now run after each `gemm_rs` hides behind the next GEMM, and the norms
+run on a share of the tokens). transformers' attention reshapes the
+projections by the shape of its input, so this needs tridist's own attention module; the layers
+themselves take `sequence_parallel=True`.
 """
 import torch
 import torch.nn.functional as F
