@@ -234,24 +234,28 @@ def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool
                 rows.append({"model": kind, "system": name, "skipped": why})
                 continue
             try:
-                model = _shard(system, moe, config, folder, w.device)
-            except Exception as error:  # noqa: BLE001 - recorded: transformers' TP may refuse a model
+                rows += _system(kind, name, _shard(system, moe, config, folder, w.device), config, prompt, expected,
+                                timed, prefill, decode, kernels, layers)
+            except Exception as error:  # noqa: BLE001 - recorded: transformers' TP may refuse or fail on a model
                 if system != "hf_tp":
                     raise
                 rows.append({"model": kind, "system": name, "skipped": f"{type(error).__name__}: {error}"[:300]})
-                continue
-            error = slowest(max(relative_error(got, want) for got, want in zip(check_logits(model, prompt), expected)))
-            if error > TOLERANCE:
-                raise AssertionError(f"{kind} {name}: logits off by {error:.2e} of the largest (tolerance {TOLERANCE})")
-            if w.rank == 0:
-                print(f"{kind} {name}: logits within {error:.1e} of the whole model's", flush=True)
-            if timed:
-                rows += _timings(kind, name, model, config, prefill, decode, kernels, layers)
-            _free(model)
     finally:
         if folder and w.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return _ratios(rows)
+
+
+def _system(kind, name, model, config, prompt, expected, timed, prefill, decode, kernels, layers) -> list[dict]:
+    """One system's model checked against the whole model's logits, then timed."""
+    error = slowest(max(relative_error(got, want) for got, want in zip(check_logits(model, prompt), expected)))
+    if error > TOLERANCE:
+        raise AssertionError(f"{kind} {name}: logits off by {error:.2e} of the largest (tolerance {TOLERANCE})")
+    if tridist.world().rank == 0:
+        print(f"{kind} {name}: logits within {error:.1e} of the whole model's", flush=True)
+    rows = _timings(kind, name, model, config, prefill, decode, kernels, layers) if timed else []
+    _free(model)
+    return rows
 
 
 def _unavailable(system: str, w) -> str | None:
