@@ -24,8 +24,8 @@ import tridist
 from tridist import ops
 
 # Rows up to which a row-parallel layer with a replicated output runs `ops.gemm_ar`, the GEMM made
-# for decode-sized M (its docstring: up to a few hundred rows); larger M goes through the
-# reduce-scatter GEMM, whose tiles are big enough to hide the traffic behind.
+# for decode-sized M (its docstring: up to a few hundred rows); larger M goes through `ops.gemm_rs`,
+# made for prefill-sized M. Not a measured crossover: `tridist bench model` times both sides of it.
 DECODE_ROWS = 256
 
 
