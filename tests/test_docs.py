@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # documented: mkdocstrings leaves out silently what has no docstring or cannot be resolved.
 REFERENCE = ["tridist", "tridist.language", "tridist.language.shmem", "tridist.language.ll", "tridist.ops",
              "tridist.ops.collectives", "tridist.ops.gemm", "tridist.ops.moe", "tridist.ops.attention",
-             "tridist.ops.stencil"]
+             "tridist.ops.stencil", "tridist.nn"]
 
 
 def _require(module: str):

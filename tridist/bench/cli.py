@@ -11,8 +11,8 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused",
               "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode",
               "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe",
-              "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep"}
-SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode")  # modules with one benchmark: their `main` takes no benchmark name
+              "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep", "model": "tridist.bench.model"}
+SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model")  # modules with one benchmark: their `main` takes no benchmark name
 DEFAULT_RANKS = 2
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
 HELP = f"""{USAGE}
@@ -36,6 +36,8 @@ NAME:
   ep              expert-parallel dispatch and combine (EPBuffer, normal and low-latency modes) against the plain
                   PyTorch steps, NCCL all_to_all_single with host-read splits, and a copy's bandwidth
   alltoall        all_to_all_v and all_to_all_v_2d against NCCL all_to_all_single and PyTorch's all_to_all_vdev
+  model           Qwen3-8B-like and Qwen3-30B-A3B-like decoders sharded by tridist.nn: prefill and CUDA-graphed
+                  decode steps against the same model on torch + NCCL (Megatron-style) and transformers' tp_plan
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them

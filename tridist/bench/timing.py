@@ -34,7 +34,9 @@ def time_us(fn, inner: int = 20, repetitions: int = 15, warmup: int = 3, graph: 
             fn()  # a call outside the capture initialises what the capture cannot
         torch.cuda.current_stream().wait_stream(stream)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
+        # Captured on the stream of that call: the functions of tridist.ops keep an instance per stream
+        # (built at a stream's first call, which a capture cannot do).
+        with torch.cuda.graph(cuda_graph, stream=stream):
             for _ in range(inner):
                 fn()
         run = cuda_graph.replay  # one replay makes `inner` calls

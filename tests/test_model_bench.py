@@ -1,0 +1,52 @@
+"""`tridist bench model`: its checks on tiny dimensions (the timing needs GPUs): tridist.nn's model
+(experts in EP mode; tests/test_nn.py runs both modes) and the torch + NCCL baseline (on gloo here),
+each against the whole model."""
+import argparse
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+from tridist.bench import model as bench
+
+from .harness import _free_port
+
+pytest.importorskip("transformers")
+
+TINY = {"dense": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      vocab_size=128, max_position_embeddings=256),
+        "moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, vocab_size=128,
+                    max_position_embeddings=256)}
+
+
+def _bench(w, port):
+    """On GPUs the world's NCCL group runs the baselines; in the emulator a gloo group made here."""
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=w.rank, world_size=w.world_size)
+    try:
+        for kind in ("dense", "moe"):
+            rows = bench.run(kind, 1, [], [], ["ep"], ["tridist", "megatron", "hf_tp"], timed=False,
+                             dims=TINY[kind])
+            # Untimed, a system that ran leaves no row; transformers' TP says why it did not run.
+            assert all(row["system"] == "hf_tp" and "skipped" in row for row in rows), rows
+            if w.device.type == "cpu":
+                why = "transformers' tensor parallelism needs GPUs"
+                assert rows == [{"model": kind, "system": "hf_tp", "skipped": why}]
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+@pytest.mark.worlds("2")
+def test_model_bench_checks(world):
+    world.run(_bench, port=_free_port())
+
+
+def test_model_bench_options():
+    assert bench.parse_ints("1, 8,64") == [1, 8, 64] and bench.parse_ints("") == []
+    for text in ("0", "1,x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
+            bench.parse_ints(text)

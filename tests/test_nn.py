@@ -1,0 +1,185 @@
+"""tridist.nn: transformers decoders sharded with `parallelize` (tiny configs, built by
+examples/llm.py as users run it) against the whole model, prefill and decode with transformers'
+KV cache; the inputs it refuses; and the layers alone against torch."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tridist
+import tridist.nn
+from tridist.nn import linear, moe as nn_moe
+
+from .harness import load_script
+
+pytest.importorskip("transformers")
+
+
+def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, decode_rows, low_latency_tokens):
+    """Every step's logits within the example's tolerance of the whole model's (fed the same tokens),
+    the same greedy tokens; returns the logits, which must be the same bits on every rank.
+    `decode_rows` and `low_latency_tokens` stand in for the layers' thresholds so that a prefill of a
+    few tokens runs the prefill kernels (gemm_rs, EP's normal mode) and a decode step the decode ones."""
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers 5.24 renames it to `cache`
+    example = load_script("examples", "llm")
+    thresholds = linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS
+    linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS = decode_rows, low_latency_tokens
+    try:
+        sharded = example.build_model(example.tiny_config(model), w.device)
+        whole = copy.deepcopy(sharded)
+        tridist.nn.parallelize(sharded, moe=moe)
+        prompt = torch.randint(0, 128, (batch, prompt_tokens), generator=torch.Generator().manual_seed(1))
+        tokens, steps, _ = example.generate(sharded, prompt.to(w.device), new_tokens)
+    finally:
+        linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS = thresholds
+    error, wrong = example.compare(steps, example.teacher_forced(whole, prompt.to(w.device), tokens))
+    assert error < example.LOGITS_TOLERANCE and wrong == 0, \
+        f"rank {w.rank}: logits off by {error:.2e} of the largest, {wrong} steps with other tokens"
+    return [step.cpu() for step in steps]
+
+
+# Dense: Llama with a prefill of 2 x 3 rows through gemm_rs + all-gather, Qwen3 with 5 rows (not a
+# multiple of the world size) through a GEMM + all_reduce; decode steps of 2 and 1 rows through gemm_ar.
+# MoE: a prefill of 3 tokens a rank in EP's normal mode, decode steps of one token a rank in its
+# low-latency mode; tensor-parallel experts (ag_moe, moe_rs) the same way.
+CASES = {"llama": dict(model="llama", moe="ep", batch=2, prompt_tokens=3, new_tokens=2),
+         "qwen3": dict(model="qwen3", moe="ep", batch=1, prompt_tokens=5, new_tokens=1),
+         "qwen3-moe-ep": dict(model="qwen3-moe", moe="ep", batch=1, prompt_tokens=6, new_tokens=2),
+         "qwen3-moe-tp": dict(model="qwen3-moe", moe="tp", batch=1, prompt_tokens=6, new_tokens=1)}
+
+
+@pytest.mark.worlds("2")
+@pytest.mark.parametrize("case", CASES)
+def test_parallelize_matches_the_whole_model(world, case):
+    results = world.run(_matches_whole_model, **CASES[case], decode_rows=2, low_latency_tokens=2)
+    for rank, steps in enumerate(results[1:], start=1):
+        assert all(torch.equal(a, b) for a, b in zip(results[0], steps)), f"rank {rank}'s logits differ from rank 0's"
+
+
+def _refuses(w):
+    example = load_script("examples", "llm")
+    config = example.tiny_config("qwen3-moe")
+    config.num_key_value_heads = 1
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tridist.nn.parallelize(example.build_model(config, w.device))
+    config = example.tiny_config("qwen3-moe")
+    config.moe_intermediate_size = 24  # 12 a rank
+    with pytest.raises(ValueError, match="moe_intermediate_size .* multiples of 8"):
+        tridist.nn.parallelize(example.build_model(config, w.device), moe="tp")
+    model = example.build_model(example.tiny_config("qwen3-moe"), w.device)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    with pytest.raises(ValueError, match="moe must be one of"):
+        tridist.nn.parallelize(model, moe="dp")
+
+    class Half:
+        def size(self):
+            return 1
+
+    with pytest.raises(NotImplementedError, match="group"):
+        tridist.nn.parallelize(model, group=Half())
+    assert model.model.layers[0].self_attn.q_proj is q_proj, "a refused model must be left as it was"
+    with pytest.raises(ValueError, match="must split over the 2 ranks"):
+        tridist.nn.ColumnParallelLinear(64, 3)
+
+
+@pytest.mark.worlds("2")
+def test_parallelize_refuses_what_it_cannot_split(world):
+    world.run(_refuses)
+
+
+def _layers(w):
+    """A Megatron MLP block with sequence-parallel inputs (ag_gemm in, gemm_rs out), column outputs
+    gathered, replicated rows through each of the row layer's kernels, and decode attention over a
+    cache split by position, each against torch on the whole tensors."""
+    g = torch.Generator().manual_seed(2)
+    n, hidden, inner = w.world_size, 32, 16 * w.world_size
+    x = torch.randn(4 * n, hidden, generator=g).to(torch.bfloat16)
+    up, down = torch.nn.Linear(hidden, inner, bias=True), torch.nn.Linear(inner, hidden, bias=True)
+    for param in (*up.parameters(), *down.parameters()):
+        param.data = torch.randn(param.shape, generator=g).div(param.shape[-1] ** 0.5).to(torch.bfloat16)
+    up.to(w.device), down.to(w.device)
+    column = tridist.nn.ColumnParallelLinear.from_linear(up, sequence_parallel=True)
+    row = tridist.nn.RowParallelLinear.from_linear(down, sequence_parallel=True)
+    mine = slice(w.rank * 4, (w.rank + 1) * 4)
+    h = torch.relu(column(x[mine].to(w.device)))
+    expected_up = x.float() @ up.weight.float().cpu().t() + up.bias.float().cpu()
+    expected_h = torch.relu(expected_up)
+    columns = slice(w.rank * column.out_local, (w.rank + 1) * column.out_local)
+    torch.testing.assert_close(h.float().cpu(), expected_h[:, columns], rtol=2e-2, atol=2e-2)
+    expected = expected_h @ down.weight.float().cpu().t() + down.bias.float().cpu()
+    torch.testing.assert_close(row(h).float().cpu(), expected[mine], rtol=2e-2, atol=3e-2)
+
+    gathered = tridist.nn.ColumnParallelLinear.from_linear(up, gather_output=True)
+    torch.testing.assert_close(gathered(x.to(w.device)).float().cpu(), expected_up, rtol=2e-2, atol=2e-2)
+    replicated = tridist.nn.RowParallelLinear.from_linear(down)
+    a = torch.randn(14 * n, inner, generator=g).to(torch.bfloat16)
+    # 2 rows: gemm_ar; 14n (with DECODE_ROWS 1): gemm_rs + all-gather; 13, prime: a GEMM + all_reduce.
+    for rows, decode_rows in ((2, linear.DECODE_ROWS), (14 * n, 1), (13, 1)):
+        linear.DECODE_ROWS, saved = decode_rows, linear.DECODE_ROWS
+        try:
+            got = replicated(a[:rows, columns].to(w.device))
+        finally:
+            linear.DECODE_ROWS = saved
+        want = a[:rows].float() @ down.weight.float().cpu().t() + down.bias.float().cpu()
+        torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
+
+    batch, heads, kv_heads, dim = 2, 4, 2, 64
+    q = torch.randn(batch, heads, dim, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(batch, 6 * n, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    attention = tridist.nn.DecodeAttention(heads, dim, kv_heads)
+    positions = slice(w.rank * 6, (w.rank + 1) * 6)
+    mine = [cache[:, positions].contiguous().to(w.device) for cache in (k, v)]
+    got = attention(q.to(w.device), *mine, torch.full((batch,), 6, dtype=torch.int32, device=w.device))
+    k, v = (cache.float().repeat_interleave(heads // kv_heads, dim=2) for cache in (k, v))
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), k) / dim ** 0.5
+    want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), v)
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.worlds("1", "2")
+def test_layers_match_torch(world):
+    world.run(_layers)
+
+
+def _moe_layers(w):
+    """Both MoE layers on random tokens and routing (the EP layer in each of its modes, a token routed
+    nowhere among them) against every expert computed in fp32 on the whole weights."""
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden, inner, experts, top_k = 5, 64, 32, 4, 2
+    every_x = torch.randn(w.world_size, tokens, hidden, generator=g).to(torch.bfloat16)
+    every_idx = torch.rand(w.world_size, tokens, experts, generator=g).topk(top_k, dim=-1).indices
+    every_weights = torch.rand(w.world_size, tokens, top_k, generator=g)
+    w_gate_up = (torch.randn(experts, hidden, 2 * inner, generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    w_down = (torch.randn(experts, inner, hidden, generator=g) / inner ** 0.5).to(torch.bfloat16)
+    x, idx, weights = every_x[w.rank], every_idx[w.rank], every_weights[w.rank]
+    expected = torch.zeros(tokens, hidden)
+    for e in range(experts):
+        share = (weights * (idx == e)).sum(dim=1, keepdim=True)
+        gate, up = (x.float() @ w_gate_up[e].float()).chunk(2, dim=-1)
+        expected += share * ((F.silu(gate) * up) @ w_down[e].float())
+    ep_idx = idx.clone()
+    ep_idx[-1] = -1  # routed nowhere: zeros
+    ep_expected = expected.clone()
+    ep_expected[-1] = 0
+
+    ep = tridist.nn.ExpertParallelMoE(experts, hidden, inner, tokens)
+    ep.load(w_gate_up.to(w.device), w_down.to(w.device))
+    for low_latency_tokens in (nn_moe.LOW_LATENCY_TOKENS, 0):  # the low-latency mode, then the normal one
+        nn_moe.LOW_LATENCY_TOKENS, saved = low_latency_tokens, nn_moe.LOW_LATENCY_TOKENS
+        try:
+            got = ep(x.to(w.device), ep_idx.to(w.device), weights.to(w.device))
+        finally:
+            nn_moe.LOW_LATENCY_TOKENS = saved
+        torch.testing.assert_close(got.float().cpu(), ep_expected, rtol=2e-2, atol=2e-2)
+    nn_moe.free_buffers()
+    tp = tridist.nn.TensorParallelMoE(experts, hidden, inner)
+    tp.load(w_gate_up.to(w.device), w_down.to(w.device))
+    got = tp(x.to(w.device), idx.to(w.device), weights.to(w.device))
+    torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.worlds("2")
+def test_moe_layers_match_torch(world):
+    world.run(_moe_layers)

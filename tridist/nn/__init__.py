@@ -1,0 +1,26 @@
+"""Tensor- and expert-parallel layers over tridist's kernels, and `parallelize`, which shards a
+Hugging Face `transformers` decoder with them.
+
+- [`parallelize(model, group=None, moe="ep")`][tridist.nn.parallelize]: a `LlamaForCausalLM`,
+  `Qwen3ForCausalLM` or `Qwen3MoeForCausalLM` sharded in place; its logits stay those of the
+  whole model, on every rank.
+- [`ColumnParallelLinear`][tridist.nn.ColumnParallelLinear] and
+  [`RowParallelLinear`][tridist.nn.RowParallelLinear]: a linear layer split by output columns or
+  by input rows, the kernel chosen per call by the tokens (`ag_gemm`, `gemm_rs`, `gemm_ar`).
+- [`ExpertParallelMoE`][tridist.nn.ExpertParallelMoE] (`EPBuffer` + `grouped_gemm`) and
+  [`TensorParallelMoE`][tridist.nn.TensorParallelMoE] (`ag_moe` + `moe_rs`): MoE layers of gated
+  experts.
+- [`DecodeAttention`][tridist.nn.DecodeAttention]: decode attention over a KV cache split by
+  position across the ranks (`flash_decode`).
+
+Every layer is built on every rank at once (their kernels allocate symmetric memory), and its calls
+are collectives: every rank calls it with the same shapes, in the same order. `group` is None or a
+group of every rank for now.
+"""
+from .attention import DecodeAttention
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .moe import ExpertParallelMoE, TensorParallelMoE
+from .hf_models import ParallelSparseMoeBlock, parallelize
+
+__all__ = ["parallelize", "ColumnParallelLinear", "RowParallelLinear", "ExpertParallelMoE", "TensorParallelMoE",
+           "ParallelSparseMoeBlock", "DecodeAttention"]

@@ -1,0 +1,213 @@
+"""`parallelize`: a Hugging Face `transformers` decoder made tensor- (and expert-) parallel in place.
+
+What each rank holds afterwards:
+
+| module | split |
+| --- | --- |
+| attention `q_proj`, `k_proj`, `v_proj` | `ColumnParallelLinear` by heads: `num_attention_heads / world` query heads and `num_key_value_heads / world` KV heads a rank (GQA groups stay whole) |
+| attention `o_proj` | `RowParallelLinear` |
+| the KV cache (transformers' own cache objects) | this rank's KV heads: each rank's attention is the attention of its heads |
+| dense MLP `gate_proj`, `up_proj` / `down_proj` | `ColumnParallelLinear` / `RowParallelLinear` |
+| MoE block (`Qwen3MoeSparseMoeBlock`) | `moe="ep"`: `ExpertParallelMoE` (whole experts a rank); `moe="tp"`: `TensorParallelMoE` (a slice of every expert); the router replicated |
+| `lm_head` | `ColumnParallelLinear` by vocabulary rows, the logits all-gathered (replicated where the vocabulary does not split evenly) |
+| embeddings, norms, rotary tables | replicated (whole on every rank) |
+
+The activations between the layers are replicated: every rank holds every token, so the model's
+own forward, masks and caches run unchanged, and every rank returns the same logits. Each
+row-parallel layer picks its kernel by the tokens of the step (`tridist.nn.linear`: `gemm_ar` for
+decode, `gemm_rs` + all-gather for prefill); the MoE block gives each rank an equal share of the
+tokens (padded), runs the MoE layer on it and all-gathers the outputs. Nothing in a decode step
+reads back to the host or depends on data on the host: with a static cache
+(`transformers.StaticCache`) a step captures in one CUDA graph.
+
+Not done yet: a sequence-parallel residual stream (each rank holding its share of the tokens
+between the blocks, `ag_gemm` into q/k/v and the MLP, `gemm_rs` out of `o_proj` and `down_proj`,
+so that the all-gather now run after each `gemm_rs` hides behind the next GEMM, and the norms
+run on a share of the tokens). transformers' attention reshapes the
+projections by the shape of its input, so this needs tridist's own attention module; the layers
+themselves take `sequence_parallel=True`.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tridist import ops
+
+from .linear import ColumnParallelLinear, RowParallelLinear, check_group, split
+from .moe import ExpertParallelMoE, TensorParallelMoE
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE_MODES = ("ep", "tp")
+GEMM_ALIGN = 8  # elements: tridist's GEMMs read their operands' rows with TMA, in 16-byte steps
+
+
+class ParallelSparseMoeBlock(nn.Module):
+    """A transformers sparse MoE block (router + experts) over replicated activations: the router
+    whole on every rank, the experts in `moe_layer`. Each rank routes and runs its share of the
+    tokens (the tokens padded to a multiple of the world size, the padding routed nowhere), and
+    the outputs are all-gathered.
+
+    Args:
+        router_weight: `[E, hidden_size]`, the router's linear weight.
+        top_k: experts per token.
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
+        moe_layer: an `ExpertParallelMoE` or `TensorParallelMoE` holding this rank's experts.
+    """
+
+    def __init__(self, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                 moe_layer: ExpertParallelMoE | TensorParallelMoE):
+        super().__init__()
+        self.router_weight = nn.Parameter(router_weight.detach().clone(), requires_grad=False)
+        self.top_k, self.norm_topk_prob, self.moe_layer = top_k, norm_topk_prob, moe_layer
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts and their weights, as transformers' Qwen3-MoE router computes
+        them (softmax in fp32, weights rounded to x's dtype), the weights as float32."""
+        probs = F.softmax(F.linear(x, self.router_weight), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype).float()
+
+    def extra_repr(self) -> str:
+        """The routing, in the module's printout."""
+        return f"experts={self.router_weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `[..., hidden_size]`, the same on every rank; returns the block's output,
+        the same on every rank."""
+        layer = self.moe_layer
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens = x.shape[0]
+        if tokens == 0:
+            return hidden_states.clone()
+        share = -(-tokens // layer.world_size)
+        first = layer.rank * share
+        mine = F.pad(x[first:first + share], (0, 0, 0, share - max(0, min(share, tokens - first))))
+        experts, weights = self.route(mine)
+        padding = (torch.arange(share, device=x.device) + first >= tokens)[:, None]
+        experts = experts.masked_fill(padding, layer.padding_expert)
+        weights = weights.masked_fill(padding, 0.0)
+        if isinstance(layer, ExpertParallelMoE):
+            layer.reserve(share)
+        y = self.gather(layer(mine.contiguous(), experts, weights).contiguous())
+        return y[:tokens].view(hidden_states.shape)
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's share of the outputs, in rank order (`ops.all_gather`)."""
+        return ops.all_gather(y)
+
+
+def _attention(attn: nn.Module, group) -> None:
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), group=group))
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=group)
+
+
+def _dense_mlp(mlp: nn.Module, group) -> None:
+    mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, group=group)
+    mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, group=group)
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=group)
+
+
+def _is_dense(mlp: nn.Module) -> bool:
+    return all(isinstance(getattr(mlp, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _moe_block(block: nn.Module, config, moe: str, group) -> ParallelSparseMoeBlock:
+    # transformers: gate_up_proj [E, 2I, H] (W_gate's rows, then W_up's), down_proj [E, H, I];
+    # tridist's MoE layers take x @ w, the transposes.
+    experts = block.experts
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    num_experts, hidden, inner = down.shape
+    kwargs = dict(activation=experts.act_fn, group=group, dtype=gate_up.dtype, device=gate_up.device)
+    if moe == "ep":
+        layer = ExpertParallelMoE(num_experts, hidden, inner, max_tokens_per_rank=1, **kwargs)
+    else:
+        layer = TensorParallelMoE(num_experts, hidden, inner, **kwargs)
+    layer.load(gate_up.transpose(1, 2), down.transpose(1, 2))
+    return ParallelSparseMoeBlock(block.gate.weight, config.num_experts_per_tok, config.norm_topk_prob, layer)
+
+
+def _is_moe(mlp: nn.Module) -> bool:
+    experts = getattr(mlp, "experts", None)
+    return (hasattr(mlp, "gate") and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(experts, "down_proj", None), torch.Tensor))
+
+
+def _aligned(size: int, what: str) -> None:
+    if size % GEMM_ALIGN:
+        raise ValueError(f"{what} ({size}) must be a multiple of {GEMM_ALIGN} for tridist's GEMMs")
+
+
+def _check(model: nn.Module, world_size: int, moe: str) -> None:
+    """Everything that could refuse the model, before anything is changed."""
+    if moe not in MOE_MODES:
+        raise ValueError(f"moe must be one of {MOE_MODES}, got {moe!r}")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    config = getattr(model, "config", None)
+    if layers is None or config is None:
+        raise NotImplementedError(f"parallelize takes a transformers causal LM ({', '.join(SUPPORTED)}), whose "
+                                  f"decoder layers are model.model.layers; got {type(model).__name__}")
+    split(config.num_attention_heads, world_size, "num_attention_heads")
+    split(config.num_key_value_heads, world_size, "num_key_value_heads")
+    # The GEMMs read rows of 16 bytes at least: the sizes they multiply, multiples of 8 elements.
+    split(layers[0].self_attn.o_proj.in_features, world_size, "the attention's heads x head_dim", GEMM_ALIGN)
+    _aligned(config.hidden_size, "hidden_size")
+    for layer in layers:
+        mlp = layer.mlp
+        if _is_dense(mlp):
+            split(mlp.down_proj.in_features, world_size, "the MLP's intermediate_size", GEMM_ALIGN)
+        elif _is_moe(mlp):
+            num_experts, _, inner = mlp.experts.down_proj.shape
+            if moe == "ep":
+                split(num_experts, world_size, "num_experts (moe='ep' spreads whole experts)")
+                _aligned(inner, "moe_intermediate_size")
+            else:
+                split(inner, world_size, "moe_intermediate_size (moe='tp' splits every expert)", GEMM_ALIGN)
+        else:
+            raise NotImplementedError(f"parallelize does not know the MLP {type(mlp).__name__} of "
+                                      f"{type(model).__name__} (transformers 5's dense MLPs and MoE blocks with "
+                                      f"3-D expert weights); it takes {', '.join(SUPPORTED)}")
+
+
+def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
+    """Shard a transformers causal LM in place over the ranks and return it.
+
+    Every rank builds the model from the same weights (a config and a fixed seed, or a
+    checkpoint) and calls this at once (it allocates symmetric memory); afterwards every rank
+    holds its shards (see the module docstring) on the world's device, and `model(input_ids)`
+    (the same `input_ids` on every rank, also with transformers' KV caches) returns the same
+    logits on every rank: those of the whole model, within bf16 rounding (the row-parallel sums
+    add the ranks' partial products in fp32, where one GPU adds in a different order).
+
+    Args:
+        model: `LlamaForCausalLM`, `Qwen3ForCausalLM` or `Qwen3MoeForCausalLM` (or a model of
+            the same module structure), bf16 or fp16, on the CPU or the world's device.
+        group: None (the world) or a group of every rank; groups of some ranks come with
+            tridist's process-group support.
+        moe: `"ep"` (expert parallel: whole experts a rank, `E` a multiple of the world size)
+            or `"tp"` (tensor parallel: every expert split, `moe_intermediate_size / world` a
+            multiple of 8). Ignored by dense models.
+
+    Returns:
+        `model`, sharded.
+
+    Raises:
+        ValueError: an unknown `moe`; heads, KV heads, intermediate sizes or experts that do not
+            split over the world size, or sizes the GEMMs do not take (not multiples of 8 per
+            rank); the message says which.
+        NotImplementedError: a model class or module layout it does not know; a group of some
+            ranks only.
+    """
+    world = check_group(group)
+    _check(model, world.world_size, moe)
+    for layer in model.model.layers:
+        _attention(layer.self_attn, group)
+        if _is_dense(layer.mlp):
+            _dense_mlp(layer.mlp, group)
+        else:
+            layer.mlp = _moe_block(layer.mlp, model.config, moe, group)
+    if isinstance(getattr(model, "lm_head", None), nn.Linear) and model.lm_head.out_features % world.world_size == 0:
+        model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, gather_output=True, group=group)
+    return model.to(world.device)
