@@ -95,7 +95,7 @@ COPY_BYTES = 1 << 30  # the copy whose rate the benchmarks' "of copy" divides by
 def copy_rate(device) -> float:
     """Bytes read and written per microsecond by a device-to-device copy of COPY_BYTES. A copy that L2
     holds is no ceiling for a kernel that reads HBM: it runs faster than HBM can deliver
-    (benchmarks/NOTES.md, 2026-11-25 and -28)."""
+    (benchmarks/NOTES.md, "Issue 45 part B")."""
     source = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     return 2 * COPY_BYTES / op_us(lambda: target.copy_(source))
