@@ -49,6 +49,13 @@ def call_epoch(calls_ptr):
 
 
 @triton.jit
+def in_slot(base_ptr, epoch, slot_size):
+    """The part of a two-slot buffer that call `epoch` uses: slot `epoch % 2` of `slot_size`
+    elements from `base_ptr` (see "Protocol" above)."""
+    return base_ptr + (epoch % 2) * slot_size
+
+
+@triton.jit
 def after_flags(pointer, flags_ptr, count, value):
     """`pointer`, once the `count` flags from `flags_ptr` on all equal `value`. Loads through the
     result stay after the wait (`dl.consume_token`); the acquire is at system scope because the
