@@ -22,6 +22,7 @@ an SM (`coresident_limit`): all the ranks' grids then fit even on the SMs of one
 import ctypes
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -175,3 +176,14 @@ def coresident_limit(compiled, device: torch.device) -> tuple[int, str]:
            f"{warps} warps; {limited_by}) x {sms} SMs ({where})")
     _limits[compiled] = (per_sm * sms, why)
     return _limits[compiled]
+
+
+def refuse_grid(kernel: str, grid: tuple, limit: int, why: str) -> None:
+    """Raises ValueError, before anything runs, where a co-resident launch of `kernel` with `grid`
+    has more programs than `limit`, the most that can be resident at once (`why` says how that
+    number comes about)."""
+    programs = math.prod(grid)
+    if programs > limit:
+        raise ValueError(f"kernel {kernel}: a co-resident launch of {programs} programs (grid {grid}), but at most "
+                         f"{limit} can be resident at once: {why}. Launch at most {limit} programs "
+                         "(tridist.coresident_programs gives the number for a kernel and its arguments)")
