@@ -35,9 +35,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from tridist.bench import primitives  # noqa: E402
 from tridist.ops import _protocol, sync  # noqa: E402
 from tridist.ops.attention import combine, split_kv  # noqa: E402
+from tridist.ops.attention import policy as attention_policy  # noqa: E402
 from tridist.ops.collectives import allgather, allreduce  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
-from tridist.ops.attention import decode as attention  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.moe import allgather_moe, alltoall, ep_low_latency, ep_normal, exchange, expert_parallel  # noqa: E402
@@ -318,16 +318,16 @@ def _attention_cases():
                  "partials_ptr": "*fp32", "sm_scale": "fp32", "seq_stride": "i32", "row_stride": "i32",
                  "table_stride": "i32", "splits": "i32", "kv_heads": "i32", "GROUP": "constexpr", "D": "constexpr",
                  "BLOCK_N": "constexpr", "PAGE": "constexpr"}
-    config = attention.configs(CUDA)[0]
+    config = attention_policy.configs(CUDA)[0]
     cases = []
     for group, head_dim, page, warps in [(4, 128, 0, None), (4, 128, 16, None), (4, 64, 0, None), (4, 64, 16, None),
                                          (32, 128, 0, 8)]:
         constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page}
-        stages = config["num_stages"] + (attention.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
+        stages = config["num_stages"] + (attention_policy.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
         cases.append((kernel, signature, constexprs, {"num_warps": warps or config["num_warps"], "num_stages": stages}))
     for group, head_dim, splits, world, exchange in [(4, 128, 66, 1, False), (4, 128, 66, 2, True),
                                                      (32, 128, 128, 4, True), (4, 64, 2, 8, True)]:
-        columns, rows, rank_rows = combine.combine_shape(group, head_dim, splits, world)
+        columns, rows, rank_rows = attention_policy.combine_shape(group, head_dim, splits, world)
         cases.append((combine.flash_decode_combine_kernel,
                       {"partials_ptr": "*fp32", "out_ptr": "*bf16", "staging_ptr": "*i64" if exchange else "*fp32",
                        "calls_ptr": "*i64" if exchange else "*i32",
@@ -335,7 +335,7 @@ def _attention_cases():
                        "GROUP": "constexpr", "D": "constexpr", "COLUMNS": "constexpr", "ROWS": "constexpr",
                        "RANK_ROWS": "constexpr", "EXCHANGE": "constexpr"},
                       {"GROUP": group, "D": head_dim, "COLUMNS": columns, "ROWS": rows, "RANK_ROWS": rank_rows,
-                       "EXCHANGE": exchange}, {"num_warps": combine.WARPS, "launch_pdl": True}))
+                       "EXCHANGE": exchange}, {"num_warps": attention_policy.COMBINE_WARPS, "launch_pdl": True}))
     return cases
 
 
