@@ -42,7 +42,8 @@ from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.moe import allgather_moe, alltoall, ep_low_latency, ep_normal, exchange, expert_parallel  # noqa: E402
 from tridist.ops.moe import moe_reduce, sort, tp_routing  # noqa: E402
-from tridist.ops.stencil import jacobi  # noqa: E402
+from tridist.ops.stencil import fused as jacobi_fused, host_loop as jacobi_host_loop  # noqa: E402
+from tridist.ops.stencil import policy as stencil_policy  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
@@ -323,7 +324,8 @@ def _attention_cases():
     for group, head_dim, page, warps in [(4, 128, 0, None), (4, 128, 16, None), (4, 64, 0, None), (4, 64, 16, None),
                                          (32, 128, 0, 8)]:
         constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page}
-        stages = config["num_stages"] + (attention_policy.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
+        # as FlashDecode launches it
+        stages = config["num_stages"] + (attention_policy.PAGED_EXTRA_STAGES if page else 0)
         cases.append((kernel, signature, constexprs, {"num_warps": warps or config["num_warps"], "num_stages": stages}))
     for group, head_dim, splits, world, exchange in [(4, 128, 66, 1, False), (4, 128, 66, 2, True),
                                                      (32, 128, 128, 4, True), (4, 64, 2, 8, True)]:
@@ -457,13 +459,14 @@ def cases():
         (shmem.shmem_ptr_kernel, {"buf_ptr": "*i32", "out_ptr": "*i32"}, {}),
         (lang.rotate_kernel, {"slots_ptr": "*i64", "out_ptr": "*i64", "counter_ptr": "*i64", "rounds": "i32",
                               "base": "i32", "SKIP_FIRST": "constexpr"}, {"SKIP_FIRST": False}),
-        (jacobi.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32", "cols": "i32",
-                                     "iteration": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
-        (jacobi.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
-                                      "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
-                                      "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
+        (jacobi_host_loop.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32",
+                                               "cols": "i32", "iteration": "i32", "BLOCK_R": "constexpr",
+                                               "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), stencil_policy.tile_for(4096, 8192)))),
+        (jacobi_fused.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
+                                            "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
+                                            "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), stencil_policy.tile_for(4096, 8192)))),
         (shmem.ll_ping_pong_kernel, {"packets_ptr": "*i64", "src_ptr": "*i32", "out_ptr": "*i32", "peer": "i32",
                                      "rounds": "i32", "initiator": "i32", "n": "i32", "BLOCK": "constexpr"},
          {"BLOCK": 128}),
