@@ -4,6 +4,15 @@ Catches type and lowering errors of the GPU path (inline PTX, NVSHMEM declaratio
 libnvshmem_device.bc, ptxas) before any GPU time is spent. Each case names a kernel, its argument
 types and its constexprs; the module is run in a subprocess by tests/test_gpu_compile.py because
 the backend is fixed when tridist is imported.
+
+    python -m tests.gpu_compile [NAME...]              every case, or those of the kernels named
+    python -m tests.gpu_compile --ptx DIR [NAME...]    the same, and each case's PTX in DIR/<case>.ptx
+    python -m tests.gpu_compile --compare NAME...      whole against cut device library (one line each)
+
+`--ptx` writes the PTX without its debug information (`normalised_ptx`), so that a kernel moved to
+another file, or a line moved, gives the same file: `diff -r` of two such folders shows only what
+changed in the code. A case's file is named after its kernel (`case_names`); DIR/cases.txt says
+which constexprs each name stands for.
 """
 import concurrent.futures
 import functools
@@ -26,14 +35,15 @@ from triton.compiler import ASTSource  # noqa: E402
 from tridist.bench import primitives  # noqa: E402
 from tridist.ops import _protocol, sync  # noqa: E402
 from tridist.ops.attention import combine, split_kv  # noqa: E402
+from tridist.ops.attention import policy as attention_policy  # noqa: E402
 from tridist.ops.collectives import allgather, allreduce  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
-from tridist.ops.attention import decode as attention  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.moe import allgather_moe, alltoall, ep_low_latency, ep_normal, exchange, expert_parallel  # noqa: E402
 from tridist.ops.moe import moe_reduce, sort, tp_routing  # noqa: E402
-from tridist.ops.stencil import jacobi  # noqa: E402
+from tridist.ops.stencil import fused as jacobi_fused, host_loop as jacobi_host_loop  # noqa: E402
+from tridist.ops.stencil import policy as stencil_policy  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
@@ -309,16 +319,17 @@ def _attention_cases():
                  "partials_ptr": "*fp32", "sm_scale": "fp32", "seq_stride": "i32", "row_stride": "i32",
                  "table_stride": "i32", "splits": "i32", "kv_heads": "i32", "GROUP": "constexpr", "D": "constexpr",
                  "BLOCK_N": "constexpr", "PAGE": "constexpr"}
-    config = attention.configs(CUDA)[0]
+    config = attention_policy.configs(CUDA)[0]
     cases = []
     for group, head_dim, page, warps in [(4, 128, 0, None), (4, 128, 16, None), (4, 64, 0, None), (4, 64, 16, None),
                                          (32, 128, 0, 8)]:
         constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page}
-        stages = config["num_stages"] + (attention.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
+        # as FlashDecode launches it
+        stages = config["num_stages"] + (attention_policy.PAGED_EXTRA_STAGES if page else 0)
         cases.append((kernel, signature, constexprs, {"num_warps": warps or config["num_warps"], "num_stages": stages}))
     for group, head_dim, splits, world, exchange in [(4, 128, 66, 1, False), (4, 128, 66, 2, True),
                                                      (32, 128, 128, 4, True), (4, 64, 2, 8, True)]:
-        columns, rows, rank_rows = combine.combine_shape(group, head_dim, splits, world)
+        columns, rows, rank_rows = attention_policy.combine_shape(group, head_dim, splits, world)
         cases.append((combine.flash_decode_combine_kernel,
                       {"partials_ptr": "*fp32", "out_ptr": "*bf16", "staging_ptr": "*i64" if exchange else "*fp32",
                        "calls_ptr": "*i64" if exchange else "*i32",
@@ -326,7 +337,7 @@ def _attention_cases():
                        "GROUP": "constexpr", "D": "constexpr", "COLUMNS": "constexpr", "ROWS": "constexpr",
                        "RANK_ROWS": "constexpr", "EXCHANGE": "constexpr"},
                       {"GROUP": group, "D": head_dim, "COLUMNS": columns, "ROWS": rows, "RANK_ROWS": rank_rows,
-                       "EXCHANGE": exchange}, {"num_warps": combine.WARPS, "launch_pdl": True}))
+                       "EXCHANGE": exchange}, {"num_warps": attention_policy.COMBINE_WARPS, "launch_pdl": True}))
     return cases
 
 
@@ -448,13 +459,14 @@ def cases():
         (shmem.shmem_ptr_kernel, {"buf_ptr": "*i32", "out_ptr": "*i32"}, {}),
         (lang.rotate_kernel, {"slots_ptr": "*i64", "out_ptr": "*i64", "counter_ptr": "*i64", "rounds": "i32",
                               "base": "i32", "SKIP_FIRST": "constexpr"}, {"SKIP_FIRST": False}),
-        (jacobi.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32", "cols": "i32",
-                                     "iteration": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
-        (jacobi.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
-                                      "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
-                                      "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
+        (jacobi_host_loop.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32",
+                                               "cols": "i32", "iteration": "i32", "BLOCK_R": "constexpr",
+                                               "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), stencil_policy.tile_for(4096, 8192)))),
+        (jacobi_fused.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
+                                            "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
+                                            "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), stencil_policy.tile_for(4096, 8192)))),
         (shmem.ll_ping_pong_kernel, {"packets_ptr": "*i64", "src_ptr": "*i32", "out_ptr": "*i32", "peer": "i32",
                                      "rounds": "i32", "initiator": "i32", "n": "i32", "BLOCK": "constexpr"},
          {"BLOCK": 128}),
@@ -462,10 +474,21 @@ def cases():
     ]
 
 
+def argument_types(signature: dict) -> list[tuple[tuple[int, ...], str]]:
+    """(path, type) of every argument in `signature`, a tuple argument's elements each with its
+    path ((2, 0): the first element of the third argument), as Triton addresses them in `attrs`. A
+    tuple argument's type is a tuple of types: `{"workspace": ("*i64", "*i64", "i32")}`."""
+    def walk(path, ty):
+        return [leaf for i, t in enumerate(ty) for leaf in walk((*path, i), t)] if isinstance(ty, tuple) \
+            else [(path, ty)]
+
+    return walk((), tuple(signature.values()))
+
+
 def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False, library=None):
     # Pointers and ints divisible by 16, as Triton specialises them at launch when they are (tensors
     # always, sizes usually): the variant that moves data in 16-byte accesses.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values())
+    attrs = {path: [["tt.divisibility", 16]] for path, ty in argument_types(signature)
              if ty.startswith("*") or ty in ("i32", "i64")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": 4, **(options or {}), "debug": debug,
@@ -481,7 +504,7 @@ VECTORISED = {"all_gather_push_kernel",
 
 def scalar_accesses(kernel, signature, compiled) -> list[str]:
     """The 2-byte global loads and stores of a bf16 kernel in VECTORISED (none expected)."""
-    if kernel.__name__ not in VECTORISED or "*bf16" not in signature.values():
+    if kernel.__name__ not in VECTORISED or "*bf16" not in [ty for _, ty in argument_types(signature)]:
         return []
     return re.findall(r"\b(?:ld|st)\.global\.b16\b", compiled.asm["ptx"])
 
@@ -511,7 +534,7 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
             return True
     if not constexprs.get("FLATTEN"):  # (the GEMM cases always give their num_stages)
         return False
-    itemsize = 1 if "fp8" in next(t for t in signature.values() if t.startswith("tensordesc")) else 2
+    itemsize = 1 if "fp8" in next(t for _, t in argument_types(signature) if t.startswith("tensordesc")) else 2
     stage_bytes = itemsize * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
     return compiled.metadata.shared < options["num_stages"] * stage_bytes
 
@@ -524,13 +547,37 @@ DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "a
                 "moe_combine_kernel", "all_to_all_v_kernel", "ll_dispatch_kernel", "combine_kernel"}
 
 
-def _check(index: int, debug: bool) -> str:
-    """Compiles case `index` of `cases()` and checks it: one line, "ok ..." or "FAIL ..."."""
+def normalised_ptx(ptx: str) -> str:
+    """`ptx` without its debug information: the `.loc` and `.file` directives, the labels that only
+    they and the DWARF sections refer to (`$L__tmp3:`, `$L__func_begin0:`), and the `.debug_*`
+    sections, which LLVM puts after the code. What is left is what Triton emits with line info
+    off (TRITON_DISABLE_LINE_INFO=1): the code, which names no file and no line."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    lines = [line for line in code.splitlines()
+             if not re.match(r"\s*\.(?:loc|file)\b|\$L__(?:tmp|func_begin|func_end)\d+:$", line)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def case_names(selected: list[int]) -> list[str]:
+    """A file name for each of these cases: the kernel's name, and where `cases()` holds several
+    cases of that kernel, its ordinal among them (`ag_gemm_kernel-3`). Neither the module nor the
+    signature is in it, so a kernel moved or given grouped arguments keeps its name."""
+    names = [kernel.__name__ for kernel, *_ in cases()]
+    ordinal = [names[:index].count(name) for index, name in enumerate(names)]
+    return [names[i] if names.count(names[i]) == 1 else f"{names[i]}-{ordinal[i]}" for i in selected]
+
+
+def _check(index: int, debug: bool, ptx_path: str | None = None) -> str:
+    """Compiles case `index` of `cases()` and checks it: one line, "ok ..." or "FAIL ...". With
+    `ptx_path`, writes the case's `normalised_ptx` there."""
     kernel, signature, constexprs, *options = cases()[index]
     start = time.monotonic()
     try:
         compiled = compile_for_hopper(kernel, signature, constexprs, *options, debug=debug)
         assert "cubin" in compiled.asm
+        if ptx_path:
+            with open(ptx_path, "w") as f:
+                f.write(normalised_ptx(compiled.asm["ptx"]))
         scalar = scalar_accesses(kernel, signature, compiled)
         assert not scalar, f"{len(scalar)} 2-byte accesses ({scalar[0]}) where 16-byte ones were expected"
         aligned = aligned_barriers_in_asm(compiled)
@@ -571,18 +618,34 @@ def compare_libraries(names: list[str]) -> int:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--compare"]:
-        return compare_libraries(sys.argv[2:])
+    args = sys.argv[1:]
+    if args[:1] == ["--compare"]:
+        return compare_libraries(args[1:])
+    ptx_dir = None
+    if args[:1] == ["--ptx"]:
+        if len(args) < 2:
+            print("usage: python -m tests.gpu_compile --ptx DIR [NAME...]")
+            return 2
+        ptx_dir, args = args[1], args[2:]
     debug = os.environ.get("TRIDIST_DEBUG") == "1"
-    only = sys.argv[1:]  # kernel names, to compile a few while working on them
+    only = args  # kernel names, to compile a few while working on them
     selected = [index for index, (kernel, *_) in enumerate(cases())
                 if not ((debug and kernel.__name__ not in DEBUG_SUBSET) or (only and kernel.__name__ not in only))]
+    paths = [None] * len(selected)
+    if ptx_dir:
+        os.makedirs(ptx_dir, exist_ok=True)
+        names = case_names(selected)
+        paths = [os.path.join(ptx_dir, f"{name}.ptx") for name in names]
+        with open(os.path.join(ptx_dir, "cases.txt"), "w") as f:
+            for name, index in zip(names, selected):
+                kernel, _, constexprs, *options = cases()[index]
+                f.write(f"{name}: {constexprs} {options[0] if options else {}}\n")
     library = device_library.for_kernels(find_device_library())  # cut once, before the workers fork
     print(f"NVSHMEM device library linked: {library}", flush=True)
     # A compile keeps one core busy (LLVM, then ptxas): one at a time per core. Forked workers
     # inherit the imports, and Triton's cache writes each entry whole, so they can share it.
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) as pool:
-        lines = list(pool.map(_check, selected, [debug] * len(selected)))
+        lines = list(pool.map(_check, selected, [debug] * len(selected), paths))
     for line in lines:
         print(line, flush=True)
     return 1 if any(line.startswith("FAIL") for line in lines) else 0
