@@ -12,7 +12,7 @@ import torch
 import tridist
 from tridist import ops
 from tridist.ops import _protocol
-from tridist.ops.collectives import allgather, allreduce
+from tridist.ops.collectives import allgather, allreduce, reducescatter
 
 from .cases import (Expected, Invalid, OpCases, Trial, draw_method, log_uniform, poison, random_tensor, register,
                     seed_of, sum_tolerance)
@@ -90,7 +90,7 @@ class ReduceScatterCases(OpCases):
     def draw(self, rng, world, limits):
         dtype = rng.choice(_protocol.SUPPORTED)
         chunk = log_uniform(rng, 1, max(1, limits.nbytes // dtype.itemsize // world.world_size))
-        method = _draw_method(rng, self.name, allreduce.REDUCE_SCATTER_METHODS, world, chunk * dtype.itemsize)
+        method = _draw_method(rng, self.name, reducescatter.METHODS, world, chunk * dtype.itemsize)
         return dict(method=method, dtype=dtype, shape=(chunk,), in_place=rng.random() < 0.5)
 
     def trial(self, call, world):
@@ -132,7 +132,7 @@ class AllReduceCases(OpCases):
     def draw(self, rng, world, limits):
         dtype = rng.choice(_protocol.SUPPORTED)
         n = log_uniform(rng, 1, limits.nbytes // dtype.itemsize)
-        method = _draw_method(rng, self.name, allreduce.ALL_REDUCE_METHODS, world, n * dtype.itemsize)
+        method = _draw_method(rng, self.name, allreduce.METHODS, world, n * dtype.itemsize)
         in_place = rng.random() < 0.5
         return dict(method=method, dtype=dtype, shape=(n,), in_place=in_place,
                     symmetric=in_place and rng.random() < 0.5)
