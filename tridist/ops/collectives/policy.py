@@ -51,7 +51,9 @@ def choose_reduce_scatter(nbytes: int, world) -> str:
     """The method `"auto"` runs for a reduce-scatter of `nbytes` per rank in `world`: `"2d"` across
     nodes (it puts each node's sum over the network once; not measured across nodes); `"ll"` while
     a rank sends ((world-1)/world of x) at most `LL_MAX_SENT_BYTES` and its chunk is whole 4-byte
-    words; else `"one_shot"`."""
+    words; else `"one_shot"`. `"ce"` is left to callers that keep the SMs busy with other work: on
+    their own the SM methods are faster (benchmarks/NOTES.md, "Moved from the code's docstrings
+    (issue 41)")."""
     n = world.world_size
     if world.nnodes > 1:
         return "2d"
@@ -64,7 +66,9 @@ def choose_all_reduce(nbytes: int, world, symmetric_in_place: bool = False) -> s
     """The method `"auto"` runs for an all-reduce of `nbytes` per rank in `world`, by what a rank
     sends (`nbytes * (world_size - 1)`): `"ll"` on one node up to `LL_MAX_SENT_BYTES` of whole 4-byte
     words, `"one_shot"` up to `ONE_SHOT_MAX_SENT_BYTES`, else `"two_shot"`. In place on a symmetric
-    x on one node the two-shot needs no staging and takes over from `"ll"` directly."""
+    x on one node the two-shot needs no staging and takes over from `"ll"` directly. `"ce"` is left to
+    callers that keep the SMs busy with other work: on their own the SM methods are faster (same
+    section)."""
     n = world.world_size
     sent = nbytes * (n - 1)
     if world.nnodes == 1 and sent <= LL_MAX_SENT_BYTES and nbytes % 4 == 0:

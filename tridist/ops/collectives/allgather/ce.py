@@ -7,9 +7,8 @@ shard into row `rank` of every peer's staging, chunk by chunk (8 MB, `_protocol.
 each chunk followed by its flag (rank, chunk) = 1; `all_gather_ce_kernel` copies each chunk of each
 peer's row out to `out` as soon as its flag is up, and this rank's shard from x. Once the kernel
 has run, the flags are zeroed for the next call. For large messages next to other work on the SMs:
-on its own "push" is faster (`policy`).
-
-Into a symmetric `out`, "ce" skips the staging: see `ce_symmetric`.
+on its own "push" is faster, so `auto` picks "ce" only into a symmetric `out`
+(`policy.choose_all_gather`), where it skips the staging (`ce_symmetric`).
 """
 import torch
 

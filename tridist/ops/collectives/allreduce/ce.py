@@ -9,7 +9,8 @@ chunk p of x into row `rank` of rank p's scatter staging, a flag = 1 per transfe
 its part of `out`. The copy engines then write that sum into row `rank` of every peer's gather
 staging, and `all_gather_ce_kernel` copies each peer's sum into `out` as it lands. Once the kernels
 have run, both transfers' flags are zeroed for the next call. For large messages next to other
-work on the SMs: on its own the two-shot is faster (`policy`).
+work on the SMs: on its own the SM methods are faster, so `auto` does not pick it
+(`policy.choose_all_reduce`).
 
 In place (out is x) is safe: a peer's reduced part overwrites x only after the peer has received
 all of this rank's x that it needed.

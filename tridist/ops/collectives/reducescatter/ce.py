@@ -5,7 +5,8 @@ says every peer has finished with its staging and flags. This rank's copy engine
 p of x into row `rank` of rank p's staging, chunk by chunk of the transfer (8 MB), each followed by
 its flag = 1; `reduce_ce_kernel` sums this rank's chunk over the ranks, block by block as the
 pieces land, in rank order and in fp32. Once it has run, the flags are zeroed for the next call.
-For large messages next to other work on the SMs: on its own "one_shot" is faster (`policy`).
+For large messages next to other work on the SMs: on its own the SM methods are faster, so `auto`
+does not pick it (`policy.choose_reduce_scatter`).
 """
 import torch
 
