@@ -1,34 +1,33 @@
 """What `method="auto"` runs for each collective, and the other choices of the family's sizing.
 
-Every threshold is a named constant, with why it sits where it does and where its measurement is
-(H200s joined by NVLink, bf16): docs/performance.md, section "2 x H200 (NV18)", holds the latest
-figure of every size; benchmarks/NOTES.md the runs behind each crossover.
+Every threshold is a named constant that says why it sits where it does and where its measurement
+is (H200s joined by NVLink, bf16): docs/performance.md, section "2 x H200 (NV18)", holds the latest
+figure of every size, benchmarks/NOTES.md the runs behind each crossover.
 """
 
-# An all-gather of at most this many bytes in all (every rank's shard together) runs in LL packets:
-# up to there the doubled bytes cost less than the signal round trip they save
-# (docs/performance.md, "2 x H200 (NV18)"; benchmarks/NOTES.md, "Moved from the code's docstrings
-# (issue 41)", policy.py).
 LL_MAX_GATHERED_BYTES = 1 << 20
+"""An all-gather of at most this many bytes in all (every rank's shard together) runs in LL packets:
+up to there their doubled bytes cost less than the signal round trip they save (docs/performance.md,
+"2 x H200 (NV18)"; benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)")."""
 
-# A reduce-scatter or all-reduce in which a rank sends at most this many bytes runs in LL packets,
-# for the same reason (same sections).
 LL_MAX_SENT_BYTES = 1 << 20
+"""A reduce-scatter or all-reduce in which a rank sends at most this many bytes runs in LL packets,
+for the same reason (same sections)."""
 
-# An all-reduce in which a rank sends at most this many bytes runs one-shot, one step and
-# world_size - 1 copies received; above, the two-shot's 2 (n-1)/n of the data received wins
-# (docs/performance.md, "2 x H200 (NV18)": one-shot at 4 MB, two-shot from 16 MB).
 ONE_SHOT_MAX_SENT_BYTES = 4 << 20
+"""An all-reduce in which a rank sends at most this many bytes runs one-shot (one step, world_size - 1
+copies received); above, the two-shot's 2 (n-1)/n of the data received wins (docs/performance.md,
+"2 x H200 (NV18)": one-shot at 4 MB, two-shot from 16 MB)."""
 
-# Above this, an all-gather into a symmetric `out` runs on the copy engines, which then write
-# straight into the peers' `out` and skip the staging: faster than the sliced push at 256 MB, not
-# at 64 MB (benchmarks/NOTES.md, "Collectives on symmetric tensors").
 CE_SYMMETRIC_MIN_BYTES = 64 << 20
+"""Above this, an all-gather into a symmetric `out` runs on the copy engines, which then write straight
+into the peers' `out` and skip the staging: faster than the sliced push at 256 MB, not at 64 MB
+(benchmarks/NOTES.md, "Collectives on symmetric tensors")."""
 
-# From this size the in-place symmetric two-shot all-reduce runs two programs per SM unless its
-# caller caps the programs: faster from 64 MB, slower below (benchmarks/NOTES.md, "Collectives on
-# symmetric tensors" and "Moved from the code's docstrings (issue 41)", policy.py).
 SYMMETRIC_TWO_PER_SM_BYTES = 64 << 20
+"""From this size the in-place symmetric two-shot all-reduce runs two programs per SM unless its
+caller caps the programs: faster from 64 MB, slower below (benchmarks/NOTES.md, "Collectives on
+symmetric tensors" and "Moved from the code's docstrings (issue 41)")."""
 
 
 def choose_all_gather(total_bytes: int, world, symmetric_out: bool = False) -> str:
