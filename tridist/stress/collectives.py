@@ -18,7 +18,8 @@ from .cases import (Expected, Invalid, OpCases, Trial, draw_method, log_uniform,
                     seed_of, sum_tolerance)
 
 # Methods that reach their peers through pointers or copy engines, so within one node only.
-ONE_NODE = {"all_gather": ("pull", "ll", "ce"), "reduce_scatter": ("ll", "ce"), "all_reduce": ("ll", "ce")}
+ONE_NODE = {op: tuple(name for name, kind in front.CLASSES.items() if kind.one_node)
+            for op, front in (("all_gather", allgather), ("reduce_scatter", reducescatter), ("all_reduce", allreduce))}
 
 
 def _draw_method(rng, op: str, methods, world, ll_bytes: int) -> str:
