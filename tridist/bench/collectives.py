@@ -17,7 +17,7 @@ import torch.distributed as dist
 import tridist
 from tridist import ops
 from tridist.ops import _protocol
-from tridist.ops.collectives import allgather, allreduce
+from tridist.ops.collectives import allgather, allreduce, reducescatter
 
 from ..runtime.config import parse_bytes
 from . import shared_gpu
@@ -25,8 +25,7 @@ from .results import save, table, title
 from .timing import all_ranks, slowest, time_us
 
 CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
-METHODS = {"allgather": allgather.METHODS, "reducescatter": allreduce.REDUCE_SCATTER_METHODS,
-           "allreduce": allreduce.ALL_REDUCE_METHODS}
+METHODS = {"allgather": allgather.METHODS, "reducescatter": reducescatter.METHODS, "allreduce": allreduce.METHODS}
 # Sizes each method is timed at: LL packets double the bytes on the wire (small messages only); the
 # copy-engine methods pay a barrier and a copy launch per chunk (large messages only).
 LIMITS = {"ll": (0, 1 << 20), "ce": (1 << 20, 1 << 62)}
