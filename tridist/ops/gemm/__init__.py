@@ -29,7 +29,8 @@ itself with `tridist.tune` (every rank together; the choice is cached on disk); 
 dict or None.
 """
 from .allgather_gemm import AllGatherGEMM, ag_gemm
-from .gemm_reduce import GemmAllReduce, GemmReduceScatter, gemm_ar, gemm_rs
+from .gemm_all_reduce import GemmAllReduce, gemm_ar
+from .gemm_reduce_scatter import GemmReduceScatter, gemm_rs
 from .grouped import grouped_gemm
 from .persistent import FP8, configs, default_config, matmul, out_dtype
 

@@ -108,6 +108,13 @@ def default_config(device: torch.device, m: int, n: int, flatten: bool = True, s
     return pick_tile(candidates, m, n, programs_for(device), shards)
 
 
+def refuse_flatten(config, what: str) -> None:
+    """For ops whose kernel Triton cannot flatten (`what`: the op, and where that holds): a config
+    dict with FLATTEN is refused."""
+    if isinstance(config, dict) and config.get("FLATTEN"):
+        raise ValueError(f"{what} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got {config}")
+
+
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
                    flatten: bool = True, shards: int = 1, dtype: torch.dtype = torch.bfloat16,
                    candidates: list[dict] | None = None, default: dict | None = None) -> dict:
