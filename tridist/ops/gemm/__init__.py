@@ -22,6 +22,12 @@ Operands of all four:
   under CUDA-graph replay.
 - Sums over ranks accumulate in fp32; partial tiles travel in the output dtype.
 
+Modules, one per method of each op: `persistent` (the GEMM itself, its configs and checks) and
+`grouped` (the grouped GEMM), local; `allgather_gemm` (ag_gemm's GEMM) with `shard_gather` (its
+two feeders, comm "ce" and "sm", which ag_moe shares); `gemm_reduce_scatter/` (`one_shot`,
+`two_d`) and `gemm_all_reduce/` (`one_shot`, `ll`), each package's `__init__` the op's front;
+`_tiles` (the partial-tile helpers of both); `policy` (every choice and threshold).
+
 Configs: the overlapped GEMMs take `config=`, a dict from
 [`configs(device, dtype=...)`][tridist.ops.gemm.configs], None for
 [`default_config`][tridist.ops.gemm.default_config], or `"tune"` to time every config on the op
