@@ -473,10 +473,21 @@ def cases():
     ]
 
 
+def argument_types(signature: dict) -> list[tuple[tuple[int, ...], str]]:
+    """(path, type) of every argument in `signature`, a tuple argument's elements each with its
+    path ((2, 0): the first element of the third argument), as Triton addresses them in `attrs`. A
+    tuple argument's type is a tuple of types: `{"workspace": ("*i64", "*i64", "i32")}`."""
+    def walk(path, ty):
+        return [leaf for i, t in enumerate(ty) for leaf in walk((*path, i), t)] if isinstance(ty, tuple) \
+            else [(path, ty)]
+
+    return walk((), tuple(signature.values()))
+
+
 def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False, library=None):
     # Pointers and ints divisible by 16, as Triton specialises them at launch when they are (tensors
     # always, sizes usually): the variant that moves data in 16-byte accesses.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values())
+    attrs = {path: [["tt.divisibility", 16]] for path, ty in argument_types(signature)
              if ty.startswith("*") or ty in ("i32", "i64")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": 4, **(options or {}), "debug": debug,
@@ -492,7 +503,7 @@ VECTORISED = {"all_gather_push_kernel",
 
 def scalar_accesses(kernel, signature, compiled) -> list[str]:
     """The 2-byte global loads and stores of a bf16 kernel in VECTORISED (none expected)."""
-    if kernel.__name__ not in VECTORISED or "*bf16" not in signature.values():
+    if kernel.__name__ not in VECTORISED or "*bf16" not in [ty for _, ty in argument_types(signature)]:
         return []
     return re.findall(r"\b(?:ld|st)\.global\.b16\b", compiled.asm["ptx"])
 
@@ -522,7 +533,7 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
             return True
     if not constexprs.get("FLATTEN"):  # (the GEMM cases always give their num_stages)
         return False
-    itemsize = 1 if "fp8" in next(t for t in signature.values() if t.startswith("tensordesc")) else 2
+    itemsize = 1 if "fp8" in next(t for _, t in argument_types(signature) if t.startswith("tensordesc")) else 2
     stage_bytes = itemsize * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
     return compiled.metadata.shared < options["num_stages"] * stage_bytes
 
