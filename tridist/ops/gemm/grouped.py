@@ -284,6 +284,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torc
     bound = (triton.cdiv(x.shape[0], config["BLOCK_M"]) + experts) * triton.cdiv(n, config["BLOCK_N"])
     x_desc = TensorDescriptor.from_tensor(x, [config["BLOCK_M"], config["BLOCK_K"]])
     grouped_gemm_kernel[(min(bound, programs_for(x.device)),)](
-        x_desc, weight_descriptor(w, config), scale_a, scale_b, out, offs, x.shape[0], experts, n, k,
-        E_PAD=triton.next_power_of_2(experts), ZERO_TAIL=zero_tail(x.device), **config)
+        x_desc=x_desc, w_desc=weight_descriptor(w, config), scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out,
+        offs_ptr=offs, T=x.shape[0], E=experts, N=n, K=k, E_PAD=triton.next_power_of_2(experts),
+        ZERO_TAIL=zero_tail(x.device), **config)
     return out

@@ -339,6 +339,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, co
     config = config or default_config(a.device, a.shape[0], b.shape[1], dtype=a.dtype)
     tiles = triton.cdiv(shape[0], config["BLOCK_M"]) * triton.cdiv(shape[1], config["BLOCK_N"])
     a_desc, b_desc = descriptors(a, b, config)
-    matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc, b_desc, scale_a, scale_b, out, shape[0], shape[1],
-                                                         a.shape[1], **config)
+    matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a,
+                                                         scale_b_ptr=scale_b, out_ptr=out, M=shape[0], N=shape[1],
+                                                         K=a.shape[1], **config)
     return out

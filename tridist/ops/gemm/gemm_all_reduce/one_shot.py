@@ -14,19 +14,14 @@ call epochs)
 - A program waits only for the tiles of the same program on the peers, which every rank's program
   sends before it waits: any grid finishes, and the kernel needs no co-resident launch.
 """
-import torch
-import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import Workspace, call_epoch, finish_call, in_slot, sync_program
-from ...method import Method
+from ..._protocol import call_epoch, finish_call, in_slot, sync_program
 from .. import persistent
-from .._tiles import received_tile, send_tile, tile_at, tile_offsets, tiles_in_slot
+from .._tiles import TileMethod, received_tile, send_tile, tile_at, tile_offsets, tiles_in_slot
 
 
 @jit
@@ -69,30 +64,10 @@ def gemm_ar_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr,
     finish_call(calls_ptr)
 
 
-class OneShot(Method):
+class OneShot(TileMethod):
     """gemm_ar on any topology: a workspace of world x per_shard tiles per slot, and
-    `gemm_ar_kernel` on a program per SM (fewer for fewer tiles). Built for an m x k by k x n
-    product of `dtype` with `config` (without FLATTEN); `launch(a, b, out, scale_a, scale_b)` writes
-    the sum over ranks into `out`."""
+    `gemm_ar_kernel` on a program per SM (fewer for fewer tiles)."""
 
     name = "one_shot"
     flatten = False  # Triton cannot fuse its loop over the peers: it takes configs without FLATTEN
-
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict):
-        super().__init__()
-        self.world = w = tridist.world()
-        self.m, self.k, self.n, self.config = m, k, n, config
-        per_shard = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-        self.programs = min(_protocol.programs_for(w.device), per_shard)
-        tiles = w.world_size * per_shard
-        self.workspace = self.own(Workspace(tiles * config["BLOCK_M"] * config["BLOCK_N"],
-                                            persistent.out_dtype(dtype), tiles))
-
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a: torch.Tensor | None,
-               scale_b: torch.Tensor | None) -> None:
-        a_desc, b_desc = persistent.descriptors(a, b, self.config)
-        ws = self.workspace
-        gemm_ar_kernel[(self.programs,)](
-            a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out, tiles_ptr=ws.staging,
-            flags_ptr=ws.flags, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
-            local_world_size=self.world.local_world_size, **self.config)
+    kernel = gemm_ar_kernel

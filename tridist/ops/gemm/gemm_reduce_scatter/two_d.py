@@ -18,23 +18,16 @@ with the same local index there.
      sum to that counterpart (staged where this rank's own partial was, which it has just read);
   3. sum this rank's own tiles: the node's partials and one sum per other node, in fp32.
 - A program waits for tiles that any program of a peer may compute, perhaps one that comes after
-  it in the grid, so the kernel launches co-resident (`kernel[grid](..., coresident=True)`): one
-  program per SM this process may use, fewer if fewer fit (`_protocol.fit_coresident`, asked at
-  the first call and kept, since the grid counts the call epochs).
+  it in the grid, so the kernel launches co-resident (`_tiles.TileMethod.coresident`).
 """
-import torch
-import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import Workspace, call_epoch, finish_call, in_slot, placement
-from ...method import Method
+from ..._protocol import call_epoch, finish_call, in_slot, placement
 from .. import persistent
-from .._tiles import received_tile, send_tile, tile_at, tiles_in_slot
+from .._tiles import TileMethod, received_tile, send_tile, tile_at, tiles_in_slot
 
 
 @jit
@@ -97,33 +90,13 @@ def gemm_rs_2d_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_p
     finish_call(calls_ptr)
 
 
-class TwoD(Method):
+class TwoD(TileMethod):
     """gemm_rs across nodes: a workspace of two regions of world x per_shard tiles per slot, and
-    `gemm_rs_2d_kernel` on one co-resident program per SM (fewer if fewer fit). Built for an m x k
-    by k x n product of `dtype` with `config` (without FLATTEN); `launch(a, b, out, scale_a,
-    scale_b)` writes this rank's m / world_size rows of the sum into `out`."""
+    `gemm_rs_2d_kernel` on one co-resident program per SM (fewer if fewer fit)."""
 
     name = "2d"
     flatten = False  # Triton cannot fuse its three loops: it takes configs without FLATTEN
-
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict):
-        super().__init__()
-        self.world = w = tridist.world()
-        self.m, self.k, self.n, self.config = m, k, n, config
-        block = config["BLOCK_M"] * config["BLOCK_N"]
-        tiles = w.world_size * triton.cdiv(m // w.world_size, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-        self.programs = min(_protocol.programs_for(w.device), tiles)
-        self.fitted = False  # the grid shrinks to what can be resident, at the first call
-        self.workspace = self.own(Workspace(2 * tiles * block, persistent.out_dtype(dtype), 2 * tiles))
-
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a: torch.Tensor | None,
-               scale_b: torch.Tensor | None) -> None:
-        a_desc, b_desc = persistent.descriptors(a, b, self.config)
-        ws = self.workspace
-        args = dict(a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out,
-                    tiles_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
-                    local_world_size=self.world.local_world_size, **self.config)
-        if not self.fitted:
-            self.programs = _protocol.fit_coresident(gemm_rs_2d_kernel, self.programs, 1, **args)
-            self.fitted = True
-        gemm_rs_2d_kernel[(self.programs,)](**args, coresident=True)
+    kernel = gemm_rs_2d_kernel
+    regions = 2
+    scatter = True
+    coresident = True
