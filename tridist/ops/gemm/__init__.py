@@ -26,7 +26,8 @@ Modules, one per method of each op: `persistent` (the GEMM itself, its configs a
 `grouped` (the grouped GEMM), local; `allgather_gemm` (ag_gemm's GEMM) with `shard_gather` (its
 two feeders, comm "ce" and "sm", which ag_moe shares); `gemm_reduce_scatter/` (`one_shot`,
 `two_d`) and `gemm_all_reduce/` (`one_shot`, `ll`), each package's `__init__` the op's front;
-`_tiles` (the partial-tile helpers of both); `policy` (every choice and threshold).
+`_tiles` (what the tile-exchanging methods of both share: sending and reading partial tiles,
+their workspace plan and launch); `policy` (every choice and threshold).
 
 Configs: the overlapped GEMMs take `config=`, a dict from
 [`configs(device, dtype=...)`][tridist.ops.gemm.configs], None for
