@@ -37,7 +37,9 @@ from tridist.ops import _protocol, sync  # noqa: E402
 from tridist.ops.attention import combine, split_kv  # noqa: E402
 from tridist.ops.attention import policy as attention_policy  # noqa: E402
 from tridist.ops.collectives import _copy_engine, _packets, allgather, allreduce, reducescatter  # noqa: E402
-from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
+from tridist.ops.gemm import allgather_gemm, shard_gather  # noqa: E402
+from tridist.ops.gemm.gemm_all_reduce import ll as gemm_ar_ll, one_shot as gemm_ar_one_shot  # noqa: E402
+from tridist.ops.gemm.gemm_reduce_scatter import one_shot as gemm_rs_one_shot, two_d as gemm_rs_two_d  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.moe import allgather_moe, alltoall, ep_low_latency, ep_normal, exchange, expert_parallel  # noqa: E402
@@ -86,16 +88,16 @@ def _gemm_cases():
                 *[(kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16", "flags_ptr": "*i64",
                             "calls_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "local_world_size": "i32",
                             **blocks}, config, options)
-                  for kernel in ((gemm_reduce.gemm_rs_kernel,) if flat else
-                                 (gemm_reduce.gemm_rs_kernel, gemm_reduce.gemm_ar_kernel))],
-                *[(gemm_reduce.gemm_ar_ll_kernel, {**operands, "out_ptr": "*i32", "own_ptr": "*bf16",
-                                                   "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                   "K": "i32", "row": "i32", "slot_numel": "i32",
-                                                   "DTYPE": "constexpr", "STEP": "constexpr", **blocks},
+                  for kernel in ((gemm_rs_one_shot.gemm_rs_kernel,) if flat else
+                                 (gemm_rs_one_shot.gemm_rs_kernel, gemm_ar_one_shot.gemm_ar_kernel))],
+                *[(gemm_ar_ll.gemm_ar_ll_kernel, {**operands, "out_ptr": "*i32", "own_ptr": "*bf16",
+                                                  "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                  "K": "i32", "row": "i32", "slot_numel": "i32",
+                                                  "DTYPE": "constexpr", "STEP": "constexpr", **blocks},
                    {"DTYPE": tl.bfloat16, "STEP": 2048, **config}, options) for _ in (() if flat else (1,))],
-                *[(gemm_reduce.gemm_rs_2d_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
-                                                   "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                   "K": "i32", "local_world_size": "i32", **blocks}, config, options)
+                *[(gemm_rs_two_d.gemm_rs_2d_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
+                                                     "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                     "K": "i32", "local_world_size": "i32", **blocks}, config, options)
                   for _ in (() if flat else (1,))],
             ]
     return cases
@@ -364,7 +366,7 @@ def cases():
             "splits": "i32", "BLOCK": "constexpr"},
            {"COPY_OUT": copy_out, "BLOCK": block}, {"num_warps": warps})
           for copy_out, block, warps in ((True, _largest_step("*bf16"), _step_options("*bf16")["num_warps"]),
-                                         (False, allgather_gemm.PUSH_BLOCK, 8))],
+                                         (False, shard_gather.PUSH_BLOCK, 8))],
         (allgather.ring.all_gather_ring_kernel,
          {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64",
           "n": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32", "splits": "i32",
