@@ -89,7 +89,7 @@ def _group_of(group, what: str):
         return None
     found = groups.at_address(int(_addresses(group).reshape(-1)[0])) if isinstance(group, tl.tensor) else None
     if found is None:
-        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {what} with group={group!r}, "
+        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {what} with a group argument "
                          "which is not a group: pass the kernel a tridist.Group (tridist.group(process_group)) "
                          "and give that argument")
     return found

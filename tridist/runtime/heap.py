@@ -33,6 +33,10 @@ _DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch
 _MAX_DIMS = 8
 _ALLOC, _FREE = 1, 2
 _NO_ROOM = -1
+# Group blocks start this far below the heap's end (at most a sixteenth of the heap): a kernel's
+# masked-off lanes past the end of the top block still point into the heap, as they do past a world
+# block (the emulator refuses addresses outside the heap, masked or not).
+_TOP_GUARD = 1 << 20
 
 
 class SymmetricHeap:
@@ -43,6 +47,7 @@ class SymmetricHeap:
         self.base = transport.heap
         self.nbytes = self.base.numel()
         self.base_ptr = self.base.data_ptr()
+        self._top = (self.nbytes - min(_TOP_GUARD, self.nbytes // 16)) // ALIGNMENT * ALIGNMENT  # group blocks below
         self._blocks: list[tuple[int, int]] = []  # (offset, size), sorted by offset: world and group blocks
         self._owners: dict = {}  # offset -> the Group of a group block (world blocks are absent)
         self._labels: dict[int, tuple[str, torch.dtype, tuple]] = {}  # offset -> (name, dtype, shape)
@@ -151,7 +156,7 @@ class SymmetricHeap:
 
     def _group_offset(self, size: int, nbytes: int, dtype, shape, description, group) -> int:
         """The members' agreed offset, from the top of the heap down (see the module docstring)."""
-        bound = (self.nbytes - size) // ALIGNMENT * ALIGNMENT
+        bound = (self._top - size) // ALIGNMENT * ALIGNMENT
         values = description
         while True:
             mine = self._top_fit(size, bound)
@@ -172,7 +177,7 @@ class SymmetricHeap:
         free among all of this rank's blocks (world and group); _NO_ROOM if there is none."""
         floor = max((o + s for o, s in self._world_blocks()), default=0)
         ends = [0] + [o + s for o, s in self._blocks]
-        starts = [o for o, _ in self._blocks] + [self.nbytes]
+        starts = [o for o, _ in self._blocks] + [self._top]
         for gap_start, gap_end in reversed(list(zip(ends, starts))):  # the gaps between blocks, top first
             candidate = min(bound, gap_end - size) // ALIGNMENT * ALIGNMENT
             if candidate >= max(gap_start, floor):
