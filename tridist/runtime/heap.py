@@ -143,10 +143,11 @@ class SymmetricHeap:
             everyone = self._gather((*description, mine), None)
             self._compare(None, [entry[:-1] for entry in everyone])
             offsets = [entry[-1] for entry in everyone]
+            ranks = range(len(offsets))
         else:
-            offsets = [mine]
+            offsets, ranks = [mine], [self.rank]
         if _NO_ROOM in offsets:
-            raise self._exhausted(nbytes, dtype, shape, [r for r, o in enumerate(offsets) if o == _NO_ROOM], None)
+            raise self._exhausted(nbytes, dtype, shape, [r for r, o in zip(ranks, offsets) if o == _NO_ROOM], None)
         if len(set(offsets)) > 1:
             raise SymmetricAllocationError(
                 "symmetric allocations differ between ranks: the world's allocations so far put this one at heap "
