@@ -123,6 +123,8 @@ def _mesh_groups(w):
     tp, dp = tridist.group(mesh.get_group("tp")), tridist.group(mesh.get_group("dp"))
     assert tp.ranks == (w.rank // 2 * 2, w.rank // 2 * 2 + 1) and dp.ranks == (w.rank % 2, w.rank % 2 + 2)
     assert dp.nodes == ((0, 1) if w.nnodes == 2 else (0, 0)) and dp.nnodes == w.nnodes
+    assert (dp.local_rank, dp.local_size) == ((0, 1) if w.nnodes == 2 else (w.rank // 2, 2))
+    assert (tp.local_rank, tp.local_size, tp.is_one_node) == (w.rank % 2, 2, True)
     # A rank in two groups: each group's allocations are agreed among its members, and this rank's
     # blocks never overlap.
     _allgather_in(tp, group_id=1 + w.rank // 2, n=70, calls=2, tag="tp")
@@ -163,8 +165,8 @@ def test_group_beside_a_rank_doing_other_work(world):
 
 
 def _overlapping_allocations(w):
-    # Each pair of ranks shares one group, in a different order than world order for the last.
-    made = {key: dist.new_group(list(key)) for key in ((0, 1), (1, 2), (2, 0))}
+    # Each pair of ranks shares one group.
+    made = {key: dist.new_group(list(key)) for key in ((0, 1), (1, 2), (0, 2))}
     world_before = tridist.symm_zeros((5,), torch.int32, name="world before")
     mine = {key: tridist.group(pg) for key, pg in made.items() if w.rank in key}
     held = {}
@@ -207,8 +209,14 @@ def test_overlapping_groups_agree_on_offsets(world):
 
 
 def _shmem_forms(w, world_as_group: bool):
-    pg = None if world_as_group else dist.new_group(list(reversed(range(w.world_size))))
+    # Not the world: ranks 1..n-1, whose group ranks are not their world ranks; rank 0 stays out.
+    # (torch.distributed sorts a group's ranks: group order is world order.)
+    pg = None if world_as_group else dist.new_group(list(range(1, w.world_size)))
+    if not world_as_group and w.rank == 0:
+        tridist.barrier_all()
+        return
     g = tridist.group(pg)
+    assert g.is_world == world_as_group
     words = tridist.symm_zeros((g.size,), torch.int64, group=pg)
     counter = tridist.symm_zeros((1,), torch.int64, group=pg)
     out = torch.full((4,), -1, dtype=torch.int64, device=w.device)
@@ -220,15 +228,15 @@ def _shmem_forms(w, world_as_group: bool):
     assert counter.item() == (g.size if g.rank == 0 else 0)
     got = torch.full((1 + g.size,), -1, dtype=torch.int64, device=w.device)
     group_get_kernel[(1,)](words, got, g)
-    following = (g.rank + 1) % g.size
-    assert got.tolist() == [1000 + g.rank, *[1000 + g.rank if i == g.rank else 0 for i in range(g.size)]], following
+    assert got.tolist() == [1000 + g.rank, *[1000 + g.rank if i == g.rank else 0 for i in range(g.size)]]
     g.barrier()
     for t in (counter, words):
         tridist.symm_free(t)
+    tridist.barrier_all()
 
 
 @pytest.mark.parametrize("world_as_group", [False, True])
-@pytest.mark.worlds("1", "3", "2x2")
+@pytest.mark.worlds("3", "2x2")
 def test_shmem_forms_in_a_group(world, world_as_group):
     world.run(_shmem_forms, world_as_group=world_as_group)
 
@@ -322,11 +330,11 @@ def test_group_blocks_come_from_the_top_and_world_blocks_from_the_bottom():
 
 def test_groups_when_the_job_started_torch_distributed():
     """A script that calls `dist.init_process_group` itself before `tridist.init()`, under torchrun:
-    tridist joins it, and the groups work as under `tridist run`."""
+    tridist joins it, and its groups work as under `tridist run`."""
     if backend() != "emulator":
         pytest.skip("the emulator's case; on GPUs NvshmemTransport has always joined a started job")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "tests/scripts/groups_under_torchrun.py"], cwd=ROOT, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "TRIDIST_BACKEND": "emulator"})
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert result.stdout.count("groups correct") == 4, result.stdout
+    assert result.stdout.count("groups correct") == 2, result.stdout

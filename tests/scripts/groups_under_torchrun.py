@@ -1,6 +1,6 @@
 """A job that starts torch.distributed itself (gloo) before `tridist.init()`, as a PyTorch program
-that adopts tridist would, under torchrun: two groups of two ranks each run an all-gather at once
-(tests/test_groups.py)."""
+that adopts tridist would, under torchrun: each rank runs an all-gather within a group of its own at
+the same time (group rank 0 is world rank 1 on rank 1) (tests/test_groups.py)."""
 import os
 import sys
 
@@ -14,9 +14,10 @@ import tridist  # noqa: E402
 from tests.test_groups import _allgather_in  # noqa: E402
 
 w = tridist.init()
-pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-g = tridist.group(pairs[w.rank // 2])
-_allgather_in(g, group_id=w.rank // 2, n=40, calls=2, tag="pair")
+alone = [dist.new_group([rank]) for rank in range(w.world_size)]  # every rank makes every group
+g = tridist.group(alone[w.rank])
+assert (g.ranks, g.rank) == ((w.rank,), 0) and not g.is_world
+_allgather_in(g, group_id=w.rank, n=40, calls=2, tag="alone")
 tridist.barrier_all()
 print(f"rank {w.rank}: groups correct", flush=True)
 tridist.finalize()

@@ -34,16 +34,20 @@ class Group:
     where `peer`/`pe` are ranks of the group.
 
     Equal groups (the same ranks, in the same order) are the same object; `key` is a hashable
-    value that names the group on every member alike (for caches of per-group state).
+    value that names the group on every member alike (for caches of per-group state). The first
+    `tridist.group(pg)` of a group puts its table on the device: not inside a CUDA-graph capture.
 
     Attributes:
         ranks: the world ranks of the members, in group order: group rank i is world rank
-            `ranks[i]` (on GPUs, NVSHMEM's PE).
+            `ranks[i]` (on GPUs, NVSHMEM's PE). torch.distributed sorts a group's ranks, so
+            group order is world order.
         rank: this rank's index in the group.
         size: the number of members.
         key: `ranks`, a hashable name of the group, the same on every member.
         nodes: the node of each member, in group order.
         nnodes: the number of nodes the group spans.
+        local_rank: this rank's index among the members on its node.
+        local_size: the number of members on this rank's node.
         is_one_node: whether every member is on this rank's node (all reachable through
             `dl.symm_at`); otherwise kernels reach members on other nodes with `dl.shmem`.
         is_world: whether the group is the whole world, in world order.
@@ -61,6 +65,8 @@ class Group:
         self.size = len(ranks)
         self.nodes = tuple(w.node_of(r) for r in ranks)
         self.nnodes = len(set(self.nodes))
+        here = [r for r, node in zip(ranks, self.nodes) if node == self.nodes[self.rank]]
+        self.local_rank, self.local_size = here.index(w.rank), len(here)
         self.is_one_node = self.nnodes == 1
         self.is_world = ranks == tuple(range(w.world_size))
         self.process_group = process_group

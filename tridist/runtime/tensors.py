@@ -13,6 +13,7 @@ meet at the barrier, and only they hold the tensor: see `groups.py` and `heap.py
 import torch
 
 from . import groups
+from .errors import TridistError
 from .world import heap, transport, world
 
 SIGNAL_DTYPE = torch.int64
@@ -51,7 +52,7 @@ def symm_empty(shape, dtype: torch.dtype = torch.float32, group=None, name: str 
             `mesh.get_group(dim)`) or a [`tridist.Group`][tridist.Group]: only its members
             allocate, together, and only they hold a copy; the other ranks take no part and do not
             wait. The members agree on the offset (a host collective among them, on every
-            backend, so not while a CUDA graph is captured). None: the world.
+            backend, so not while a CUDA graph is captured: a TridistError). None: the world.
         name: what the report of a wait that expired on a word of it calls it (default:
             "allocation #N", its place among this rank's allocations of the world or the group).
 
@@ -61,9 +62,15 @@ def symm_empty(shape, dtype: torch.dtype = torch.float32, group=None, name: str 
         TypeError: a `group` that is not a process group.
         SymmetricAllocationError: the heap (TRIDIST_HEAP_SIZE) is exhausted, or ranks asked
             for different allocations (what each asked for is in the message).
+        TridistError: a group allocation inside a CUDA-graph capture.
     """
     group, name = _group_and_name(group, name)
-    return heap().allocate(_shape(shape), dtype, name, groups.resolve(group))
+    g = groups.resolve(group)
+    if g is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise TridistError(f"symm_empty(group=...) inside a CUDA-graph capture: the members of group "
+                           f"{list(g.ranks)} agree on the offset through a host exchange, which the capture "
+                           "refuses; allocate before capturing")
+    return heap().allocate(_shape(shape), dtype, name, g)
 
 
 def symm_zeros(shape, dtype: torch.dtype = torch.float32, group=None, name: str | None = None) -> torch.Tensor:

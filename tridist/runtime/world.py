@@ -116,7 +116,10 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
     Reads the launcher's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (set by torchrun or
     `tridist run`; a process started alone is rank 0 of a world of 1), starts the backend chosen
     when tridist was imported and allocates this rank's symmetric heap (TRIDIST_HEAP_SIZE). On
-    GPUs rank r takes GPU LOCAL_RANK. Idempotent: a second call returns the same world.
+    GPUs rank r takes GPU LOCAL_RANK. Starts torch.distributed where the job has not (NCCL on
+    GPUs, gloo in the emulator) and joins it where it has (any backend), so that process groups
+    (`dist.new_group`, a DeviceMesh) work alike on both backends: see
+    [`tridist.group`][tridist.group]. Idempotent: a second call returns the same world.
 
     Args:
         backend: `"nvshmem"` or `"emulator"`; must be the backend tridist was imported with
@@ -131,7 +134,8 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
         TridistError: a backend other than the imported one; already initialised with other
             arguments; called after `finalize()`; `nnodes` that does not divide the world or
             split a host evenly; more ranks on a host than GPUs; in the emulator, a world of
-            more than one rank started by neither `tridist run` nor torchrun, or on several hosts.
+            more than one rank started by neither `tridist run` nor torchrun, or on several hosts,
+            or a torch.distributed started with other ranks than RANK and WORLD_SIZE say.
     """
     if _state.world is not None:
         w = _state.world
