@@ -267,14 +267,15 @@ def _bad_use(w):
         g = tridist.group(pair)
         x = tridist.symm_zeros((4,), torch.int32, group=pair)
         mismatched = (4,) if w.rank == 0 else (5,)
-        with pytest.raises(tridist.SymmetricAllocationError, match=r"group \[0, 1\].*\n  rank 0: allocation #(\d+): "
-                                                                    r"int32\[4\].*\n  rank 1: allocation #\1: int32\[5\]"):
+        differ = r"group \[0, 1\].*\n  rank 0: allocation #(\d+): int32\[4\].*\n  rank 1: allocation #\1: int32\[5\]"
+        with pytest.raises(tridist.SymmetricAllocationError, match=differ):
             tridist.symm_empty(mismatched, torch.int32, group=pair)
         with pytest.raises(IndexError, match="group rank 2, outside the group of 2 ranks"):
             symm_at_kernel[(1,)](x, 2, g)
         with pytest.raises(ValueError, match="not a group: pass the kernel a tridist.Group"):
             symm_at_kernel[(1,)](x, 1, x)
-        with pytest.raises(ValueError, match=r"rank 2 of an address in allocation #\d+ of group \[0, 1\].*holds no copy"):
+        no_copy = r"rank 2 of an address in allocation #\d+ of group \[0, 1\].*holds no copy"
+        with pytest.raises(ValueError, match=no_copy):
             symm_at_world_kernel[(1,)](x, 2)
         with pytest.raises(ValueError, match=r"rank 3 holds no copy of this tensor: group \[0, 1\] allocated it"):
             tridist.peer_tensor(x, 3)

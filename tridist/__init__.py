@@ -18,7 +18,7 @@ from .ops.sync import barrier_all_on_stream, sleep_async
 
 __version__ = "0.1.0"
 
-__all__ = ["BACKEND", "World", "init", "finalize", "world", "Group", "group", "jit", "symm_empty", "symm_zeros", "symm_free",
-           "signals", "peer_tensor", "is_symmetric", "SIGNAL_DTYPE", "barrier_all", "barrier_all_on_stream",
-           "sleep_async", "tune", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
+__all__ = ["BACKEND", "World", "init", "finalize", "world", "Group", "group", "jit", "symm_empty", "symm_zeros",
+           "symm_free", "signals", "peer_tensor", "is_symmetric", "SIGNAL_DTYPE", "barrier_all",
+           "barrier_all_on_stream", "sleep_async", "tune", "TridistError", "NotInitializedError", "WaitTimeoutError", "PeerFailedError",
            "SymmetricAllocationError", "DeviceCheckError", "coresident_programs"]

@@ -518,17 +518,20 @@ def _issue_copy_signal(symbol: tl.constexpr, threads: tl.constexpr, dest, source
 
 @triton.jit
 def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
-    _issue_copy_signal("nvshmem_putmem_signal", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op, _pe(pe, group))
+    _issue_copy_signal("nvshmem_putmem_signal", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op,
+                       _pe(pe, group))
 
 
 @triton.jit
 def putmem_signal_nbi(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
-    _issue_copy_signal("nvshmem_putmem_signal_nbi", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op, _pe(pe, group))
+    _issue_copy_signal("nvshmem_putmem_signal_nbi", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op,
+                       _pe(pe, group))
 
 
 @triton.jit
 def putmem_signal_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
-    _issue_copy_signal("nvshmemx_putmem_signal_block", _WHOLE_BLOCK, dest, source, nbytes, sig_addr, signal, sig_op, _pe(pe, group))
+    _issue_copy_signal("nvshmemx_putmem_signal_block", _WHOLE_BLOCK, dest, source, nbytes, sig_addr, signal, sig_op,
+                       _pe(pe, group))
 
 
 @triton.jit

@@ -136,7 +136,8 @@ class SymmetricHeap:
         """First fit among the world's blocks (the same on every rank), refused where it would overlap
         a group block of this rank."""
         offset = _first_fit(self._world_blocks(), size, self.nbytes)
-        if offset is not None and any(o < offset + size and offset < o + s for o, s in self._blocks if o in self._owners):
+        groups = [(o, s) for o, s in self._blocks if o in self._owners]
+        if offset is not None and any(o < offset + size and offset < o + s for o, s in groups):
             offset = None
         mine = _NO_ROOM if offset is None else offset
         if self.checked:
