@@ -49,6 +49,7 @@ from tridist.ops.stencil import policy as stencil_policy  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
+from . import test_groups as groups  # noqa: E402
 from . import test_language as lang  # noqa: E402
 from . import test_shmem as shmem  # noqa: E402
 from .harness import load_script  # noqa: E402
@@ -107,7 +108,7 @@ def _tutorial_cases():
     """The kernels of tutorials/, which users run on GPUs as they are."""
     t = {name[:2]: load_script("tutorials", name) for name in (
         "01-signals-and-waits", "02-all-gather-push-pull", "03-all-gather-across-nodes", "04-low-latency-packets",
-        "05-reduce-scatter", "06-allgather-gemm", "07-gemm-reduce-scatter")}
+        "05-reduce-scatter", "06-allgather-gemm", "07-gemm-reduce-scatter", "11-groups")}
     queue = {"queue_ptr": "*fp32", "full_ptr": "*i64", "free_ptr": "*i64"}
     sizes = {"SLOTS": "constexpr", "ITEM": "constexpr"}
     gemm = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32}
@@ -133,6 +134,22 @@ def _tutorial_cases():
         (t["07"].gemm_rs, {"a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*fp32", "partials_ptr": "*fp32",
                            "flags_ptr": "*i64", "rows_per_rank": "i32", "N": "i32", "K": "i32", "epoch": "i32",
                            **{name: "constexpr" for name in gemm}}, gemm),
+        (t["11"].all_gather_push, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
+                                   "epoch": "i32", "group": "*i32", "BLOCK": "constexpr"}, {"BLOCK": 256}),
+    ]
+
+
+def _group_cases():
+    """Kernels within a process group (a `tridist.Group` argument, a pointer to its int32 table):
+    through symm_at and notify, through a put with signal, and dl.shmem's other forms."""
+    return [
+        *[(groups.group_allgather_kernel, {"shard_ptr": "*i64", "out_ptr": "*i64", "flags_ptr": "*i64", "n": "i32",
+                                           "epoch": "i32", "group": "*i32", "ACROSS": "constexpr",
+                                           "BLOCK": "constexpr"}, {"ACROSS": across, "BLOCK": 64})
+          for across in (False, True)],
+        (groups.group_forms_kernel, {"words_ptr": "*i64", "counter_ptr": "*i64", "out_ptr": "*i64", "group": "*i32"},
+         {}),
+        (groups.group_get_kernel, {"words_ptr": "*i64", "out_ptr": "*i64", "group": "*i32"}, {}),
     ]
 
 
@@ -472,6 +489,7 @@ def cases():
                                      "rounds": "i32", "initiator": "i32", "n": "i32", "BLOCK": "constexpr"},
          {"BLOCK": 128}),
         *_tutorial_cases(),
+        *_group_cases(),
     ]
 
 
@@ -545,7 +563,8 @@ DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "a
                 "all_reduce_one_shot_kernel", "gemm_rs_kernel", "gemm_ar_kernel", "reduce_ll_kernel",
                 "reduce_ce_kernel", "gemm_ar_ll_kernel", "_bounded_barrier_kernel", "rotate_kernel",
                 "jacobi_fused_kernel", "flash_decode_combine_kernel", "route_kernel", "ag_moe_kernel",
-                "moe_combine_kernel", "all_to_all_v_kernel", "ll_dispatch_kernel", "combine_kernel"}
+                "moe_combine_kernel", "all_to_all_v_kernel", "ll_dispatch_kernel", "combine_kernel",
+                "group_allgather_kernel"}
 
 
 def normalised_ptx(ptx: str) -> str:

@@ -11,8 +11,8 @@ documented here (the `TYPE_CHECKING` block at the end of this file) are those of
 
 | group | functions |
 | --- | --- |
-| identity, addressing | `rank()`, `num_ranks()`, `symm_at(ptr, peer, aligned=True)` |
-| signals | `notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu")`, `wait(ptr, num, scope, semantic, waitValue)` -> token, `consume_token(x, token)` |
+| identity, addressing | `rank(group=None)`, `num_ranks(group=None)`, `symm_at(ptr, peer, group=None, aligned=True)` |
+| signals | `notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu", group=None)`, `wait(ptr, num, scope, semantic, waitValue)` -> token, `consume_token(x, token)` |
 | memory order | `ld`, `st`, `atomic_add`, `atomic_cas`, `atomic_xchg`, `fence()`, `fence_async_proxy()` |
 | time | `global_time_ns()` |
 | checks | `check(condition, message, observed, limit)`: an error naming the rank and kernel (emulator, `TRIDIST_DEBUG=1`) |
@@ -33,6 +33,16 @@ the `_warp` form by its first warp, and the `_block` form by all of its threads.
 
 `dl.shmem` reaches any rank, on this node or another; `symm_at` and `notify` (unless
 `comm_scope="inter_node"`) reach the ranks of this node only.
+
+Groups: a kernel runs within a process group when it is passed the group's
+[`tridist.Group`][tridist.Group] (`tridist.group(process_group)`) as an argument, and gives that
+argument as `group` to the functions that name ranks: `dl.rank(g)` and `dl.num_ranks(g)` are then
+this rank's index in the group and the group's size, and `peer` (`pe` in `dl.shmem`) is a rank of
+the group, translated into the world's rank (NVSHMEM's PE) with one load from the group's table.
+Without `group` (None) ranks are the world's, and the kernel compiles exactly as it would without
+groups. Memory a group allocated (`tridist.symm_empty(..., group=...)`) is held by its members
+only. `wait` and the `ll` functions take this rank's own words, which need no group;
+`dl.shmem.barrier_all` and `sync_all` are the world's (within a group, use signals).
 """
 from typing import TYPE_CHECKING
 
@@ -56,13 +66,14 @@ __all__ = ["rank", "num_ranks", "symm_at", "notify", "wait", "consume_token", "l
 if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, for readers, IDEs and the API reference
     import triton.language as tl
 
-    def rank() -> tl.tensor:
-        """This rank's index in the world, an int32 scalar (NVSHMEM's PE number on GPUs)."""
+    def rank(group=None) -> tl.tensor:
+        """This rank's index in the world, an int32 scalar (NVSHMEM's PE number on GPUs); with
+        `group` (a kernel argument given a `tridist.Group`), its index in the group."""
 
-    def num_ranks() -> tl.tensor:
-        """The number of ranks in the world, an int32 scalar."""
+    def num_ranks(group=None) -> tl.tensor:
+        """The number of ranks in the world, an int32 scalar; with `group`, in the group."""
 
-    def symm_at(ptr: tl.tensor, peer, aligned: tl.constexpr = True) -> tl.tensor:
+    def symm_at(ptr: tl.tensor, peer, group=None, aligned: tl.constexpr = True) -> tl.tensor:
         """`peer`'s address of the symmetric pointer `ptr`: loads and stores through it reach
         `peer`'s copy of the buffer directly (over NVLink or PCIe).
 
@@ -72,7 +83,10 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
         Args:
             ptr: a pointer, or a block of pointers, into a symmetric tensor
                 (`tridist.symm_empty`).
-            peer: the rank whose copy is meant (this rank's own gives `ptr` back).
+            peer: the rank whose copy is meant (this rank's own gives `ptr` back): a rank of
+                the world, or of `group`.
+            group: a kernel argument given a [`tridist.Group`][tridist.Group], or None (the
+                world).
             aligned: tell Triton that the peer's copy is as aligned as `ptr` (true of every
                 symmetric buffer: each rank's heap starts at least 16-byte aligned), so that
                 accesses through the result can be 16 bytes wide. Without it a bf16 kernel
@@ -83,13 +97,14 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
             gives null pointers.
 
         Raises:
-            ValueError: in the emulator, for a peer on another (virtual) node, or a `ptr`
-                outside the symmetric heap.
-            IndexError: in the emulator, for a `peer` outside the world.
+            ValueError: in the emulator, for a peer on another (virtual) node, a `ptr` outside
+                the symmetric heap, a `ptr` in a group's allocation that `peer` does not hold,
+                or a `group` that is not a `tridist.Group`.
+            IndexError: in the emulator, for a `peer` outside the world (the group).
         """
 
     def notify(ptr: tl.tensor, peer, signal=1, sig_op: tl.constexpr = "set",
-               comm_scope: tl.constexpr = "gpu") -> None:
+               comm_scope: tl.constexpr = "gpu", group=None) -> None:
         """Raise `peer`'s signal word at `ptr`: set it to `signal` or add `signal` to it,
         atomically, after every write this program made before the call is visible to `peer`
         (a barrier of the program's threads, then a release at system scope).
@@ -99,12 +114,15 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
 
         Args:
             ptr: a symmetric signal word (`tridist.signals`, int64), this rank's address of it.
-            peer: the rank whose word is raised (may be this rank).
+            peer: the rank whose word is raised (may be this rank): of the world, or of
+                `group`.
             signal: the value to set or add.
             sig_op: `"set"` or `"add"` (a constexpr string; `dl.shmem.SIGNAL_*` are for
                 `dl.shmem`'s functions).
             comm_scope: `"gpu"` or `"intra_node"` store through `symm_at` and reach the ranks
                 of this node; `"inter_node"` signals through NVSHMEM and reaches any rank.
+            group: a kernel argument given a [`tridist.Group`][tridist.Group], or None (the
+                world).
 
         Raises:
             ValueError: in the emulator, for another `sig_op` or `comm_scope`, or a `peer` on

@@ -5,6 +5,11 @@ and a pointer is a real address in this process. Peers' heaps are mapped into th
 `symm_at` is `address - my_base + peer_base`, puts and gets are `memmove`, and signals are atomic
 read-modify-writes under the lock every rank shares. Waits spin in Python, bounded, and watch the
 peers (see `runtime/emulator.py`). The GPU lowering in `_gpu.py` has the same names and meanings.
+
+A `group` argument arrives as a pointer to the group's device table; the emulator finds the
+`tridist.Group` by that address, checks a group rank against the group's size, and translates it
+into a world rank. A peer must also hold the memory reached: an address in a group's allocation
+reaches only that group's members.
 """
 import ctypes
 import time
@@ -15,7 +20,7 @@ from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import TensorHandle, _get_np_dtype
 from triton.runtime.interpreter import _interpreter as _memory
 
-from ..runtime import emulator, wait_report
+from ..runtime import emulator, groups, wait_report
 from ..runtime.errors import DeviceCheckError
 from ..runtime.world import heap, transport, world
 from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SCOPES, SEMANTICS, SIGNAL_ADD, SIGNAL_SET
@@ -77,6 +82,31 @@ def _check_order(what: str, kind: str, scope, semantic) -> None:
     _check_choice(what, "semantic", _value(semantic), SEMANTICS[kind])
 
 
+def _group_of(group, what: str):
+    """The `tridist.Group` of a `group` argument (a pointer to its table), or None for the world."""
+    group = group.value if isinstance(group, tl.constexpr) else group
+    if group is None:
+        return None
+    found = groups.at_address(int(_addresses(group).reshape(-1)[0])) if isinstance(group, tl.tensor) else None
+    if found is None:
+        raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {what} with a group argument "
+                         "which is not a group: pass the kernel a tridist.Group (tridist.group(process_group)) "
+                         "and give that argument")
+    return found
+
+
+def _pe(peer, group, what: str) -> int:
+    """The world rank of `peer`, a rank of `group` (a kernel's group argument) or of the world (None)."""
+    peer = int(_value(peer))
+    g = _group_of(group, what)
+    if g is None:
+        return peer
+    if not 0 <= peer < g.size:
+        raise IndexError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {what} to group rank {peer}, "
+                         f"outside the group of {g.size} ranks {list(g.ranks)}")
+    return g.ranks[peer]
+
+
 def _translate(addresses: np.ndarray, peer: int, what: str, allow_remote_node: bool) -> np.ndarray:
     w = world()
     if not 0 <= peer < w.world_size:
@@ -91,25 +121,34 @@ def _translate(addresses: np.ndarray, peer: int, what: str, allow_remote_node: b
     if offsets.size and (offsets.min() < 0 or offsets.max() >= h.nbytes):
         raise ValueError(f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} of an address outside the "
                          "symmetric heap; use a tensor from tridist.symm_empty")
+    owner = h.group_at(int(offsets.reshape(-1)[0])) if offsets.size else None
+    if owner is not None and peer not in owner.ranks:
+        raise ValueError(f"rank {w.rank}, kernel {emulator.current_kernel()}: {what} to rank {peer} of an address "
+                         f"in {h.name_of(int(addresses.reshape(-1)[0]))}, which group {list(owner.ranks)} allocated: "
+                         f"rank {peer} holds no copy of it; pass the group (its ranks are numbered within it), or "
+                         "allocate for a group that holds both ranks")
     return (offsets + transport().peer_base(peer)).astype(np.uint64)
 
 
-def _peer_ptr(ptr, peer, what: str, allow_remote_node: bool) -> tl.tensor:
-    """`ptr` (a pointer or a block of them) moved to `peer`'s copy of the heap."""
-    return _like(ptr, _translate(_addresses(ptr), int(_value(peer)), what, allow_remote_node))
+def _peer_ptr(ptr, peer, what: str, allow_remote_node: bool, group=None) -> tl.tensor:
+    """`ptr` (a pointer or a block of them) moved to `peer`'s copy of the heap (`peer` a rank of
+    `group`, or of the world)."""
+    return _like(ptr, _translate(_addresses(ptr), _pe(peer, group, what), what, allow_remote_node))
 
 
 # ---- identity and addressing ---------------------------------------------------------------------
-def rank():
-    return _scalar(world().rank, tl.int32)
+def rank(group=None):
+    g = _group_of(group, "dl.rank")
+    return _scalar(world().rank if g is None else g.rank, tl.int32)
 
 
-def num_ranks():
-    return _scalar(world().world_size, tl.int32)
+def num_ranks(group=None):
+    g = _group_of(group, "dl.num_ranks")
+    return _scalar(world().world_size if g is None else g.size, tl.int32)
 
 
-def symm_at(ptr, peer, aligned=True):
-    return _peer_ptr(ptr, peer, "symm_at", allow_remote_node=False)
+def symm_at(ptr, peer, group=None, aligned=True):
+    return _peer_ptr(ptr, peer, "symm_at", allow_remote_node=False, group=group)
 
 
 # ---- memory order --------------------------------------------------------------------------------
@@ -205,23 +244,23 @@ def consume_token(x, token):
     return x
 
 
-def _signal(ptr, peer, signal, add: bool, what: str, allow_remote_node: bool):
+def _signal(ptr, peer, signal, add: bool, what: str, allow_remote_node: bool, group=None):
     """Add `signal` to `peer`'s word at `ptr` (or set the word to it) atomically; returns the word's
     old value."""
-    remote = _peer_ptr(ptr, peer, what, allow_remote_node)
+    remote = _peer_ptr(ptr, peer, what, allow_remote_node, group)
     signal = _value(signal)
     if add:
         return tl.atomic_add(remote, signal)
     return tl.atomic_xchg(remote, signal)
 
 
-def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu"):
+def notify(ptr, peer, signal=1, sig_op="set", comm_scope="gpu", group=None):
     # Only "inter_node" may reach another node: on GPUs the others store through symm_at, which has
     # no address there.
     comm_scope, sig_op = _value(comm_scope), _value(sig_op)
     _check_choice("dl.notify", "comm_scope", comm_scope, _COMM_SCOPES)
     _check_choice("dl.notify", "sig_op", sig_op, _NOTIFY_OPS)
-    _signal(ptr, peer, signal, sig_op == "add", "dl.notify", allow_remote_node=comm_scope == "inter_node")
+    _signal(ptr, peer, signal, sig_op == "add", "dl.notify", allow_remote_node=comm_scope == "inter_node", group=group)
 
 
 # ---- checks -------------------------------------------------------------------------------------
@@ -259,19 +298,18 @@ def wait_prior_kernel():
 
 
 # ---- OpenSHMEM-style API ---------------------------------------------------------------------------
-def my_pe():
-    return rank()
+def my_pe(group=None):
+    return rank(group)
 
 
-def n_pes():
-    return num_ranks()
+def n_pes(group=None):
+    return num_ranks(group)
 
 
-def ptr(dest, pe):
-    pe = int(_value(pe))
-    if not world().same_node(pe):
+def ptr(dest, pe, group=None):
+    if not world().same_node(_pe(pe, group, "shmem.ptr")):
         return _like(dest, np.zeros_like(_addresses(dest)))
-    return symm_at(dest, pe)
+    return symm_at(dest, pe, group)
 
 
 def _copy(dst: int, src: int, nbytes: int) -> None:
@@ -281,35 +319,35 @@ def _copy(dst: int, src: int, nbytes: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
 
-def _remote(dest, pe, what) -> int:
-    return int(_translate(_addresses(dest).reshape(-1)[:1], int(_value(pe)), what, allow_remote_node=True)[0])
+def _remote(dest, pe, what, group) -> int:
+    return int(_translate(_addresses(dest).reshape(-1)[:1], _pe(pe, group, what), what, allow_remote_node=True)[0])
 
 
 def _local(x) -> int:
     return int(_addresses(x).reshape(-1)[0])
 
 
-def putmem(dest, source, nbytes, pe):
-    _copy(_remote(dest, pe, "putmem"), _local(source), int(_value(nbytes)))
+def putmem(dest, source, nbytes, pe, group=None):
+    _copy(_remote(dest, pe, "putmem", group), _local(source), int(_value(nbytes)))
 
 
-def getmem(dest, source, nbytes, pe):
-    _copy(_local(dest), _remote(source, pe, "getmem"), int(_value(nbytes)))
+def getmem(dest, source, nbytes, pe, group=None):
+    _copy(_local(dest), _remote(source, pe, "getmem", group), int(_value(nbytes)))
 
 
-def _shmem_signal(sig_addr, signal, sig_op, pe, what: str):
+def _shmem_signal(sig_addr, signal, sig_op, pe, what: str, group):
     sig_op = _value(sig_op)
     _check_choice(what, "sig_op", sig_op, _SHMEM_SIGNAL_OPS, "dl.shmem.SIGNAL_SET, dl.shmem.SIGNAL_ADD")
-    _signal(sig_addr, pe, signal, sig_op == SIGNAL_ADD.value, what, allow_remote_node=True)
+    _signal(sig_addr, pe, signal, sig_op == SIGNAL_ADD.value, what, allow_remote_node=True, group=group)
 
 
-def signal_op(sig_addr, signal, sig_op, pe):
-    _shmem_signal(sig_addr, signal, sig_op, pe, "shmem.signal_op")
+def signal_op(sig_addr, signal, sig_op, pe, group=None):
+    _shmem_signal(sig_addr, signal, sig_op, pe, "shmem.signal_op", group)
 
 
-def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    putmem(dest, source, nbytes, pe)
-    _shmem_signal(sig_addr, signal, sig_op, pe, "shmem.putmem_signal")
+def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
+    putmem(dest, source, nbytes, pe, group)
+    _shmem_signal(sig_addr, signal, sig_op, pe, "shmem.putmem_signal", group)
 
 
 def signal_wait_until(sig_addr, cmp, cmp_value):
@@ -343,28 +381,29 @@ def barrier_all():
 sync_all = barrier_all
 
 
-def p(dest, value, pe):
-    tl.store(_peer_ptr(dest, pe, "shmem.p", allow_remote_node=True), value)
+def p(dest, value, pe, group=None):
+    tl.store(_peer_ptr(dest, pe, "shmem.p", allow_remote_node=True, group=group), value)
 
 
-def g(source, pe):
-    return tl.load(_peer_ptr(source, pe, "shmem.g", allow_remote_node=True), volatile=True)
+def g(source, pe, group=None):
+    return tl.load(_peer_ptr(source, pe, "shmem.g", allow_remote_node=True, group=group), volatile=True)
 
 
-def atomic_fetch_add(dest, value, pe):
-    return _signal(dest, pe, value, True, "shmem.atomic_fetch_add", allow_remote_node=True)
+def atomic_fetch_add(dest, value, pe, group=None):
+    return _signal(dest, pe, value, True, "shmem.atomic_fetch_add", allow_remote_node=True, group=group)
 
 
-def atomic_inc(dest, pe):
-    _signal(dest, pe, 1, True, "shmem.atomic_inc", allow_remote_node=True)
+def atomic_inc(dest, pe, group=None):
+    _signal(dest, pe, 1, True, "shmem.atomic_inc", allow_remote_node=True, group=group)
 
 
-def atomic_set(dest, value, pe):
-    _signal(dest, pe, value, False, "shmem.atomic_set", allow_remote_node=True)
+def atomic_set(dest, value, pe, group=None):
+    _signal(dest, pe, value, False, "shmem.atomic_set", allow_remote_node=True, group=group)
 
 
-def atomic_compare_swap(dest, cond, value, pe):
-    return tl.atomic_cas(_peer_ptr(dest, pe, "shmem.atomic_compare_swap", allow_remote_node=True), cond, value)
+def atomic_compare_swap(dest, cond, value, pe, group=None):
+    return tl.atomic_cas(_peer_ptr(dest, pe, "shmem.atomic_compare_swap", allow_remote_node=True, group=group), cond,
+                         value)
 
 
 # The emulator copies synchronously, so every issuing form and every ordering call is the same.

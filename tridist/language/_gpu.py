@@ -1,5 +1,11 @@
 """GPU lowering of the device API: inline PTX for memory order, NVSHMEM's device library for the rest.
 
+Groups: a function that takes `group` (a `tridist.Group` passed as a kernel argument, a pointer to
+its int32 table `[rank, size, pe_0, ..., pe_{size-1}]`, `runtime/groups.py`) reads its rank and
+size from the table and translates a group rank `peer` into the PE `pe_peer` with one load. Without
+`group` (None, a constexpr) the test is decided when the kernel compiles, and nothing is added: a
+kernel written for the world compiles as it did before groups came.
+
 NVSHMEM functions are declared with `extern_elementwise` and resolved when Triton links
 `libnvshmem_device.bc` (passed by `tridist.jit`). A Triton program runs every scalar statement on
 all of its threads, so calls NVSHMEM means for one thread (or one warp) sit under a thread-id test.
@@ -166,23 +172,38 @@ def _trap():
 
 # ---- identity and addressing ---------------------------------------------------------------------
 @triton.jit
-def rank():
-    return _my_pe()
+def rank(group=None):
+    if group is None:
+        return _my_pe()
+    else:
+        return tl.load(group)
 
 
 @triton.jit
-def num_ranks():
-    return _n_pes()
+def num_ranks(group=None):
+    if group is None:
+        return _n_pes()
+    else:
+        return tl.load(group + 1)
 
 
 @triton.jit
-def symm_at(ptr, peer, aligned: tl.constexpr = True):
+def _pe(peer, group):
+    """The PE of `peer`: a rank of `group`'s, or of the world's (group None, decided at compile time)."""
+    if group is None:
+        return peer
+    else:
+        return tl.load(group + 2 + peer)
+
+
+@triton.jit
+def symm_at(ptr, peer, group=None, aligned: tl.constexpr = True):
     """`peer`'s address of the symmetric `ptr` (on this node; null on another). With `aligned`, as
     an offset from `ptr` hinted a multiple of 16 bytes (every rank's heap starts at least that
     aligned, so a peer's copy is as aligned as this rank's), so that Triton can move data through
     it in 16-byte accesses; unhinted, the pointer NVSHMEM returns tells Triton nothing, and a bf16
     kernel stores 2 bytes at a time."""
-    remote = _ptr(ptr.to(tl.int64), peer)
+    remote = _ptr(ptr.to(tl.int64), _pe(peer, group))
     if aligned:
         nbytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
         return ptr + tl.multiple_of((remote - ptr.to(tl.int64)) // nbytes, max(1, 16 // nbytes))
@@ -324,22 +345,24 @@ def consume_token(x, token):
 
 
 @triton.jit
-def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm_scope: tl.constexpr = tl.constexpr("gpu")):
+def notify(ptr, peer, signal=1, sig_op: tl.constexpr = tl.constexpr("set"), comm_scope: tl.constexpr = tl.constexpr("gpu"),
+           group=None):
     tl.static_assert(comm_scope == "gpu" or comm_scope == "intra_node" or comm_scope == "inter_node",
                      "dl.notify: comm_scope is 'gpu', 'intra_node' or 'inter_node'")
     tl.static_assert(sig_op == "set" or sig_op == "add",
                      "dl.notify: sig_op is 'set' or 'add' (dl.shmem.SIGNAL_* are for dl.shmem's functions)")
     # Every thread's earlier writes must be visible before the signal: the barrier makes them
     # visible to the signalling thread, and its release (or NVSHMEM's fence) carries them along.
+    pe = _pe(peer, group)
     _sync_threads()
     if comm_scope == "inter_node":
         if _thread_index() == 0:
             if sig_op == "add":
-                _signal_op(ptr.to(tl.int64), tl.cast(signal, tl.uint64), SIGNAL_ADD, peer)
+                _signal_op(ptr.to(tl.int64), tl.cast(signal, tl.uint64), SIGNAL_ADD, pe)
             else:
-                _signal_op(ptr.to(tl.int64), tl.cast(signal, tl.uint64), SIGNAL_SET, peer)
+                _signal_op(ptr.to(tl.int64), tl.cast(signal, tl.uint64), SIGNAL_SET, pe)
     else:
-        remote = symm_at(ptr, peer)
+        remote = symm_at(ptr, pe)
         if sig_op == "add":
             tl.atomic_add(remote, signal, sem="release", scope="sys")
         else:
@@ -422,63 +445,63 @@ def _issue_copy(symbol: tl.constexpr, threads: tl.constexpr, dest, source, nbyte
 
 
 @triton.jit
-def putmem(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_putmem", _ONE_THREAD, dest, source, nbytes, pe)
+def putmem(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmem_putmem", _ONE_THREAD, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def putmem_nbi(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_putmem_nbi", _ONE_THREAD, dest, source, nbytes, pe)
+def putmem_nbi(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmem_putmem_nbi", _ONE_THREAD, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def putmem_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_warp", _FIRST_WARP, dest, source, nbytes, pe)
+def putmem_warp(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_putmem_warp", _FIRST_WARP, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def putmem_nbi_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_nbi_warp", _FIRST_WARP, dest, source, nbytes, pe)
+def putmem_nbi_warp(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_putmem_nbi_warp", _FIRST_WARP, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def putmem_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
+def putmem_block(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_putmem_block", _WHOLE_BLOCK, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def putmem_nbi_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_putmem_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
+def putmem_nbi_block(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_putmem_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def getmem(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_getmem", _ONE_THREAD, dest, source, nbytes, pe)
+def getmem(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmem_getmem", _ONE_THREAD, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def getmem_nbi(dest, source, nbytes, pe):
-    _issue_copy("nvshmem_getmem_nbi", _ONE_THREAD, dest, source, nbytes, pe)
+def getmem_nbi(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmem_getmem_nbi", _ONE_THREAD, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def getmem_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_warp", _FIRST_WARP, dest, source, nbytes, pe)
+def getmem_warp(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_getmem_warp", _FIRST_WARP, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def getmem_nbi_warp(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_nbi_warp", _FIRST_WARP, dest, source, nbytes, pe)
+def getmem_nbi_warp(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_getmem_nbi_warp", _FIRST_WARP, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def getmem_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
+def getmem_block(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_getmem_block", _WHOLE_BLOCK, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
-def getmem_nbi_block(dest, source, nbytes, pe):
-    _issue_copy("nvshmemx_getmem_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, pe)
+def getmem_nbi_block(dest, source, nbytes, pe, group=None):
+    _issue_copy("nvshmemx_getmem_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, _pe(pe, group))
 
 
 @triton.jit
@@ -494,28 +517,32 @@ def _issue_copy_signal(symbol: tl.constexpr, threads: tl.constexpr, dest, source
 
 
 @triton.jit
-def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    _issue_copy_signal("nvshmem_putmem_signal", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+def putmem_signal(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
+    _issue_copy_signal("nvshmem_putmem_signal", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op,
+                       _pe(pe, group))
 
 
 @triton.jit
-def putmem_signal_nbi(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    _issue_copy_signal("nvshmem_putmem_signal_nbi", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+def putmem_signal_nbi(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
+    _issue_copy_signal("nvshmem_putmem_signal_nbi", _ONE_THREAD, dest, source, nbytes, sig_addr, signal, sig_op,
+                       _pe(pe, group))
 
 
 @triton.jit
-def putmem_signal_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
-    _issue_copy_signal("nvshmemx_putmem_signal_block", _WHOLE_BLOCK, dest, source, nbytes, sig_addr, signal, sig_op, pe)
+def putmem_signal_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
+    _issue_copy_signal("nvshmemx_putmem_signal_block", _WHOLE_BLOCK, dest, source, nbytes, sig_addr, signal, sig_op,
+                       _pe(pe, group))
 
 
 @triton.jit
-def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe):
+def putmem_signal_nbi_block(dest, source, nbytes, sig_addr, signal, sig_op, pe, group=None):
     _issue_copy_signal("nvshmemx_putmem_signal_nbi_block", _WHOLE_BLOCK, dest, source, nbytes, sig_addr, signal,
-                       sig_op, pe)
+                       sig_op, _pe(pe, group))
 
 
 @triton.jit
-def signal_op(sig_addr, signal, sig_op, pe):
+def signal_op(sig_addr, signal, sig_op, pe, group=None):
+    pe = _pe(pe, group)
     if _thread_index() == 0:
         _signal_op(sig_addr.to(tl.int64), tl.cast(signal, tl.uint64), sig_op, pe)
 
@@ -558,14 +585,15 @@ def sync_all():
 
 
 @triton.jit
-def p(dest, value, pe):
+def p(dest, value, pe, group=None):
+    pe = _pe(pe, group)
     if _thread_index() == 0:
         _typed_put(dest, tl.cast(value, dest.dtype.element_ty), pe)
 
 
 @triton.jit
-def g(source, pe):
-    return _typed_get(source, pe)
+def g(source, pe, group=None):
+    return _typed_get(source, _pe(pe, group))
 
 
 @triton.jit
@@ -579,7 +607,8 @@ def _from_first_thread(value):
 
 
 @triton.jit
-def atomic_fetch_add(dest, value, pe):
+def atomic_fetch_add(dest, value, pe, group=None):
+    pe = _pe(pe, group)
     old = tl.zeros((), dest.dtype.element_ty)
     if _thread_index() == 0:
         old = _typed_atomic("fetch_add", dest, (tl.cast(value, dest.dtype.element_ty),), pe)
@@ -587,7 +616,8 @@ def atomic_fetch_add(dest, value, pe):
 
 
 @triton.jit
-def atomic_compare_swap(dest, cond, value, pe):
+def atomic_compare_swap(dest, cond, value, pe, group=None):
+    pe = _pe(pe, group)
     old = tl.zeros((), dest.dtype.element_ty)
     if _thread_index() == 0:
         old = _typed_atomic("compare_swap", dest, (tl.cast(cond, dest.dtype.element_ty), tl.cast(value, dest.dtype.element_ty)), pe)
@@ -595,13 +625,15 @@ def atomic_compare_swap(dest, cond, value, pe):
 
 
 @triton.jit
-def atomic_inc(dest, pe):
+def atomic_inc(dest, pe, group=None):
+    pe = _pe(pe, group)
     if _thread_index() == 0:
         _typed_atomic("inc", dest, (), pe)
 
 
 @triton.jit
-def atomic_set(dest, value, pe):
+def atomic_set(dest, value, pe, group=None):
+    pe = _pe(pe, group)
     if _thread_index() == 0:
         _typed_atomic("set", dest, (tl.cast(value, dest.dtype.element_ty),), pe)
 

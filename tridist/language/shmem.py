@@ -9,7 +9,9 @@ Conventions of every function here:
 - `dest`/`source` are symmetric addresses (pointers into tensors from `tridist.symm_empty`)
   where the remote side is meant, and any local address elsewhere (across nodes, put from
   symmetric memory: the network reads only memory NVSHMEM registered); `nbytes` counts bytes;
-  `pe` is a rank.
+  `pe` is a rank: of the world, or, where the last argument `group` is given (a kernel argument
+  given a [`tridist.Group`][tridist.Group]), of that group (`my_pe(group)` and `n_pes(group)`
+  likewise). `barrier_all` and `sync_all` are the world's.
 - Plain forms are issued by one thread of the program, `_warp` by its first warp, `_block` by
   all of its threads (the whole program cooperates in one transfer: the fast form for large
   data).
@@ -67,18 +69,19 @@ __all__ = ["my_pe", "n_pes", "ptr", "signal_op", "signal_wait_until", "quiet", "
 if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, for readers, IDEs and the API reference
     import triton.language as tl
 
-    def my_pe() -> tl.tensor:
-        """This rank, as [`dl.rank`][tridist.language.rank]."""
+    def my_pe(group=None) -> tl.tensor:
+        """This rank, as [`dl.rank`][tridist.language.rank] (in `group`, if given)."""
 
-    def n_pes() -> tl.tensor:
-        """The number of ranks, as [`dl.num_ranks`][tridist.language.num_ranks]."""
+    def n_pes(group=None) -> tl.tensor:
+        """The number of ranks, as [`dl.num_ranks`][tridist.language.num_ranks] (of `group`, if
+        given)."""
 
-    def ptr(dest: tl.tensor, pe) -> tl.tensor:
+    def ptr(dest: tl.tensor, pe, group=None) -> tl.tensor:
         """`pe`'s address of the symmetric `dest` if `pe` is load/store reachable (on this
         node), else a null pointer (`nvshmem_ptr`). Unlike `dl.symm_at`, asking about a rank on
         another node is not an error."""
 
-    def putmem(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def putmem(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """Copy `nbytes` bytes from local `source` to `dest` on rank `pe`; returns once `source`
         may be reused (one thread issues it).
 
@@ -87,44 +90,46 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
             source: local data (symmetric memory for a `pe` on another node).
             nbytes: bytes to copy.
             pe: the destination rank.
+            group: a kernel argument given a `tridist.Group` (then `pe` is a rank of the
+                group), or None.
         """
 
-    def putmem_nbi(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def putmem_nbi(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`putmem` that returns at once; `quiet()` completes it."""
 
-    def putmem_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def putmem_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`putmem` issued by the program's first warp."""
 
-    def putmem_nbi_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def putmem_nbi_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`putmem_nbi` issued by the program's first warp."""
 
-    def putmem_block(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def putmem_block(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`putmem` issued by every thread of the program together."""
 
-    def putmem_nbi_block(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def putmem_nbi_block(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`putmem_nbi` issued by every thread of the program together."""
 
-    def getmem(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def getmem(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """Copy `nbytes` bytes from `source` on rank `pe` (this rank's address of the symmetric
         source) to local `dest`; returns once the data is in `dest`."""
 
-    def getmem_nbi(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def getmem_nbi(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`getmem` that returns at once; `quiet()` completes it."""
 
-    def getmem_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def getmem_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`getmem` issued by the program's first warp."""
 
-    def getmem_nbi_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def getmem_nbi_warp(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`getmem_nbi` issued by the program's first warp."""
 
-    def getmem_block(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def getmem_block(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`getmem` issued by every thread of the program together."""
 
-    def getmem_nbi_block(dest: tl.tensor, source: tl.tensor, nbytes, pe) -> None:
+    def getmem_nbi_block(dest: tl.tensor, source: tl.tensor, nbytes, pe, group=None) -> None:
         """`getmem_nbi` issued by every thread of the program together."""
 
     def putmem_signal(dest: tl.tensor, source: tl.tensor, nbytes, sig_addr: tl.tensor, signal, sig_op,
-                      pe) -> None:
+                      pe, group=None) -> None:
         """`putmem`, then raise the signal word `sig_addr` on `pe` once the data has landed
         there: a reader that waits for the signal may read the data (one thread issues it).
 
@@ -136,22 +141,24 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
             signal: the value to set or add.
             sig_op: `SIGNAL_SET` or `SIGNAL_ADD`.
             pe: the destination rank.
+            group: a kernel argument given a `tridist.Group` (then `pe` is a rank of the
+                group), or None.
         """
 
     def putmem_signal_nbi(dest: tl.tensor, source: tl.tensor, nbytes, sig_addr: tl.tensor, signal, sig_op,
-                          pe) -> None:
+                          pe, group=None) -> None:
         """`putmem_signal` that returns at once; `quiet()` completes it."""
 
     def putmem_signal_block(dest: tl.tensor, source: tl.tensor, nbytes, sig_addr: tl.tensor, signal, sig_op,
-                            pe) -> None:
+                            pe, group=None) -> None:
         """`putmem_signal` issued by every thread of the program together."""
 
     def putmem_signal_nbi_block(dest: tl.tensor, source: tl.tensor, nbytes, sig_addr: tl.tensor, signal,
-                                sig_op, pe) -> None:
+                                sig_op, pe, group=None) -> None:
         """`putmem_signal_nbi` issued by every thread of the program together: what the ops use
         to send a slice across nodes."""
 
-    def signal_op(sig_addr: tl.tensor, signal, sig_op, pe) -> None:
+    def signal_op(sig_addr: tl.tensor, signal, sig_op, pe, group=None) -> None:
         """Set (`SIGNAL_SET`) or add to (`SIGNAL_ADD`) the signal word `sig_addr` on rank `pe`,
         atomically, with no data (one thread issues it). Unlike
         [`dl.notify`][tridist.language.notify] it does not order the program's earlier stores
@@ -187,23 +194,23 @@ if TYPE_CHECKING:  # pragma: no cover - never run: the documented signatures, fo
     def sync_all_block() -> None:
         """The same as `sync_all`."""
 
-    def p(dest: tl.tensor, value, pe) -> None:
+    def p(dest: tl.tensor, value, pe, group=None) -> None:
         """Store one element `value` at `dest` on rank `pe` (int32, int64, uint32, uint64,
         fp32 or fp64 elements; one thread issues it)."""
 
-    def g(source: tl.tensor, pe) -> tl.tensor:
+    def g(source: tl.tensor, pe, group=None) -> tl.tensor:
         """Load one element from `source` on rank `pe` (the element types of `p`)."""
 
-    def atomic_fetch_add(dest: tl.tensor, value, pe) -> tl.tensor:
+    def atomic_fetch_add(dest: tl.tensor, value, pe, group=None) -> tl.tensor:
         """Add `value` to the word `dest` on rank `pe` atomically; returns the old value to every
         thread (int32, int64, uint32 or uint64 words)."""
 
-    def atomic_inc(dest: tl.tensor, pe) -> None:
+    def atomic_inc(dest: tl.tensor, pe, group=None) -> None:
         """Add 1 to the word `dest` on rank `pe` atomically."""
 
-    def atomic_set(dest: tl.tensor, value, pe) -> None:
+    def atomic_set(dest: tl.tensor, value, pe, group=None) -> None:
         """Set the word `dest` on rank `pe` to `value` atomically."""
 
-    def atomic_compare_swap(dest: tl.tensor, cond, value, pe) -> tl.tensor:
+    def atomic_compare_swap(dest: tl.tensor, cond, value, pe, group=None) -> tl.tensor:
         """Store `value` into the word `dest` on rank `pe` if it equals `cond`, atomically;
         returns the old value to every thread."""

@@ -7,6 +7,14 @@ block of 64-bit words that the host side of the runtime uses (state, pid, barrie
 slot); and all of them lock `atomics.lock` around atomic read-modify-writes. Every rank maps every
 other rank's heap, so a peer's buffer is plain memory at `peer_base + offset`.
 
+Host gathers (`allgather_ints`) run among any set of ranks, the world or a group's members, and
+only those take part. Each rank has one gather slot, tagged with the gather it holds (the members
+and that set's count of gathers); a member waits for each peer's slot to carry the tag it expects,
+reads it and counts one more read of that peer's slots in its own control block. A rank rewrites
+its slot only once every reader of what it holds has counted it, so a rank can go on to another
+group's gather while a slow member of the last one is still reading, and no barrier follows a
+gather. (Two ranks in two groups must use them in the same order, as with any blocking collective.)
+
 Waits here are always bounded, and while they spin they watch the peers: a peer that failed or
 whose process is gone ends the wait at once with `PeerFailedError` instead of a timeout.
 """
@@ -25,11 +33,13 @@ from . import config
 from .errors import PeerFailedError, WaitTimeoutError
 
 # Control block layout, in 64-bit words: state, pid, host barrier count, then the gather slot
-# (sequence number, length, values). 64 words hold the longest gather, a symmetric allocation's
-# description (`heap._agree`: 5 words and a shape of up to 8), with room to spare.
-_STATE, _PID, _BARRIER, _GATHER_SEQ, _GATHER_LEN, _GATHER = range(6)
-_CTL_WORDS = 64
-_GATHER_MAX = _CTL_WORDS - _GATHER
+# (tag, length, values), then one word per rank: how many of that rank's gather slots this rank has
+# read. 58 values hold the longest gather, a symmetric allocation's description and proposed offset
+# (`heap.py`: 6 words and a shape of up to 8), with room to spare.
+_STATE, _PID, _BARRIER, _GATHER_TAG, _GATHER_LEN, _GATHER = range(6)
+_SLOT_END = 64
+_GATHER_MAX = _SLOT_END - _GATHER
+_READS = _SLOT_END
 _READY, _FINISHED, _FAILED = 1, 2, 3
 _STARTUP_TIMEOUT_S = 300.0
 _SHARED_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None  # None: the default temporary folder
@@ -121,11 +131,13 @@ class EmulatorTransport:
     def __init__(self, folder: str, rank: int, world_size: int, heap_bytes: int):
         self.folder, self.rank, self.world_size, self.heap_bytes = folder, rank, world_size, heap_bytes
         self._barriers = 0
-        self._gathers = 0
+        self._gathers: dict = {}  # members -> gathers among them so far
+        self._sent = [0] * world_size  # per peer: gathers of mine that it has to read
+        self._ctl_words = _SLOT_END + world_size
         self._lock_file = open(os.path.join(folder, "atomics.lock"), "a+")
         self._thread_lock = threading.RLock()
         self.heap = _map(self._path("heap", rank), heap_bytes, create=True)
-        ctl = _map(self._path("ctl", rank), _CTL_WORDS * 8, create=True)
+        ctl = _map(self._path("ctl", rank), self._ctl_words * 8, create=True)
         self._ctl = [None] * world_size
         self._ctl[rank] = ctl.view(torch.int64)
         self._ctl[rank][_PID] = os.getpid()
@@ -143,14 +155,14 @@ class EmulatorTransport:
             if peer == self.rank:
                 continue
             path = self._path("ctl", peer)
-            while not (os.path.exists(path) and os.path.getsize(path) == _CTL_WORDS * 8):
+            while not (os.path.exists(path) and os.path.getsize(path) == self._ctl_words * 8):
                 if time.monotonic() > deadline:
                     raise PeerFailedError(
                         f"rank {self.rank}: rank {peer} did not start within {_STARTUP_TIMEOUT_S:.0f} s "
                         f"(no {path}); start every rank with `tridist run -n {self.world_size}`"
                     )
                 time.sleep(0.01)
-            self._ctl[peer] = _map(path, _CTL_WORDS * 8, create=False).view(torch.int64)
+            self._ctl[peer] = _map(path, self._ctl_words * 8, create=False).view(torch.int64)
             spin_until(lambda: int(self._ctl[peer][_STATE]) != 0,
                        lambda waited: f"rank {self.rank}: rank {peer} never became ready in {waited:.0f} s",
                        timeout_s=_STARTUP_TIMEOUT_S)
@@ -176,7 +188,11 @@ class EmulatorTransport:
             if state == _READY and not _alive(int(self._ctl[peer][_PID])):
                 raise PeerFailedError(f"rank {self.rank}: rank {peer} (pid {int(self._ctl[peer][_PID])}) died")
 
-    def barrier(self) -> None:
+    def barrier(self, group=None) -> None:
+        """Host barrier of every rank, or of `group`'s members only (a gather of nothing)."""
+        if group is not None and not group.is_world:
+            self.allgather_ints((), group)
+            return
         self._barriers += 1
         target = self._barriers
         self._ctl[self.rank][_BARRIER] = target
@@ -187,34 +203,52 @@ class EmulatorTransport:
             transport=self,
         )
 
-    def allgather_ints(self, values: tuple) -> list:
-        """Every rank's tuple of small ints, in rank order."""
+    def allgather_ints(self, values: tuple, group=None) -> list:
+        """Every member's tuple of small ints, in group order: among `group`'s members (a Group),
+        or every rank (None); the others take no part (see the module docstring)."""
         if len(values) > _GATHER_MAX:
             raise ValueError(f"allgather_ints takes at most {_GATHER_MAX} values")
-        self._gathers += 1
+        members = tuple(range(self.world_size)) if group is None else group.ranks
+        seq = self._gathers[members] = self._gathers.get(members, 0) + 1
+        what = f"host gather #{seq} of {'the world' if group is None else f'group {list(members)}'}"
         mine = self._ctl[self.rank]
+        for peer, sent in enumerate(self._sent):  # every reader of what the slot holds has read it
+            if sent and int(self._ctl[peer][_READS + self.rank]) < sent:
+                spin_until(lambda peer=peer, sent=sent: int(self._ctl[peer][_READS + self.rank]) >= sent,
+                           lambda waited, peer=peer: f"rank {self.rank}: {what}: rank {peer} did not read this "
+                           f"rank's previous gather within {waited:.1f} s (TRIDIST_WAIT_TIMEOUT raises the limit)",
+                           transport=self)
+        tag = _gather_tag(members, seq)
+        mine[_GATHER_TAG] = 0
         mine[_GATHER:_GATHER + len(values)] = torch.tensor(values, dtype=torch.int64)
         mine[_GATHER_LEN] = len(values)
-        mine[_GATHER_SEQ] = self._gathers
-        seq = self._gathers
-        spin_until(lambda: all(int(c[_GATHER_SEQ]) >= seq for c in self._ctl),
-                   lambda waited: f"rank {self.rank}: host gather #{seq} timed out after {waited:.1f} s "
-                   "(TRIDIST_WAIT_TIMEOUT raises the limit)", transport=self)
-        out = [tuple(int(v) for v in c[_GATHER:_GATHER + int(c[_GATHER_LEN])]) for c in self._ctl]
-        self.barrier()  # nobody overwrites its slot before everyone has read it
+        mine[_GATHER_TAG] = tag  # last: a reader that sees the tag sees the values
+        out = []
+        for peer in members:
+            if peer == self.rank:
+                out.append(tuple(int(v) for v in values))
+                continue
+            self._sent[peer] += 1
+            theirs = self._ctl[peer]
+            spin_until(lambda: int(theirs[_GATHER_TAG]) == tag,
+                       lambda waited, peer=peer: f"rank {self.rank}: {what} timed out after {waited:.1f} s waiting "
+                       f"for rank {peer} (TRIDIST_WAIT_TIMEOUT raises the limit)", transport=self)
+            out.append(tuple(int(v) for v in theirs[_GATHER:_GATHER + int(theirs[_GATHER_LEN])]))
+            mine[_READS + peer] += 1
         return out
 
-    def allgather_objects(self, value) -> list:
-        """Every rank's `value` (any picklable object, such as an error message), in rank order:
-        pickled and carried through `allgather_ints`, its length and first words in one round (what
-        the ops' checks send fits), the rest in as many more as the longest takes."""
+    def allgather_objects(self, value, group=None) -> list:
+        """Every member's `value` (any picklable object, such as an error message), in group order
+        (`group` as in `allgather_ints`): pickled and carried through `allgather_ints`, its length
+        and first words in one round (what the ops' checks send fits), the rest in as many more as
+        the longest takes."""
         data = pickle.dumps(value)
         mine = torch.frombuffer(bytearray(data.ljust(-(-len(data) // 8) * 8, b"\0")), dtype=torch.int64).tolist()
-        first = self.allgather_ints((len(data), *mine[:_GATHER_MAX - 1]))
+        first = self.allgather_ints((len(data), *mine[:_GATHER_MAX - 1]), group)
         sizes, parts = [size for size, *_ in first], [list(words) for _, *words in first]
         for start in range(_GATHER_MAX - 1, -(-max(sizes) // 8), _GATHER_MAX):
-            for rank, words in enumerate(self.allgather_ints(tuple(mine[start:start + _GATHER_MAX]))):
-                parts[rank] += words
+            for index, words in enumerate(self.allgather_ints(tuple(mine[start:start + _GATHER_MAX]), group)):
+                parts[index] += words
         return [pickle.loads(torch.tensor(words, dtype=torch.int64).numpy().tobytes()[:size])
                 for size, words in zip(sizes, parts)]
 
@@ -248,6 +282,12 @@ class _AtomicLock:
     def __exit__(self, *exc):
         fcntl.flock(self._lock_file, fcntl.LOCK_UN)
         self._thread_lock.release()
+
+
+def _gather_tag(members: tuple, seq: int) -> int:
+    """A word that names gather `seq` among `members` (never 0, which marks a slot being written)."""
+    digest = hashlib.blake2b(repr((members, seq)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
 
 
 def _alive(pid: int) -> bool:

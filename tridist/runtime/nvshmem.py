@@ -90,22 +90,31 @@ class NvshmemTransport:
                           for peer in range(world_size)]
         self.heaps[rank] = self.heap
 
-    def barrier(self) -> None:
+    def barrier(self, group=None) -> None:
+        """Host barrier of every rank, or of `group`'s members only (a Group), after the device work
+        queued before it."""
         torch.cuda.synchronize(self.device)
-        dist.barrier(device_ids=self._barrier_devices)
+        dist.barrier(group=_process_group(group), device_ids=self._barrier_devices)
         torch.cuda.synchronize(self.device)
 
-    def allgather_objects(self, value) -> list:
-        """Every rank's `value` (any picklable object), in rank order. A host collective that moves
-        a pickle through the process group: never while a CUDA graph is captured (with NCCL it copies
-        a CPU tensor to the GPU, which a capture refuses)."""
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, value)
+    def allgather_objects(self, value, group=None) -> list:
+        """Every member's `value` (any picklable object), in group order, among `group`'s members (a
+        Group) or every rank (None). A host collective that moves a pickle through the process group:
+        never while a CUDA graph is captured (with NCCL it copies a CPU tensor to the GPU, which a
+        capture refuses)."""
+        process_group = _process_group(group)
+        everyone = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(everyone, value, group=process_group)
         return everyone
 
-    def allgather_ints(self, values: tuple) -> list:
-        return self.allgather_objects(tuple(values))
+    def allgather_ints(self, values: tuple, group=None) -> list:
+        return self.allgather_objects(tuple(values), group)
 
     def close(self, failed: bool = False) -> None:
         if not failed:
             torch.cuda.synchronize(self.device)
+
+
+def _process_group(group):
+    """The torch.distributed group of a Group (None: the default group, the world)."""
+    return None if group is None or group.is_world else group.process_group

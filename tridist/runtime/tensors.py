@@ -6,9 +6,14 @@ Allocating is collective: every rank must allocate and free the same shapes in t
 that offsets agree. In the emulator and with TRIDIST_DEBUG=1 each allocation and free also waits
 for every rank (they compare what they asked for, `heap.py`), and `symm_zeros` and `signals` end
 with a barrier on every backend.
+
+With `group=` (a torch.distributed process group) only the group's members allocate, free and
+meet at the barrier, and only they hold the tensor: see `groups.py` and `heap.py`.
 """
 import torch
 
+from . import groups
+from .errors import TridistError
 from .world import heap, transport, world
 
 SIGNAL_DTYPE = torch.int64
@@ -22,49 +27,74 @@ def _shape(shape) -> tuple:
     return shape
 
 
-def symm_empty(shape, dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
+def _group_and_name(group, name):
+    """`name` given where `group` now stands (`symm_empty(shape, dtype, "staging")`, as callers wrote
+    before `group=` came): taken as the name, so that they keep working until they pass `name=`."""
+    if isinstance(group, str):
+        return None, group
+    return group, name
+
+
+def symm_empty(shape, dtype: torch.dtype = torch.float32, group=None, name: str | None = None) -> torch.Tensor:
     """An uninitialised symmetric tensor: a torch tensor (CUDA on GPUs, CPU in the emulator) in
     this rank's symmetric heap, at the same offset as every other rank's copy, which kernels
     reach with `dl.symm_at` and `dl.shmem`.
 
-    Collective: every rank must allocate the same shapes and dtypes in the same order (checked
-    in the emulator and with TRIDIST_DEBUG=1, where every rank waits for the others). An empty
-    shape gives an empty regular tensor (torch gives empty tensors no address), which
-    `symm_free` takes back all the same.
+    Collective: every rank (with `group`, every member of the group) must allocate the same
+    shapes and dtypes in the same order (checked in the emulator and with TRIDIST_DEBUG=1, where
+    every rank waits for the others). An empty shape gives an empty regular tensor (torch gives
+    empty tensors no address), which `symm_free` takes back all the same.
 
     Args:
         shape: an int or a sequence of ints.
         dtype: the element type.
+        group: a `torch.distributed.ProcessGroup` (from `dist.new_group`, or a DeviceMesh's
+            `mesh.get_group(dim)`) or a [`tridist.Group`][tridist.Group]: only its members
+            allocate, together, and only they hold a copy; the other ranks take no part and do not
+            wait. The members agree on the offset (a host collective among them, on every
+            backend, so not while a CUDA graph is captured: a TridistError). None: the world.
         name: what the report of a wait that expired on a word of it calls it (default:
-            "allocation #N", its place among this rank's allocations).
+            "allocation #N", its place among this rank's allocations of the world or the group).
 
     Raises:
-        ValueError: a shape that is not non-negative ints, or a dtype the heap does not take.
+        ValueError: a shape that is not non-negative ints, a dtype the heap does not take, or a
+            `group` this rank is not a member of.
+        TypeError: a `group` that is not a process group.
         SymmetricAllocationError: the heap (TRIDIST_HEAP_SIZE) is exhausted, or ranks asked
             for different allocations (what each asked for is in the message).
+        TridistError: a group allocation inside a CUDA-graph capture.
     """
-    return heap().allocate(_shape(shape), dtype, name)
+    group, name = _group_and_name(group, name)
+    g = groups.resolve(group)
+    if g is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise TridistError(f"symm_empty(group=...) inside a CUDA-graph capture: the members of group "
+                           f"{list(g.ranks)} agree on the offset through a host exchange, which the capture "
+                           "refuses; allocate before capturing")
+    return heap().allocate(_shape(shape), dtype, name, g)
 
 
-def symm_zeros(shape, dtype: torch.dtype = torch.float32, name: str | None = None) -> torch.Tensor:
-    """A zeroed symmetric tensor (as `symm_empty`). Collective: it returns once every rank has
-    zeroed its copy, so that no rank's zeroing can erase what a faster peer already wrote into it."""
-    t = symm_empty(shape, dtype, name)
+def symm_zeros(shape, dtype: torch.dtype = torch.float32, group=None, name: str | None = None) -> torch.Tensor:
+    """A zeroed symmetric tensor (as `symm_empty`, `group` included). Collective: it returns once
+    every rank (of the group) has zeroed its copy, so that no rank's zeroing can erase what a faster
+    peer already wrote into it."""
+    group, name = _group_and_name(group, name)
+    t = symm_empty(shape, dtype, group, name)
     t.zero_()
-    barrier_all()
+    barrier_all(group)
     return t
 
 
 def symm_free(t: torch.Tensor) -> None:
-    """Give a symmetric tensor's memory back to the heap. Collective: every rank frees the same
-    tensors in the same order."""
+    """Give a symmetric tensor's memory back to the heap. Collective: every rank that allocated it
+    (the world, or its group's members) frees the same tensors in the same order."""
     heap().free(t)
 
 
-def signals(n: int, name: str | None = None) -> torch.Tensor:
+def signals(n: int, group=None, name: str | None = None) -> torch.Tensor:
     """`n` zeroed signal words (`SIGNAL_DTYPE`) in symmetric memory, for `dl.notify`, `dl.wait`
-    and `dl.shmem`'s signals. Collective, like `symm_zeros`."""
-    return symm_zeros((n,), SIGNAL_DTYPE, name)
+    and `dl.shmem`'s signals. Collective, like `symm_zeros` (`group` included)."""
+    group, name = _group_and_name(group, name)
+    return symm_zeros((n,), SIGNAL_DTYPE, group, name)
 
 
 def is_symmetric(t: torch.Tensor) -> bool:
@@ -72,17 +102,26 @@ def is_symmetric(t: torch.Tensor) -> bool:
     return heap().contains(t)
 
 
-def peer_tensor(t: torch.Tensor, peer: int) -> torch.Tensor:
+def peer_tensor(t: torch.Tensor, peer: int, group=None) -> torch.Tensor:
     """`peer`'s copy of the symmetric tensor `t`, as a tensor this rank can read and write
     (with torch ops, or copy engines: `peer_tensor(t, p).copy_(x)`).
 
     Only for peers on this (virtual) node; other nodes are reached with puts and gets inside
     kernels.
 
+    Args:
+        t: a symmetric tensor (or a view of one).
+        peer: a rank of the world, or with `group` a rank of the group.
+        group: a process group or [`tridist.Group`][tridist.Group] this rank is a member of.
+
     Raises:
-        ValueError: `peer` outside the world or on another node, or `t` not symmetric.
+        ValueError: `peer` outside the world (group), on another node, or without a copy of `t`
+            (`t` was allocated by a group `peer` is not in); `t` not symmetric.
     """
     w = world()
+    g = groups.resolve(group)
+    if g is not None:
+        peer = g.world_rank(peer)
     if not 0 <= peer < w.world_size:
         raise ValueError(f"peer {peer} is outside the world of {w.world_size} ranks")
     if not is_symmetric(t):
@@ -92,16 +131,24 @@ def peer_tensor(t: torch.Tensor, peer: int) -> torch.Tensor:
         raise ValueError(f"rank {peer} is on node {w.node_of(peer)}, not load/store reachable from rank {w.rank} "
                          f"on node {w.node}; move data to it with put/get inside a kernel")
     offset = heap().offset_of(t)
+    owner = heap().group_at(offset)
+    if owner is not None and peer not in owner.ranks:
+        raise ValueError(f"rank {peer} holds no copy of this tensor: group {list(owner.ranks)} allocated it")
     if offset % t.element_size():
         raise ValueError("peer_tensor takes a tensor aligned to its element size")
     return torch.as_strided(base.view(t.dtype), t.size(), t.stride(), offset // t.element_size())
 
 
-def barrier_all() -> None:
+def barrier_all(group=None) -> None:
     """Host barrier: returns on every rank once all ranks have called it (and, on GPUs, once the
     device work queued before it has finished). For a barrier queued on a stream, with no host
-    wait, see `barrier_all_on_stream`."""
-    transport().barrier()
+    wait, see `barrier_all_on_stream`.
+
+    Args:
+        group: a process group or [`tridist.Group`][tridist.Group]: a barrier of its members
+            only. None: the world.
+    """
+    transport().barrier(groups.resolve(group))
 
 
 def check_tensor(t: torch.Tensor, name: str) -> None:

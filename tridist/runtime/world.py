@@ -6,6 +6,10 @@ TRIDIST_NNODES) the ranks of one host are split into that many virtual nodes: pe
 virtual node are treated as remote (reached with put/get, never through a pointer), so the
 inter-node code paths run on a single machine. With TRIDIST_RANKS_PER_GPU=K several ranks share a
 GPU (`sharing.py`): the host's rank LOCAL_RANK runs on GPU LOCAL_RANK // K, with a gloo host group.
+
+torch.distributed is started by `init()` where the job has not started it (NCCL on GPUs, gloo in the
+emulator), or joined where it has (any backend), so that process groups (`dist.new_group`, a
+DeviceMesh) work alike under `tridist run` and torchrun, on both backends (`groups.py`).
 """
 import atexit
 import dataclasses
@@ -112,7 +116,10 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
     Reads the launcher's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (set by torchrun or
     `tridist run`; a process started alone is rank 0 of a world of 1), starts the backend chosen
     when tridist was imported and allocates this rank's symmetric heap (TRIDIST_HEAP_SIZE). On
-    GPUs rank r takes GPU LOCAL_RANK. Idempotent: a second call returns the same world.
+    GPUs rank r takes GPU LOCAL_RANK. Starts torch.distributed where the job has not (NCCL on
+    GPUs, gloo in the emulator) and joins it where it has (any backend), so that process groups
+    (`dist.new_group`, a DeviceMesh) work alike on both backends: see
+    [`tridist.group`][tridist.group]. Idempotent: a second call returns the same world.
 
     Args:
         backend: `"nvshmem"` or `"emulator"`; must be the backend tridist was imported with
@@ -127,7 +134,8 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
         TridistError: a backend other than the imported one; already initialised with other
             arguments; called after `finalize()`; `nnodes` that does not divide the world or
             split a host evenly; more ranks on a host than GPUs; in the emulator, a world of
-            more than one rank started by neither `tridist run` nor torchrun, or on several hosts.
+            more than one rank started by neither `tridist run` nor torchrun, or on several hosts,
+            or a torch.distributed started with other ranks than RANK and WORLD_SIZE say.
     """
     if _state.world is not None:
         w = _state.world
@@ -149,6 +157,7 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
         device = torch.device("cpu")
         folder, torchrun = _emulator_folder(world_size)
         transport = EmulatorTransport(folder, rank, world_size, heap_bytes)
+        _join_torch_distributed(rank, world_size, folder, torchrun)
         if torchrun:
             # Every rank has mapped every file and opened the lock: the folder can go now, so that a job
             # that is killed leaves nothing behind in /dev/shm (nobody else would remove it).
@@ -217,6 +226,24 @@ def _emulator_folder(world_size: int) -> tuple[str, bool]:
     return folder, True
 
 
+def _join_torch_distributed(rank: int, world_size: int, folder: str, torchrun: bool) -> None:
+    """The emulator's torch.distributed, for process groups: the job's own if it started one (it must
+    number the ranks as RANK does), else gloo, through torchrun's store or a file in the ranks' shared
+    folder. (On GPUs `NvshmemTransport` does the same with NCCL.)"""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
+            raise TridistError(f"torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}, but tridist "
+                               f"has RANK={rank} of WORLD_SIZE={world_size}: start both from the same launcher")
+        return
+    if torchrun:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    else:
+        store = dist.FileStore(os.path.join(folder, "torch-distributed-store"), world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+
+
 def _install_failure_hook() -> None:
     previous = sys.excepthook
 
@@ -242,6 +269,9 @@ def finalize() -> None:
     if _state.world is None:
         return
     _state.transport.close(failed=_state.failed)
+    from . import groups
+
+    groups.forget()
     _state.world = None
     _state.heap = None
     _state.bounded_barrier = None
