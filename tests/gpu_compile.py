@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tridist.bench import primitives  # noqa: E402
-from tridist.ops import _protocol, sync  # noqa: E402
+from tridist.ops import sync, protocol, sizing# noqa: E402
 from tridist.ops.attention import combine, split_kv  # noqa: E402
 from tridist.ops.attention import policy as attention_policy  # noqa: E402
 from tridist.ops.collectives import _copy_engine, _packets, allgather, allreduce, reducescatter  # noqa: E402
@@ -320,13 +320,13 @@ def _expert_parallel_cases():
 _ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
 
 
-def _largest_step(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> int:
-    """The largest BLOCK `_protocol.steps_for` gives elements of this type (the most registers)."""
+def _largest_step(pointer_type: str, step_bytes: int = sizing.STEP_BYTES) -> int:
+    """The largest BLOCK `sizing.steps_for` gives elements of this type (the most registers)."""
     return step_bytes // _ITEMSIZE[pointer_type]
 
 
-def _step_options(pointer_type: str, step_bytes: int = _protocol.STEP_BYTES) -> dict:
-    return {"num_warps": _protocol.warps_for(_largest_step(pointer_type, step_bytes), _ITEMSIZE[pointer_type])}
+def _step_options(pointer_type: str, step_bytes: int = sizing.STEP_BYTES) -> dict:
+    return {"num_warps": sizing.warps_for(_largest_step(pointer_type, step_bytes), _ITEMSIZE[pointer_type])}
 
 
 def _attention_cases():
@@ -364,7 +364,7 @@ def _attention_cases():
 def cases():
     """(kernel, signature, constexprs[, compile options]). Built once: `main`'s forked workers
     inherit the list and pick cases from it by index."""
-    CE = _protocol.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
+    CE = sizing.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
     return [
         *_gemm_cases(),
         *_attention_cases(),
@@ -395,7 +395,7 @@ def cases():
         (allgather.ll.all_gather_ll_kernel,
          {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
           "slot_numel": "i32", "splits": "i32", "BLOCK": "constexpr"},
-         {"BLOCK": _protocol.LL_BLOCK}),
+         {"BLOCK": protocol.LL_BLOCK}),
         *[(_copy_engine.all_gather_ce_kernel,
            {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i32", "n": "i32",
             "total": "i32", "row": "i32", "chunk": "i32", "chunks": "i32", "COPY_OWN": "constexpr", "splits": "i32",
@@ -433,7 +433,7 @@ def cases():
            {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
             "peer_stride": "i32", "row": "i32", "slot_numel": "i32", "DTYPE": "constexpr", "splits": "i32",
             "BLOCK": "constexpr"},
-           {"DTYPE": dtype, "BLOCK": _protocol.LL_BLOCK}) for dtype in (tl.bfloat16, tl.float32)],
+           {"DTYPE": dtype, "BLOCK": protocol.LL_BLOCK}) for dtype in (tl.bfloat16, tl.float32)],
         (lang.push_allgather_kernel, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
                                       "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
         (lang.produce_kernel, {"data_ptr": "*i32", "flag_ptr": "*i64", "peer": "i32", "value": "i32", "n": "i32",

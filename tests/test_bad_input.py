@@ -1,5 +1,5 @@
 """A bad argument on one rank is an error on every rank, at once, with the same message naming the
-rank and what it passed (`_protocol.agree`), in the emulator and on GPUs with or without
+rank and what it passed (`checks.agree`), in the emulator and on GPUs with or without
 TRIDIST_DEBUG; never a peer left waiting, never an internal buffer's name. And expert ids out of
 range are never wrong data: refused where the host reads them, treated as -1 and counted where it
 does not (GPUs without debug, and CUDA-graph captures)."""
@@ -10,7 +10,7 @@ import torch
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol
+from tridist.ops import checks
 from tridist.runtime import config
 from tridist.runtime.world import transport
 
@@ -78,7 +78,7 @@ class _CountedGathers:
             self.count += 1
             return gather(value)
 
-        monkeypatch.setattr(_protocol, "is_emulator", lambda: False)
+        monkeypatch.setattr(checks, "is_emulator", lambda: False)
         monkeypatch.setattr(config, "debug", lambda: False)
         monkeypatch.setattr(transport(), "allgather_objects", counted)
 
@@ -88,7 +88,7 @@ def _first_call_of_a_shape(w):
     (which builds an instance, a collective anyway), and later calls cost no host round trip."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         gathers = _CountedGathers(monkeypatch)
-        _protocol._agreed.clear()
+        checks._agreed.clear()
         x = torch.zeros(8 + (w.rank == 0), device=w.device)
         with pytest.raises(ValueError, match="ranks passed different shape and dtype of x"):
             ops.all_gather(x)
@@ -122,11 +122,11 @@ def _expert_ids_out_of_range(w, low_latency):
     expected = x.float() * torch.where(valid, weights, 0).sum(1, keepdim=True)  # identity experts
     buffer = ops.EPBuffer(experts, HIDDEN, TOKENS)
     x, idx, weights = x.to(w.device), idx.to(w.device), weights.to(w.device)
-    if _protocol.host_reads(idx):  # CPU tensors, or TRIDIST_DEBUG=1
+    if checks.host_reads(idx):  # CPU tensors, or TRIDIST_DEBUG=1
         with pytest.raises(ValueError, match="expert ids from -5 to"):
             buffer.dispatch(x, idx, weights)
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(_protocol, "host_reads", lambda t: False)
+        monkeypatch.setattr(checks, "host_reads", lambda t: False)
         if low_latency:
             recv_x, _, handle, _ = buffer.low_latency_dispatch(x, idx)
             out = buffer.low_latency_combine(recv_x, idx, weights, handle)
@@ -150,7 +150,7 @@ def test_expert_ids_out_of_range_are_never_wrong_data(world, low_latency):
 def _capture_takes_no_host_collective(w):
     """Found 3 (stress call 43 across two H200s): a captured call of an all-gather into a symmetric
     out compared the ranks' tensors with a host collective, which NCCL runs by copying a pickle from
-    the CPU to the GPU, refused during a capture. While a capture is on (`_protocol.capturing`, true
+    the CPU to the GPU, refused during a capture. While a capture is on (`checks.capturing`, true
     here as on a GPU) the checks are this rank's own and no host collective runs."""
     n = 11
     op = ops.AllGather(n, torch.uint8, "auto", symmetric_out=True)
@@ -165,7 +165,7 @@ def _capture_takes_no_host_collective(w):
         def refuse(*args):
             raise RuntimeError("a host collective while a CUDA graph is captured")
 
-        monkeypatch.setattr(_protocol, "capturing", lambda: True)
+        monkeypatch.setattr(checks, "capturing", lambda: True)
         monkeypatch.setattr(transport(), "allgather_objects", refuse)
         monkeypatch.setattr(transport(), "allgather_ints", refuse)
         assert torch.equal(op(x, out).cpu(), expected)

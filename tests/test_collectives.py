@@ -7,7 +7,7 @@ import torch
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol
+from tridist.ops import sizing
 from tridist.ops.collectives import policy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -39,7 +39,7 @@ def _small_pieces():
     """Ops built inside cut their copy-engine transfers in chunks of 64 elements and their sliced
     kernels' work in slices of 256 bytes, so that the small test shapes travel in several chunks and
     the programs take several slices each."""
-    return _protocol.piece_sizes(slice_bytes=256, chunk_bytes=64)
+    return sizing.piece_sizes(slice_bytes=256, chunk_bytes=64)
 
 
 def _all_gather(w, method, dtype, shape, calls):
@@ -125,7 +125,7 @@ def _reduce_scatter_read_back(w, method, chunk, calls):
 @pytest.mark.parametrize("method", ["2d", "ring"])
 def test_reduce_scatter_reads_back_its_own_sums(world, method):
     """These kernels store fp32 sums and read them back in the same program, in another layout:
-    without `_protocol.sync_program` between, 4 ranks sharing one H100 got 17,000-27,000 stale sums
+    without `protocol.sync_program` between, 4 ranks sharing one H100 got 17,000-27,000 stale sums
     per rank at 262144 elements per rank, in every call (benchmarks/results/
     reduce-scatter-read-back-race-*.log). The emulator runs a program's threads in lockstep and
     cannot show it (and takes half a minute for it): GPUs only, e.g. TRIDIST_RANKS_PER_GPU=4 on one."""
@@ -208,7 +208,7 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls, two_per_sm=False):
     `two_per_sm`: as large messages run, with more programs than SMs (numel None: a step per SM
     and two more for every rank's chunk)."""
     if numel is None:
-        numel = (_protocol.programs_for(w.device) + 2) * _protocol.SMALLEST_STEP * w.world_size
+        numel = (sizing.programs_for(w.device) + 2) * sizing.SMALLEST_STEP * w.world_size
     saved = policy.SYMMETRIC_TWO_PER_SM_BYTES
     policy.SYMMETRIC_TWO_PER_SM_BYTES = 0 if two_per_sm else saved
     try:
@@ -218,7 +218,7 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls, two_per_sm=False):
         policy.SYMMETRIC_TWO_PER_SM_BYTES = saved
     assert op.direct == (w.nnodes == 1), "in place on a symmetric x, on one node: no staging"
     if two_per_sm and op.direct:
-        assert op.splits > _protocol.programs_for(w.device)
+        assert op.splits > sizing.programs_for(w.device)
     x = tridist.symm_empty((numel,), dtype)
     everyone = [_inputs(w, (numel,), dtype, call) for call in range(calls)]
     results = []
@@ -284,13 +284,13 @@ def test_symmetric_mismatch_fails_everywhere(world):
 
 def _largest_steps(w, op_name, method):
     """bf16 on one program per destination (programs=1): the kernels step through the data in their
-    largest blocks (`_protocol.steps_for`), with a ragged end."""
+    largest blocks (`sizing.steps_for`), with a ragged end."""
     n = w.world_size
-    part = _protocol.STEP_BYTES + 1000  # two largest bf16 steps, and a ragged end
+    part = sizing.STEP_BYTES + 1000  # two largest bf16 steps, and a ragged end
     numel = n * part
     shard = part if op_name == "AllGather" else numel
     op = getattr(ops, op_name)(shard, torch.bfloat16, method, programs=1)
-    largest = (_protocol.CE_STEP_BYTES if method == "ce" else _protocol.STEP_BYTES) // 2
+    largest = (sizing.CE_STEP_BYTES if method == "ce" else sizing.STEP_BYTES) // 2
     assert op.block == largest, f"{method} steps {op.block} elements"
     everyone = _inputs(w, (shard,), torch.bfloat16, call=0)
     for _ in range(2):
@@ -392,14 +392,14 @@ def test_ll_epochs_past_2_31(world, op_name):
 def test_steps_for():
     """Steps grow to STEP_BYTES only while every program still gets one; warps keep 64 bytes or
     fewer per thread."""
-    assert _protocol.steps_for(1000, 2, 132) == (2048, 1, 4)
-    assert _protocol.steps_for(132 * 4096 - 1, 2, 132) == (2048, 132, 4)
-    assert _protocol.steps_for(132 * 4096, 2, 132) == (4096, 132, 4)
-    assert _protocol.steps_for(132 * 8192, 2, 132) == (8192, 132, 8)
-    assert _protocol.steps_for(1 << 26, 2, 66) == (8192, 66, 8)
-    assert _protocol.steps_for(1 << 26, 4, 66) == (4096, 66, 8)
-    assert _protocol.steps_for(1 << 26, 1, 66) == (16384, 66, 8)
-    assert _protocol.steps_for(1 << 26, 2, 66, _protocol.CE_STEP_BYTES) == (4096, 66, 4)
+    assert sizing.steps_for(1000, 2, 132) == (2048, 1, 4)
+    assert sizing.steps_for(132 * 4096 - 1, 2, 132) == (2048, 132, 4)
+    assert sizing.steps_for(132 * 4096, 2, 132) == (4096, 132, 4)
+    assert sizing.steps_for(132 * 8192, 2, 132) == (8192, 132, 8)
+    assert sizing.steps_for(1 << 26, 2, 66) == (8192, 66, 8)
+    assert sizing.steps_for(1 << 26, 4, 66) == (4096, 66, 8)
+    assert sizing.steps_for(1 << 26, 1, 66) == (16384, 66, 8)
+    assert sizing.steps_for(1 << 26, 2, 66, sizing.CE_STEP_BYTES) == (4096, 66, 4)
 
 
 def _reuse_after_free(w):

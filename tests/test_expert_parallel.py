@@ -12,7 +12,7 @@ import triton.language as tl
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol
+from tridist.ops import checks, instances
 from tridist.bench import ep as ep_bench
 from tridist.ops.moe import exchange, expert_parallel
 from tridist.stress.alltoall import e4m3_error
@@ -304,7 +304,7 @@ def _bad_input(w):
         (lambda: ops.EPBuffer(experts, 64, TOKENS).low_latency_dispatch(x[:, :64].contiguous(), idx, use_fp8=True),
          "multiple"),
     ]
-    if _protocol.host_reads(idx):  # elsewhere ids out of range are dropped and counted: tests/test_bad_input.py
+    if checks.host_reads(idx):  # elsewhere ids out of range are dropped and counted: tests/test_bad_input.py
         cases += [(lambda: buffer.dispatch(x, idx + experts, weights), "expert ids"),
                   (lambda: buffer.dispatch(x, idx - 2, weights), "expert ids")]
     for call, message in cases:
@@ -334,7 +334,7 @@ def _ranks_disagree(w):
     GPUs without TRIDIST_DEBUG the ranks compare only at the first call of each (call, topk), so the
     agreed ones of earlier tests are forgotten first (`free_instances`), as at a program's start."""
     tridist.barrier_all()
-    _protocol.free_instances()
+    instances.free_instances()
     buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
     x, idx, weights = Call(w, "random", 0).inputs(w.device)
     topk = TOPK - (w.rank == 0)

@@ -8,7 +8,7 @@ import torch
 import tridist
 from tridist import ops
 from tridist.bench.results import relative_error
-from tridist.ops import _protocol
+from tridist.ops import sizing
 from tridist.ops.gemm import persistent as gemm
 
 from .test_language import load_example
@@ -52,7 +52,7 @@ def _ag_gemm(w, comm, dtype, m_shard, k, n, calls, flags_per_shard=1):
         with pytest.raises(ValueError, match="within one node"):
             ops.AllGatherGEMM(m_shard, k, n, dtype, comm)
         return
-    with _protocol.piece_sizes(chunk_bytes=256 if flags_per_shard > 1 else None):
+    with sizing.piece_sizes(chunk_bytes=256 if flags_per_shard > 1 else None):
         op = ops.AllGatherGEMM(m_shard, k, n, dtype, comm, comm_programs=16 if flags_per_shard > 1 else None)
     pieces = op.gather.flags_per_shard
     assert (pieces > 1) == (flags_per_shard > 1), f"{pieces} flags per shard"

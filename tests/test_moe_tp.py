@@ -9,7 +9,7 @@ import triton
 import tridist
 from tridist import ops
 from tridist.bench.results import relative_error
-from tridist.ops import _protocol
+from tridist.ops import checks
 from tridist.ops.moe import MoEHandle, tp_routing
 
 from .test_language import load_example
@@ -154,7 +154,7 @@ def _bad_input(w):
           torch.zeros((experts, 12, n), dtype=dtype, device=w.device)), "multiple of 8"),
         ((x, idx[:3], w1), r"shape \(4, 2\)"),
     ]
-    if _protocol.host_reads(idx):  # expert ids are read back only where that costs no synchronisation, or in debug
+    if checks.host_reads(idx):  # expert ids are read back only where that costs no synchronisation, or in debug
         cases.append(((x, idx + experts, w1), "ids from 4 to 4"))
         cases.append(((x, idx - 1, w1), "ids from -1"))
     for args, message in cases:
@@ -373,7 +373,7 @@ def _gemm_counts(w, config_index, one_program, flatten):
     (the log: benchmarks/results/moe_rs-counts-flattened-h100x1-2026-11-26.log)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from tridist.ops._protocol import programs_for
+    from tridist.ops.sizing import programs_for
     from tridist.ops.gemm import grouped
     from tridist.ops.moe import moe_reduce
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol
+from tridist.ops import sizing
 from tridist.ops.collectives import allgather, allreduce, reducescatter
 
 from ..runtime.config import parse_bytes
@@ -156,7 +156,7 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, var
                 label = column(method, cap, slice_bytes).removesuffix(" us")
                 options, source, result = _tridist_buffers(name, x, out, symmetric)
                 try:
-                    with _protocol.piece_sizes(slice_bytes=slice_bytes):
+                    with sizing.piece_sizes(slice_bytes=slice_bytes):
                         op = getattr(ops, CLASSES[name])(x.numel(), dtype, method, programs=cap, **options)
                     op(source, result)
                     torch.cuda.synchronize()
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
                         help="programs caps to time each method at, e.g. 'default,16,64' (default: the op's own)")
     parser.add_argument("--slice-bytes", default="default",
                         help="slice sizes to time the sliced methods at (push, one_shot, two_shot), e.g. "
-                             "'default,32K' (default: _protocol.SLICE_BYTES)")
+                             "'default,32K' (default: sizing.SLICE_BYTES)")
     parser.add_argument("--symmetric", action="store_true",
                         help="all-gather into a symmetric output, all-reduce in place on a symmetric buffer")
     parser.add_argument("--out", default="benchmarks/results",

@@ -31,8 +31,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tridist
 import tridist.language as dl
-from tridist.ops import _protocol
-from tridist.ops._protocol import call_epoch, finish_call
+from tridist.ops import sizing
+from tridist.ops.protocol import call_epoch, finish_call
 from tridist.ops.gemm import persistent as gemm
 from tridist.runtime.jit import jit
 
@@ -148,7 +148,7 @@ def run_variants(m: int, n: int, k: int, config: dict, only: list[str], rounds: 
     half_desc = TensorDescriptor.from_tensor(tiles, [block_m, block_n // 2])
     flags = tridist.signals(per_shard)
     a_desc, b_desc = gemm.descriptors(a, b, config)
-    programs = min(_protocol.programs_for(w.device), 2 * per_shard)
+    programs = min(sizing.programs_for(w.device), 2 * per_shard)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=w.device)
     rows, calls = [], {}
     for name, (switches, with_flatten) in VARIANTS.items():

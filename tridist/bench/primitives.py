@@ -7,7 +7,7 @@ size, each timed inside a CUDA graph up to 1 MB so that small sizes exclude laun
 - get:  programs load the peer's buffer through `dl.symm_at` and store it locally;
 - putmem: NVSHMEM's `putmem_nbi_block`, one chunk per program, then `quiet`;
 - LL:   low-latency packets (half the bytes are flags), received and unpacked by the peer; the
-  packets' flag is a call epoch counted on the device (`_protocol.call_epoch`), so graph replays
+  packets' flag is a call epoch counted on the device (`protocol.call_epoch`), so graph replays
   send fresh flags;
 - copy engine: `cudaMemcpyAsync` into the peer's buffer (torch `copy_`), the baseline.
 Latency, per operation, of one program issuing them back to back inside one kernel:
@@ -28,7 +28,9 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 
-from ..ops._protocol import call_epoch, finish_call, programs_for, splits_for
+from ..ops.protocol import call_epoch, finish_call
+
+from ..ops.sizing import programs_for, splits_for
 from . import shared_gpu
 from .results import save, table
 from .timing import slowest, time_us

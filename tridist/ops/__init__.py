@@ -4,7 +4,7 @@ overlapped with communication, and the grouped GEMM of MoE layers), [`moe`][trid
 (expert-parallel all-to-alls and dispatch/combine, tensor-parallel MoE layers), [`attention`][tridist.ops.attention] (flash decoding over a KV
 cache split across ranks) and [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo
 exchange runs inside its kernels). Each op's module holds its host wrapper next to its kernels;
-`_protocol` and `sync` are what the families share.
+`protocol` and `sync` are what the families share.
 
 What holds for every op:
 
@@ -38,7 +38,7 @@ What holds for every op:
 - **Bad input fails before any launch, on every rank**, with a `ValueError` (a `TypeError` for a
   non-tensor) that says what to change: dtype, device, layout, shape, method, a one-node method on
   several nodes. Each op indexes its buffers with 32-bit offsets and refuses a size that would
-  pass 2^31 elements. The ranks check together (`_protocol.agree`): every rank learns every
+  pass 2^31 elements. The ranks check together (`checks.agree`): every rank learns every
   rank's outcome and raises the same error, naming the rank(s) and what they passed, also where
   ranks pass shapes, dtypes or options that differ. See "What each op checks" below.
 - **Empty is allowed.** Zero-size inputs are normal wherever the result is defined: empty

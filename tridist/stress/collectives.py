@@ -11,7 +11,7 @@ import torch
 
 import tridist
 from tridist import ops
-from tridist.ops import _protocol
+from tridist.ops import checks
 from tridist.ops.collectives import allgather, allreduce, reducescatter
 
 from .cases import (Expected, Invalid, OpCases, Trial, draw_method, log_uniform, poison, random_tensor, register,
@@ -89,7 +89,7 @@ class ReduceScatterCases(OpCases):
     name, family = "reduce_scatter", "collectives"
 
     def draw(self, rng, world, limits):
-        dtype = rng.choice(_protocol.SUPPORTED)
+        dtype = rng.choice(checks.SUPPORTED)
         chunk = log_uniform(rng, 1, max(1, limits.nbytes // dtype.itemsize // world.world_size))
         method = _draw_method(rng, self.name, reducescatter.METHODS, world, chunk * dtype.itemsize)
         return dict(method=method, dtype=dtype, shape=(chunk,), in_place=rng.random() < 0.5)
@@ -131,7 +131,7 @@ class AllReduceCases(OpCases):
     name, family = "all_reduce", "collectives"
 
     def draw(self, rng, world, limits):
-        dtype = rng.choice(_protocol.SUPPORTED)
+        dtype = rng.choice(checks.SUPPORTED)
         n = log_uniform(rng, 1, limits.nbytes // dtype.itemsize)
         method = _draw_method(rng, self.name, allreduce.METHODS, world, n * dtype.itemsize)
         in_place = rng.random() < 0.5

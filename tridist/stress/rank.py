@@ -32,7 +32,7 @@ import warnings
 import torch
 
 import tridist
-from tridist.ops import _protocol
+from tridist.ops import instances
 from tridist.runtime import config
 from tridist.runtime.world import heap, transport
 
@@ -185,11 +185,11 @@ class Runner:
         if call.form == "function":
             self.function_calls += 1
             if self.function_calls % EVICT_EVERY == 0 or heap().used > heap().nbytes // 4:
-                _protocol.free_instances()
+                instances.free_instances()
 
     def finish(self) -> None:
         tridist.barrier_all()
-        _protocol.free_instances()
+        instances.free_instances()
 
 
 @contextlib.contextmanager

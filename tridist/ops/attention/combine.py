@@ -22,7 +22,7 @@ The combine is launched as the split-KV kernel's programmatic dependent (`launch
 programs start on the SMs the split-KV kernel's last wave leaves free, and wait there
 (`dl.wait_prior_kernel`) for that kernel to end, so that the second launch's latency is hidden.
 
-Epochs and slots are `_protocol`'s: the kernel counts its calls, and a rank sends into slot e % 2
+Epochs and slots are `protocol`'s: the kernel counts its calls, and a rank sends into slot e % 2
 in call e only after its call e - 1 has seen every rank's packets of call e - 1, which each rank
 sent after its call e - 2, the last reader of that slot, had ended.
 """
@@ -32,7 +32,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .._protocol import call_epoch, finish_call, in_slot, sync_program
+from ..protocol import call_epoch, finish_call, in_slot, sync_program
 from ._records import finish_record, merge_records, record_size
 
 

@@ -20,8 +20,9 @@ import torch
 import tridist
 from tridist.runtime.tensors import check_tensor
 
-from .. import _protocol
-from .._protocol import Workspace, check_input, check_output
+from .. import checks, instances, sizing
+from ..protocol import Workspace
+from ..checks import check_input, check_output
 from ._records import record_size
 from .combine import flash_decode_combine_kernel
 from .policy import COMBINE_WARPS, PAGED_EXTRA_STAGES, choose_splits, combine_shape, configs, most_splits
@@ -70,21 +71,21 @@ class FlashDecode:
         self.units = batch * kv_heads
         self.config = configs(w.device)[0] if config is None else dict(config)
         check_config(self.config)
-        self.sms = _protocol.programs_for(w.device)
+        self.sms = sizing.programs_for(w.device)
         self.record = record_size(self.group, head_dim)
         self.max_splits = most_splits(self.config, self.units, self.sms)
         self.resident = {}  # block size (0: contiguous) -> programs of the split-KV kernel resident at once
         # The combine's shape, fixed for the instance (its grid counts its calls), from the most splits.
         self.columns, self.rows, self.rank_rows = combine_shape(self.group, head_dim, self.max_splits, w.world_size)
         self.items = self.units * (head_dim // self.columns)
-        _protocol.check_offsets("flash_decode", self.units * self.max_splits * self.record)
+        checks.check_offsets("flash_decode", self.units * self.max_splits * self.record)
         self.partials = torch.empty(self.units * self.max_splits * self.record, dtype=torch.float32, device=w.device)
         self.workspace = None
         self.combine_programs = self.items  # several ranks: fewer if they cannot all be resident (first call)
         self.fitted = w.world_size == 1
         if w.world_size > 1:
             piece = record_size(self.group, self.columns)
-            _protocol.check_offsets("flash_decode", w.world_size * self.items * piece)
+            checks.check_offsets("flash_decode", w.world_size * self.items * piece)
             self.workspace = Workspace(w.world_size * self.items * piece, torch.int64, 1)  # LL packets
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
@@ -113,10 +114,10 @@ class FlashDecode:
         outside a CUDA-graph capture. Otherwise such values are not checked: the kernel would read
         whatever memory they point at.
         """
-        out, (page, seq_stride), scale = _protocol.agree(
+        out, (page, seq_stride), scale = checks.agree(
             "flash_decode", lambda: (self._checked_out(q, out), self._layout(q, k_cache, v_cache, seqlens, block_table),
                                      _scale(sm_scale, self.head_dim)),
-            {"shape and dtype of q": _protocol.shape_of(q)})
+            {"shape and dtype of q": checks.shape_of(q)})
         splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale)
         ws = self.workspace
         # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
@@ -127,7 +128,7 @@ class FlashDecode:
                          COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows, EXCHANGE=ws is not None,
                          num_warps=COMBINE_WARPS, launch_pdl=True)
         if not self.fitted:
-            self.combine_programs = _protocol.fit_coresident(flash_decode_combine_kernel, self.items, 1, **arguments)
+            self.combine_programs = sizing.fit_coresident(flash_decode_combine_kernel, self.items, 1, **arguments)
             self.fitted = True
         flash_decode_combine_kernel[(self.combine_programs,)](coresident=ws is not None, **arguments)
         return out
@@ -237,7 +238,7 @@ def check_positions(seqlens: torch.Tensor, capacity: int, block_table: torch.Ten
     """seqlens within [0, capacity] and the block-table entries they use within [0, num_blocks), where
     reading them costs no device synchronisation (CPU tensors) or TRIDIST_DEBUG=1 allows one (not
     while a CUDA graph is captured, which a synchronisation would end)."""
-    if not _protocol.host_reads(seqlens):
+    if not checks.host_reads(seqlens):
         return
     lengths = seqlens.cpu()
     bad = ((lengths < 0) | (lengths > capacity)).nonzero()
@@ -287,9 +288,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         check_sizes(*q.shape[:2], k_cache.shape[2], q.shape[2], q.dtype)
 
     heads = tuple(k_cache.shape[2:]) if isinstance(k_cache, torch.Tensor) else None
-    _protocol.agree("flash_decode", check, {"shape and dtype of q": _protocol.shape_of(q), "heads of k_cache": heads})
+    checks.agree("flash_decode", check, {"shape and dtype of q": checks.shape_of(q), "heads of k_cache": heads})
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    op = _protocol.instance(lambda: FlashDecode(batch, q_heads, kv_heads, head_dim, q.dtype), FlashDecode, batch,
+    op = instances.instance(lambda: FlashDecode(batch, q_heads, kv_heads, head_dim, q.dtype), FlashDecode, batch,
                             q_heads, kv_heads, head_dim, q.dtype, device=q.device)
     return op(q, k_cache, v_cache, seqlens, block_table, sm_scale)

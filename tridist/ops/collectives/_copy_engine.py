@@ -1,4 +1,4 @@
-"""The kernels that consume copy-engine transfers (`_protocol.CopyEnginePush`), which the "ce"
+"""The kernels that consume copy-engine transfers (`copy_engines.CopyEnginePush`), which the "ce"
 methods share: all-gather "ce" and all-reduce "ce" copy rows out of staging, reduce-scatter "ce" and
 all-reduce "ce" sum them.
 
@@ -14,7 +14,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .._protocol import wait_chunks
+from ..copy_engines import wait_chunks
 
 
 @jit

@@ -12,7 +12,7 @@ class Collective:
 
     @property
     def block(self) -> int:
-        """Elements a program of the method's kernel moves or sums per step (`_protocol.steps_for`);
+        """Elements a program of the method's kernel moves or sums per step (`sizing.steps_for`);
         SM methods only."""
         return self.impl.block
 
@@ -24,7 +24,7 @@ class Collective:
 
     @property
     def workspace(self):
-        """The method's symmetric staging and flags (`_protocol.Workspace`, `PacketRows`); methods
+        """The method's symmetric staging and flags (`protocol.Workspace`, `PacketRows`); methods
         that stage through the SMs only."""
         return self.impl.workspace
 

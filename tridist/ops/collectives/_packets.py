@@ -4,7 +4,7 @@ Protocol. Each rank's `PacketRows` hold, per slot, a row of packets for every ra
 4-byte word with the low 32 bits of the call's epoch as its flag, in 8 bytes). A rank writes the
 words a peer sums into row `rank` of that peer's packets, and reads its peers' words from its own
 rows once their flags equal this call's epoch: no separate signal, no fence. Two slots suffice for
-the reason `_protocol` gives: every call receives a packet from every peer.
+the reason `protocol` gives: every call receives a packet from every peer.
 
 Words are summed in rank order in fp32 (a 4-byte word is one fp32 or two 16-bit floats), so every
 rank gets the same bits.
@@ -15,8 +15,8 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import _protocol
-from .._protocol import LL_BLOCK, PacketRows, call_epoch, finish_call, in_slot, pack_halves, split_bounds, unpack_halves
+from .. import checks
+from ..protocol import LL_BLOCK, PacketRows, call_epoch, finish_call, in_slot, pack_halves, split_bounds, unpack_halves
 
 
 @jit
@@ -70,4 +70,4 @@ def reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, peer
     reduce_ll_kernel[(packets.splits,)](
         x_ptr=x.view(-1).view(torch.int32), out_ptr=out.view(-1).view(torch.int32), packets_ptr=packets.staging,
         calls_ptr=packets.calls, n=packets.words, peer_stride=peer_stride, row=packets.row,
-        slot_numel=packets.slot_numel, DTYPE=_protocol.TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK)
+        slot_numel=packets.slot_numel, DTYPE=checks.TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK)

@@ -9,7 +9,7 @@ import triton.language as tl
 
 import tridist.language as dl
 
-from .._protocol import after_flags, push_slice, split_bounds
+from ..protocol import after_flags, push_slice, split_bounds
 
 
 @triton.jit

@@ -14,8 +14,8 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 
-from .. import _protocol
-from .._protocol import Workspace, after_flags, in_slot, sync_program
+from .. import sizing
+from ..protocol import Workspace, after_flags, in_slot, sync_program
 from ..method import Method
 from . import persistent
 
@@ -73,7 +73,7 @@ class TileMethod(Method):
     being the output tiles of one rank's rows (`scatter`: gemm_rs) or of the whole product
     (gemm_ar). The kernel runs on a program per SM this process may use, fewer for fewer tiles;
     with `coresident`, on what can be resident at once, asked at the first call and kept (the grid
-    counts the call epochs: `_protocol.fit_coresident`).
+    counts the call epochs: `sizing.fit_coresident`).
 
     Built for an m x k by k x n product of `dtype` with `config`; `launch(a, b, out, scale_a,
     scale_b)` writes this rank's result (m / world_size rows with `scatter`, else m) into `out`.
@@ -91,7 +91,7 @@ class TileMethod(Method):
         self.m, self.k, self.n, self.config = m, k, n, config
         shards = w.world_size if self.scatter else 1
         tiles = shards * triton.cdiv(m // shards, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-        self.programs = min(_protocol.programs_for(w.device), tiles)
+        self.programs = min(sizing.programs_for(w.device), tiles)
         self.fitted = not self.coresident
         slot_tiles = self.regions * w.world_size * (tiles // shards)
         self.workspace = self.own(Workspace(slot_tiles * config["BLOCK_M"] * config["BLOCK_N"],
@@ -105,6 +105,6 @@ class TileMethod(Method):
                     tiles_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
                     local_world_size=self.world.local_world_size, **self.config)
         if not self.fitted:
-            self.programs = _protocol.fit_coresident(self.kernel, self.programs, 1, **args)
+            self.programs = sizing.fit_coresident(self.kernel, self.programs, 1, **args)
             self.fitted = True
         self.kernel[(self.programs,)](**args, coresident=self.coresident)

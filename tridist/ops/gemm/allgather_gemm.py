@@ -30,9 +30,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import _protocol
+from .. import checks
 from . import persistent, policy
-from .._protocol import after_flags, call_epoch, finish_call
+from ..protocol import after_flags, call_epoch, finish_call
 from .shard_gather import COMMS, FEEDERS, ShardGather
 
 
@@ -118,16 +118,16 @@ class AllGatherGEMM:
     def __init__(self, m_shard: int, k: int, n: int, dtype: torch.dtype, comm: str = "auto",
                  comm_programs: int | None = None, config: dict | str | None = None):
         if comm not in COMMS:
-            raise _protocol.method_error("ag_gemm comm", comm, COMMS)
+            raise checks.method_error("ag_gemm comm", comm, COMMS)
         persistent.check_sizes("ag_gemm", dtype, k, n)
         if not isinstance(m_shard, int) or m_shard < 1:
             raise ValueError(f"ag_gemm needs a positive int m_shard (rows of A per rank), got {m_shard!r}")
         if comm_programs is not None:
-            _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the shard with comm='sm'")
+            checks.check_programs(comm_programs, "comm_programs", "the programs that push the shard with comm='sm'")
         self.world = w = tridist.world()
         self.comm = policy.choose_ag_gemm_comm(w) if comm == "auto" else comm
         if FEEDERS[self.comm].one_node:
-            _protocol.require_one_node(f"ag_gemm comm='{self.comm}'", "comm='sm'")
+            checks.require_one_node(f"ag_gemm comm='{self.comm}'", "comm='sm'")
         self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
         self.m = w.world_size * m_shard
         self.config = persistent.resolve_config(

@@ -35,8 +35,9 @@ from tridist.runtime.jit import jit
 
 from ...runtime.tensors import check_tensor
 from ...runtime.tune import tune
-from .. import _protocol
-from .._protocol import check_output, programs_for
+from .. import checks
+from ..checks import check_output
+from ..sizing import programs_for
 from . import persistent, policy
 
 FP8 = persistent.FP8
@@ -213,7 +214,7 @@ def check_call(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out, scale_
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=x.device)
     check_output(out, shape, dtype)
-    if _protocol.host_reads(offs):
+    if checks.host_reads(offs):
         check_offs(offs, x.shape[0])
     return out
 

@@ -23,8 +23,10 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ...runtime.tune import tune
-from .. import _protocol
-from .._protocol import check_input, check_output, instance, programs_for, shape_of
+from .. import checks
+from ..checks import check_input, check_output, shape_of
+from ..instances import instance
+from ..sizing import programs_for
 from . import policy
 
 FP8 = torch.float8_e4m3fn
@@ -256,7 +258,7 @@ def check_call(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out: torch.Te
                a_name: str = "a", built: tuple | None = None) -> torch.Tensor:
     """Checks the operands, scales and `out` (out_rows x N, of `out_dtype`) of a GEMM call; returns
     `out`, a new tensor if None. `built`: (op name, a's shape, b's shape, dtype) of the collective op
-    instance called, which takes nothing else; its ranks then check together (`_protocol.agree`)."""
+    instance called, which takes nothing else; its ranks then check together (`checks.agree`)."""
     def check() -> None:
         check_operands(a, b, a_name)
         if built is not None:
@@ -272,15 +274,15 @@ def check_call(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out: torch.Te
     if built is None:
         check()
     else:
-        _protocol.agree(built[0], check, {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b)})
+        checks.agree(built[0], check, {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b)})
     return torch.empty((out_rows, b.shape[1]), dtype=out_dtype(a.dtype), device=a.device) if out is None else out
 
 
 def cached(cls, a: torch.Tensor, b: torch.Tensor, config, a_name: str = "a", **options):
     """The instance of `cls` (an overlapped GEMM op, a collective) for these operands' shapes and
-    dtype, `config` and `options`, on the current stream (`_protocol.instance`), once every rank's
-    operands are checked and alike (`_protocol.agree`)."""
-    _protocol.agree(cls.__name__, lambda: check_operands(a, b, a_name),
+    dtype, `config` and `options`, on the current stream (`instances.instance`), once every rank's
+    operands are checked and alike (`checks.agree`)."""
+    checks.agree(cls.__name__, lambda: check_operands(a, b, a_name),
                     {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b), "config": repr(config),
                      **{name: repr(value) for name, value in options.items()}})
     return instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, **options),

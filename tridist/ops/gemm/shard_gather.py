@@ -12,10 +12,10 @@ The contract a GEMM reads (`ShardGather`'s attributes):
 - `gathered` holds slots of `slot_rows` = world_size * m_shard rows, shard s at rows s * m_shard
   of a slot.
 - `flags`: `flags_per_shard` flags per shard, those of shard s in slot j at
-  (j * world_size + s) * flags_per_shard. With `epoch_flags` ("sm": two slots, `_protocol.py`'s
+  (j * world_size + s) * flags_per_shard. With `epoch_flags` ("sm": two slots, `protocol.py`'s
   call epochs), call e uses slot e % 2 and its flags are raised to e; without ("ce": one slot),
   slot 0's flags are raised to 1 and zeroed after the call. A shard is whole once all its flags
-  read that value; the GEMM's loads of it must depend on the wait (`_protocol.after_flags`).
+  read that value; the GEMM's loads of it must depend on the wait (`protocol.after_flags`).
 - `gemm_programs`: the programs the GEMM may launch, so that it and the transfer are resident at
   once and the GEMM's programs wait for the transfer, never for each other.
 - Queue `start(shard)` before the GEMM and `finish()` after it. At world size 1 both do nothing:
@@ -25,7 +25,7 @@ import torch
 
 import tridist
 
-from .. import _protocol
+from .. import checks, copy_engines, sizing
 from ..collectives.allgather import two_d
 from ..method import Method
 from . import policy
@@ -68,7 +68,7 @@ class ShardGather(Method):
 
 
 class CopyEngineGather(ShardGather):
-    """comm="ce" (one node): `_protocol.CopyEnginePush` with `gathered` as its staging. After a
+    """comm="ce" (one node): `copy_engines.CopyEnginePush` with `gathered` as its staging. After a
     barrier (every peer is done with the last call), the copy engines write the shard into every
     peer's `gathered`, on a stream per peer, 8 MB at a time, and raise a flag there after each piece
     (a 4-byte memset): no SM is taken from the GEMM, and the GEMM of the own shard hides the
@@ -79,10 +79,10 @@ class CopyEngineGather(ShardGather):
 
     def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "ce", comm_programs: int | None = None):
         super().__init__(m_shard, k, dtype, comm, comm_programs)
-        self.push = self.own(_protocol.CopyEnginePush(m_shard * k, dtype, row=m_shard * k))
+        self.push = self.own(copy_engines.CopyEnginePush(m_shard * k, dtype, row=m_shard * k))
         self.gathered = self.push.staging.view(self.slot_rows, k)
         self.flags, self.flags_per_shard = self.push.flags, self.push.chunks
-        self.gemm_programs = _protocol.programs_for(self.world.device)
+        self.gemm_programs = sizing.programs_for(self.world.device)
 
     def start(self, shard: torch.Tensor) -> None:
         if self.world.world_size == 1:
@@ -102,7 +102,7 @@ class PushGather(ShardGather):
     split) everywhere to the call epoch, one per split of the shard: all_gather's "2d" kernel
     (`allgather.two_d.all_gather_2d_kernel`) without its copy-out, launched co-resident as all_gather
     launches it (its few programs always fit). The GEMM runs on the remaining SMs of those this
-    process may use (`_protocol.programs_for`, fewer under CUDA MPS). Two slots and call epochs,
+    process may use (`sizing.programs_for`, fewer under CUDA MPS). Two slots and call epochs,
     no barriers."""
 
     name = "sm"
@@ -111,13 +111,13 @@ class PushGather(ShardGather):
     def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "sm", comm_programs: int | None = None):
         super().__init__(m_shard, k, dtype, comm, comm_programs)
         w = self.world
-        _protocol.check_offsets("ag_gemm comm='sm'", 2 * self.slot_rows * k)  # the 2d kernel indexes `gathered`
+        checks.check_offsets("ag_gemm comm='sm'", 2 * self.slot_rows * k)  # the 2d kernel indexes `gathered`
         self.gathered = self.own(tridist.symm_empty((2 * self.slot_rows, k), dtype))
-        self.side = _protocol.SideStream(w.device)
-        programs = _protocol.programs_for(w.device)
+        self.side = copy_engines.SideStream(w.device)
+        programs = sizing.programs_for(w.device)
         self.comm_programs = comm_programs or max(1, programs // policy.SM_COMM_SHARE)
         self.push_tasks = two_d.spread_tasks(w)
-        self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
+        self.splits = sizing.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
         self.flags = self.own(tridist.signals(2 * w.world_size * self.splits))
         self.flags_per_shard = self.splits
         self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)

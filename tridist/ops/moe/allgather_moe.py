@@ -29,8 +29,8 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import _protocol
-from .._protocol import after_flags, call_epoch, finish_call
+from .. import checks, instances
+from ..protocol import after_flags, call_epoch, finish_call
 from ..gemm import grouped, persistent
 from ..gemm.allgather_gemm import COMMS, ShardGather
 from . import tp_routing
@@ -116,7 +116,7 @@ def check_weights(w_shard: torch.Tensor, name: str, experts: int, k: int, n: int
 
 
 def check_routing(tensor: torch.Tensor, name: str, tokens: int, topk: int, dtype: torch.dtype) -> None:
-    _protocol.check_input(tensor, name, (dtype,))
+    checks.check_input(tensor, name, (dtype,))
     if tuple(tensor.shape) != (tokens, topk):
         raise ValueError(f"{name} must be {dtype} of shape {(tokens, topk)} (tokens x topk); got shape "
                          f"{tuple(tensor.shape)}")
@@ -159,17 +159,17 @@ class AllGatherMoE:
     def __init__(self, tokens: int, k: int, n: int, experts: int, topk: int, dtype: torch.dtype, comm: str = "auto",
                  comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
         if comm not in COMMS:
-            raise _protocol.method_error("ag_moe comm", comm, COMMS)
+            raise checks.method_error("ag_moe comm", comm, COMMS)
         check_build("ag_moe", tokens, topk, experts, k, n, dtype)
         if comm_programs is not None:
-            _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the tokens with comm='sm'")
+            checks.check_programs(comm_programs, "comm_programs", "the programs that push the tokens with comm='sm'")
         self.world = w = tridist.world()
         self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
         if self.comm == "ce":
-            _protocol.require_one_node("ag_moe comm='ce'", "comm='sm'")
+            checks.require_one_node("ag_moe comm='ce'", "comm='sm'")
         self.tokens, self.k, self.n, self.experts, self.topk, self.dtype = tokens, k, n, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
-        _protocol.check_offsets("ag_moe", max(self.pairs * n, 2 * w.world_size * tokens * k))
+        checks.check_offsets("ag_moe", max(self.pairs * n, 2 * w.world_size * tokens * k))
         self.by_expert = tp_routing.choose_tile_order(tile_order, self.pairs, experts, tp_routing.AG_MOE_SOURCE_ROWS)
         self.config = moe_config(
             config, "ag_moe", (tokens, k, n, experts, topk, str(dtype), self.comm, comm_programs, self.by_expert),
@@ -188,7 +188,7 @@ class AllGatherMoE:
         shape and stream): `out`, if given, is h's storage, `world_size * tokens * topk` rows of the
         built N columns."""
         def check() -> None:
-            _protocol.check_input(x_shard, "x_shard", (self.dtype,))
+            checks.check_input(x_shard, "x_shard", (self.dtype,))
             if tuple(x_shard.shape) != (self.tokens, self.k):
                 raise ValueError(f"this ag_moe takes x_shard {self.dtype} of shape {(self.tokens, self.k)}; got "
                                  f"shape {tuple(x_shard.shape)}: build another instance, or call tridist.ops.ag_moe")
@@ -196,9 +196,9 @@ class AllGatherMoE:
             check_weights(w_shard, "w_shard", self.experts, self.k, self.n, self.dtype)
             tp_routing.check_experts(topk_idx_shard, self.experts)
             if out is not None:
-                _protocol.check_output(out, (self.pairs, self.n), self.dtype)
+                checks.check_output(out, (self.pairs, self.n), self.dtype)
 
-        _protocol.agree("ag_moe", check, {"shape and dtype of x_shard": _protocol.shape_of(x_shard)})
+        checks.agree("ag_moe", check, {"shape and dtype of x_shard": checks.shape_of(x_shard)})
         if out is None:
             out = torch.empty((self.pairs, self.n), dtype=self.dtype, device=x_shard.device)
         config = self.config
@@ -253,20 +253,20 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
     ValueError before launching anything for shapes, dtypes or layouts it does not take.
     """
     def check() -> None:
-        _protocol.check_input(x_shard, "x_shard", DTYPES)
-        _protocol.check_input(topk_idx_shard, "topk_idx_shard", (torch.int64,))
+        checks.check_input(x_shard, "x_shard", DTYPES)
+        checks.check_input(topk_idx_shard, "topk_idx_shard", (torch.int64,))
         grouped.check_weights(w_shard, "w_shard", DTYPES)
         if x_shard.dim() != 2 or topk_idx_shard.dim() != 2:
             raise ValueError(f"x_shard and topk_idx_shard must be matrices (tokens x K, tokens x topk); got shapes "
                              f"{tuple(x_shard.shape)} and {tuple(topk_idx_shard.shape)}")
 
-    shape_of = _protocol.shape_of
-    _protocol.agree("ag_moe", check, {"shape and dtype of x_shard": shape_of(x_shard),
+    shape_of = checks.shape_of
+    checks.agree("ag_moe", check, {"shape and dtype of x_shard": shape_of(x_shard),
                                       "shape of topk_idx_shard": shape_of(topk_idx_shard),
                                       "shape of w_shard": shape_of(w_shard), "comm": comm, "config": repr(config),
                                       "tile_order": tile_order})
     (tokens, k), topk, (experts, _, n) = x_shard.shape, topk_idx_shard.shape[1], w_shard.shape
-    op = _protocol.instance(lambda: AllGatherMoE(tokens, k, n, experts, topk, x_shard.dtype, comm, config=config,
+    op = instances.instance(lambda: AllGatherMoE(tokens, k, n, experts, topk, x_shard.dtype, comm, config=config,
                                                  tile_order=tile_order),
                             AllGatherMoE, tokens, k, n, experts, topk, x_shard.dtype, comm, repr(config), tile_order,
                             device=x_shard.device)

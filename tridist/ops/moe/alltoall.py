@@ -34,8 +34,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 from tridist.runtime.tensors import check_tensor
 
-from .. import _protocol
-from .._protocol import after_flags, finish_call
+from .. import checks, instances, protocol, sizing
+from ..protocol import after_flags, finish_call
 from . import exchange
 from .exchange import chunk_of, exchange_program, gather, send_rows, send_values, split_rows
 
@@ -179,19 +179,19 @@ class AllToAllV:
         self.experts, self.layout = experts_per_rank, layout
         self.w_pad = exchange.matrix_pad(w.world_size)
         self.g_pad = exchange.matrix_pad(experts_per_rank)
-        _protocol.check_offsets("all_to_all_v", w.world_size * rows * self.width)
-        limit = _protocol.programs_limit(programs, w)
+        checks.check_offsets("all_to_all_v", w.world_size * rows * self.width)
+        limit = sizing.programs_limit(programs, w)
         self.splits = max(1, limit // w.world_size)  # programs per destination; fitted at the first call
         self.fitted = False
         self.block_w = triton.next_power_of_2(min(self.width, TILE // BLOCK_R))
         # At least a row per source: the kernel takes a staging pointer even when nothing is sent.
-        self.workspace = _protocol.Workspace(w.world_size * max(rows, 1) * self.width, _WORDS[dtype.itemsize],
+        self.workspace = protocol.Workspace(w.world_size * max(rows, 1) * self.width, _WORDS[dtype.itemsize],
                                              w.world_size * self.splits, "all_to_all_v")
         self.counts = tridist.symm_zeros((2, self.w_pad * self.g_pad), torch.int32)
 
     def _check(self, x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name: str,
                splits_shape: tuple, major_align: int) -> None:
-        _protocol.check_input(x, "x", DTYPES)
+        checks.check_input(x, "x", DTYPES)
         if not isinstance(major_align, int) or major_align < 1:
             raise ValueError(f"major_align must be a positive int, got {major_align!r}")
         expected = (self.rows, *self.row_shape)
@@ -203,7 +203,7 @@ class AllToAllV:
         if splits.dtype != torch.int64 or tuple(splits.shape) != splits_shape or splits.device != x.device:
             raise ValueError(f"{splits_name} must be an int64 tensor of shape {splits_shape} on {x.device}; got "
                              f"{splits.dtype} of shape {tuple(splits.shape)} on {splits.device}")
-        _protocol.check_output(out, (self.out_rows, *self.row_shape), self.dtype)
+        checks.check_output(out, (self.out_rows, *self.row_shape), self.dtype)
 
     def _launch(self, x, splits, offsets, out, major_align: int, layout: int) -> torch.Tensor:
         w = self.world
@@ -214,7 +214,7 @@ class AllToAllV:
         meta = {"LAYOUT": layout, "W_PAD": self.w_pad, "G_PAD": self.g_pad, "BLOCK_R": BLOCK_R,
                 "BLOCK_W": self.block_w}
         if not self.fitted:  # a program waits for a flag another program of its launch raises
-            self.splits = _protocol.fit_coresident(all_to_all_v_kernel, self.splits, w.world_size, *args,
+            self.splits = sizing.fit_coresident(all_to_all_v_kernel, self.splits, w.world_size, *args,
                                                    splits=self.splits, **meta)
             self.fitted = True
         all_to_all_v_kernel[(w.world_size, self.splits)](*args, splits=self.splits, coresident=True, **meta)
@@ -227,9 +227,9 @@ class AllToAllV:
         chunks = self.world.world_size * self.experts
         offsets = self.layout == "expert_offset"
         name, shape = ("in_splits_offsets", (2, chunks)) if offsets else ("in_splits", (chunks,))
-        _protocol.agree("all_to_all_v", lambda: self._check(x, in_splits, out, name, shape, major_align),
-                        {"layout": self.layout, "shape of x": _protocol.shape_of(x),
-                         "shape of out": _protocol.shape_of(out)})
+        checks.agree("all_to_all_v", lambda: self._check(x, in_splits, out, name, shape, major_align),
+                        {"layout": self.layout, "shape of x": checks.shape_of(x),
+                         "shape of out": checks.shape_of(out)})
         if offsets:
             return self._launch(x, in_splits[0], in_splits[1], out, 1, 2)
         return self._launch(x, in_splits, in_splits, out, major_align, 0 if self.layout == "rank" else 1)
@@ -243,7 +243,7 @@ class AllToAllV:
 def _call(x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name: str, layout: str,
           major_align: int = 1) -> torch.Tensor:
     def check() -> None:
-        _protocol.check_input(x, "x", DTYPES)
+        checks.check_input(x, "x", DTYPES)
         if x.dim() < 1:
             raise ValueError("x must have a dimension of rows")
         check_tensor(out, "out")
@@ -253,11 +253,11 @@ def _call(x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name:
                              f"experts_per_rank entries (world size {world_size})")
 
     world_size = tridist.world().world_size
-    _protocol.agree(f"all_to_all_v ({layout} layout)", check,
-                    {"shape of x": _protocol.shape_of(x), "shape of out": _protocol.shape_of(out),
-                     splits_name: _protocol.shape_of(splits)})
+    checks.agree(f"all_to_all_v ({layout} layout)", check,
+                    {"shape of x": checks.shape_of(x), "shape of out": checks.shape_of(out),
+                     splits_name: checks.shape_of(splits)})
     experts = splits.shape[-1] // world_size
-    op = _protocol.instance(lambda: AllToAllV(x.shape[0], out.shape[0], x.shape[1:], x.dtype, experts, layout),
+    op = instances.instance(lambda: AllToAllV(x.shape[0], out.shape[0], x.shape[1:], x.dtype, experts, layout),
                             AllToAllV, x.shape[0], out.shape[0], tuple(x.shape[1:]), x.dtype, experts, layout,
                             device=x.device)
     return op(x, splits, out, major_align)

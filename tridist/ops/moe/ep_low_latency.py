@@ -19,7 +19,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .._protocol import call_epoch, finish_call
+from ..protocol import call_epoch, finish_call
 from .exchange import (arrive, await_combine, await_dispatch, await_own_counts, block_rows, copy_rows,
                        exchange_program, expert_blocks, gather, send_rows, send_values, split_rows, sum_parts)
 

@@ -42,7 +42,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .._protocol import finish_call
+from ..protocol import finish_call
 from ..gemm.grouped import pick
 from .exchange import (arrive, await_counts, claim, copy_rows, exchange_program, raise_flag, reset_claims, send_rows,
                        send_values, split_rows, sum_parts)
@@ -211,7 +211,7 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
             last = tl.load(rows_from + chunk_end - 1) - peer * max_tokens
             raise_flag(progress, epoch * PROGRESS_EPOCH + last + 1, peer, local_world_size)
         raise_flag(progress, epoch * PROGRESS_EPOCH + stop, peer, local_world_size)
-        # Every call hears from every peer (what makes two staging slots enough, `_protocol.py`).
+        # Every call hears from every peer (what makes two staging slots enough, `protocol.py`).
         dl.shmem.signal_wait_until(progress_ptr + peer * splits + split, dl.shmem.CMP_GE,
                                    epoch * PROGRESS_EPOCH + stop)
 

@@ -12,7 +12,7 @@ Every op of this family follows one protocol, the same for every world and node 
    copy them out of staging.
 Only one network round is needed, whatever the routing: a sender never waits to learn where its
 rows will land, because each source has a region of its own in the receiver's staging, as big as
-the most rows it may send. Epochs and two slots (see `_protocol.py`) make back-to-back calls safe:
+the most rows it may send. Epochs and two slots (see `protocol.py`) make back-to-back calls safe:
 every call waits for a flag from every peer. Where a receiver needs every sending program's part,
 the senders add to an arrival counter per source instead of raising a flag each (`arrive`).
 EP's normal mode sends its rows in parts that set progress words as they land, and hands the work
@@ -24,7 +24,7 @@ import triton.language as tl
 
 import tridist.language as dl
 
-from .._protocol import call_epoch
+from ..protocol import call_epoch
 from ..gemm.grouped import pick
 
 

@@ -28,7 +28,7 @@ import triton
 import tridist
 from tridist.runtime.tensors import check_tensor
 
-from .. import _protocol
+from .. import checks, sizing
 from . import exchange, sort
 from .ep_low_latency import ll_combine_kernel, ll_dispatch_kernel
 from .ep_normal import PROGRESS_EPOCH, combine_kernel, dispatch_kernel
@@ -85,7 +85,7 @@ class _Exchange:
     def __init__(self, kind: str, rows: int, width: int, dtype: torch.dtype, meta_width: int, count_words: int,
                  splits: int, progress: bool = False):
         w = tridist.world()
-        _protocol.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
+        checks.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.splits = splits
         self.fitted = False
         self.slot_numel = rows * width
@@ -104,7 +104,7 @@ class _Exchange:
         whose receiving programs wait for counters its own sending programs raise) can hold. Every
         launch of these buffers then has the same grid, which their call epochs count on."""
         if not self.fitted:
-            self.splits = _protocol.fit_coresident(kernel, self.splits, grid_world, *args, splits=self.splits,
+            self.splits = sizing.fit_coresident(kernel, self.splits, grid_world, *args, splits=self.splits,
                                                    **meta)
             self.fitted = True
 
@@ -187,7 +187,7 @@ class EPBuffer:
         self.experts_local = num_experts // w.world_size
         self.w_pad = exchange.matrix_pad(w.world_size)
         self.e_pad = exchange.matrix_pad(self.experts_local)
-        self.splits = max(1, _protocol.programs_for(w.device) // w.world_size)
+        self.splits = max(1, sizing.programs_for(w.device) // w.world_size)
         self._exchanges: dict = {}
         self._hook_pending = False
         self._pair_ids = None
@@ -205,7 +205,7 @@ class EPBuffer:
                              "built for")
         if topk < 1 or topk > self.num_experts:
             raise ValueError(f"topk_idx has {topk} experts per token; this layer has {self.num_experts}")
-        if _protocol.host_reads(topk_idx) and tokens:
+        if checks.host_reads(topk_idx) and tokens:
             if int(topk_idx.min()) < -1 or int(topk_idx.max()) >= self.num_experts:
                 raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; "
                                  f"ids are -1 (none) or 0 to {self.num_experts - 1}")
@@ -214,15 +214,15 @@ class EPBuffer:
     def _routing(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """The ids a dispatch routes by: `topk_idx` where the host checked it, else a copy with ids
         out of range made -1 and counted in `dropped_expert_ids` (on the device)."""
-        if _protocol.host_reads(topk_idx):
+        if checks.host_reads(topk_idx):
             return topk_idx
         return sort.drop_ids(topk_idx, self.num_experts, self.dropped_expert_ids)
 
     def _agree(self, call: str, topk_idx, check) -> None:
         """`check()` (this rank's checks of its arguments) with the outcome shared by every rank,
-        which must make the same call with the same topk (`_protocol.agree`)."""
+        which must make the same call with the same topk (`checks.agree`)."""
         topk = topk_idx.shape[-1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() else -1
-        _protocol.agree("EPBuffer", check, {"call": call, "experts per token (topk)": topk})
+        checks.agree("EPBuffer", check, {"call": call, "experts per token (topk)": topk})
 
     def _check_tokens(self, x: torch.Tensor, tokens: int, name: str = "x") -> None:
         check_tensor(x, name)

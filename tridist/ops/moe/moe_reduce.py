@@ -7,7 +7,7 @@ weights, topk_weights_shard (T_r x topk, float32) the weights of this rank's tok
 y_shard (T_r x K): for each of its tokens t, sum over k of topk_weights[t, k] * (h[row of (t, k)] @
 w[expert]), summed over the ranks (each holds a part of the N columns).
 
-Protocol (slots and call epochs as in `_protocol.py`)
+Protocol (slots and call epochs as in `protocol.py`)
 - The GEMM (`moe_rs_gemm_kernel`) walks the tiles of h (`tp_routing`'s walks). By source, phase by
   phase: the rows of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs
   orders its tiles. Each tile's rows go to `products` (P x K, local, h's row order), and one tile
@@ -44,8 +44,8 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import _protocol
-from .._protocol import after_flags, call_epoch, copy_slice, finish_call, push_slice, sync_program
+from .. import checks, copy_engines, instances, protocol, sizing
+from ..protocol import after_flags, call_epoch, copy_slice, finish_call, push_slice, sync_program
 from ..gemm import grouped, persistent
 from . import allgather_moe, tp_routing
 from .tp_routing import MoEHandle
@@ -216,11 +216,11 @@ class MoEReduceScatter:
                  comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
         allgather_moe.check_build("moe_rs", tokens, topk, experts, n, k, dtype)
         if comm_programs is not None:
-            _protocol.check_programs(comm_programs, "comm_programs", "the programs of the peers' combine")
+            checks.check_programs(comm_programs, "comm_programs", "the programs of the peers' combine")
         self.world = w = tridist.world()
         self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
-        _protocol.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
+        checks.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
         self.by_expert = tp_routing.choose_tile_order(tile_order, self.pairs, experts, None)
         # With peers the GEMM counts its tiles (COUNT), `late` assigned in a branch: a plain assignment,
         # flattened by Triton 3.6, gave every count to the tile's own source on an H100 and the peers'
@@ -231,7 +231,7 @@ class MoEReduceScatter:
             lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c, tile_order)),
             lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
             dtype)
-        programs = _protocol.programs_for(w.device)
+        programs = sizing.programs_for(w.device)
         # A quarter: of 8, 16, 33 and 66 programs on 2 x H100 (132 SMs), 33 was the fastest at each
         # layer of `tridist bench moe_rs` (deepseek 492 us, 803 at 8), and on 4 it beat 8 (614 us
         # against 1207), 2026-11-26.
@@ -252,15 +252,15 @@ class MoEReduceScatter:
         self.pieces = chunks * self.spans
         self.products = torch.empty((self.pairs, k), dtype=dtype, device=w.device)
         row = self.pieces * self.chunk * self.span
-        _protocol.check_offsets("moe_rs", 2 * w.world_size * row)
-        self.workspace = _protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1))
-        self.weights_row = _protocol.row_stride(tokens * topk)
+        checks.check_offsets("moe_rs", 2 * w.world_size * row)
+        self.workspace = protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1))
+        self.weights_row = sizing.row_stride(tokens * topk)
         self.exchange = tridist.symm_empty((2 * w.world_size * self.weights_row,), torch.float32)
         self.send = tridist.symm_empty((w.world_size * row,), dtype) if w.nnodes > 1 else None
         self.done = tridist.signals(2 * w.world_size)
         self.gemm_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         self.peer_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-        self.side = _protocol.SideStream(w.device)
+        self.side = copy_engines.SideStream(w.device)
 
     def __call__(self, h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -273,7 +273,7 @@ class MoEReduceScatter:
                                         torch.float32)
             allgather_moe.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
             check_handle(handle, w.world_size, self.tokens, self.topk, self.experts, w.device)
-            _protocol.check_input(h, "h", (self.dtype,))
+            checks.check_input(h, "h", (self.dtype,))
             if tuple(h.shape) != (self.pairs, self.n):
                 raise ValueError(f"this moe_rs takes h {self.dtype} of shape {(self.pairs, self.n)} (a row per pair "
                                  f"of every rank's tokens); got shape {tuple(h.shape)}: build another instance, or "
@@ -282,9 +282,9 @@ class MoEReduceScatter:
                 raise ValueError("h does not start on a 16-byte boundary, as TMA needs (a view at an odd offset?): "
                                  "pass h.clone()")
             if out is not None:
-                _protocol.check_output(out, (self.tokens, self.k), self.dtype)
+                checks.check_output(out, (self.tokens, self.k), self.dtype)
 
-        _protocol.agree("moe_rs", check, {"shape and dtype of h": _protocol.shape_of(h)})
+        checks.agree("moe_rs", check, {"shape and dtype of h": checks.shape_of(h)})
         if out is None:
             out = torch.empty((self.tokens, self.k), dtype=self.dtype, device=h.device)
         config = self.config
@@ -388,19 +388,19 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
     ValueError before launching anything for shapes, dtypes, layouts or a handle it does not take.
     """
     def check() -> None:
-        _protocol.check_input(h, "h", allgather_moe.DTYPES)
-        _protocol.check_input(topk_weights_shard, "topk_weights_shard", (torch.float32,))
+        checks.check_input(h, "h", allgather_moe.DTYPES)
+        checks.check_input(topk_weights_shard, "topk_weights_shard", (torch.float32,))
         grouped.check_weights(w_shard, "w_shard", allgather_moe.DTYPES)
         if h.dim() != 2 or topk_weights_shard.dim() != 2:
             raise ValueError(f"h and topk_weights_shard must be matrices; got shapes {tuple(h.shape)} and "
                              f"{tuple(topk_weights_shard.shape)}")
 
-    shape_of = _protocol.shape_of
-    _protocol.agree("moe_rs", check, {"shape and dtype of h": shape_of(h), "shape of w_shard": shape_of(w_shard),
+    shape_of = checks.shape_of
+    checks.agree("moe_rs", check, {"shape and dtype of h": shape_of(h), "shape of w_shard": shape_of(w_shard),
                                       "shape of topk_weights_shard": shape_of(topk_weights_shard),
                                       "config": repr(config), "tile_order": tile_order})
     (tokens, topk), (experts, n, k) = topk_weights_shard.shape, w_shard.shape
-    op = _protocol.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config,
+    op = instances.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config,
                                                      tile_order=tile_order),
                             MoEReduceScatter, tokens, n, k, experts, topk, h.dtype, repr(config), tile_order,
                             device=h.device)

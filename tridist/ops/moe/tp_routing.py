@@ -7,7 +7,7 @@ after expert, and within an expert by source rank, then token, then k. Segment (
 expert e that rank s's tokens send, starts at row base[s, e] and holds counts[s, e] rows. offs[e]
 (the cumulative row ends per expert) is what `grouped_gemm` takes, so h can also go through it.
 
-Protocol (`route_kernel`, one program per rank and call; epochs and slots as in `_protocol.py`):
+Protocol (`route_kernel`, one program per rank and call; epochs and slots as in `protocol.py`):
 1. The rank sorts its own pairs by expert (`sort`, two launches before `route_kernel`'s) and
    writes them into row `rank` of this call's slot of the symmetric `exchange` buffer: each pair's
    expert, its position among this rank's pairs of that expert, and the count per expert.
@@ -38,8 +38,8 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import _protocol
-from .._protocol import after_flags, call_epoch, finish_call, push_slice, sync_program
+from .. import checks, protocol, sizing
+from ..protocol import after_flags, call_epoch, finish_call, push_slice, sync_program
 from ..gemm import grouped, persistent
 from . import sort
 
@@ -187,9 +187,9 @@ class Router:
         self.tokens, self.topk, self.experts = tokens, topk, experts
         self.pairs = tokens * topk
         self.e_pad = triton.next_power_of_2(experts)
-        self.row = _protocol.row_stride(2 * self.pairs + self.e_pad)
-        _protocol.check_offsets("ag_moe", max(2 * w.world_size * self.row, 3 * w.world_size * self.pairs))
-        self.workspace = _protocol.Workspace(w.world_size * self.row, torch.int32, w.world_size)
+        self.row = sizing.row_stride(2 * self.pairs + self.e_pad)
+        checks.check_offsets("ag_moe", max(2 * w.world_size * self.row, 3 * w.world_size * self.pairs))
+        self.workspace = protocol.Workspace(w.world_size * self.row, torch.int32, w.world_size)
 
     def __call__(self, topk_idx: torch.Tensor) -> MoEHandle:
         """Queue the routing of this call's `topk_idx` (this rank's, tokens x topk int64); returns
@@ -238,7 +238,7 @@ def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
     """Expert ids in [0, experts), checked where reading them costs no synchronisation (on the CPU:
     the emulator) or where it is asked for (TRIDIST_DEBUG=1), but not while a CUDA graph is captured
     (the read would end the capture)."""
-    if not _protocol.host_reads(topk_idx):
+    if not checks.host_reads(topk_idx):
         return
     if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= experts):
         raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; there are "

@@ -31,7 +31,7 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 
-from .._protocol import in_slot, sync_program
+from ..protocol import in_slot, sync_program
 
 
 class Domain:

@@ -9,7 +9,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import _protocol
+from .. import sizing
 from ..method import Method
 from ._halo import Domain, relax_tile
 
@@ -50,6 +50,6 @@ class Fused(Method):
         arguments = dict(planes_ptr=d.planes, signals_ptr=d.signals, barrier_ptr=self.barrier, rows=d.local_rows,
                          cols=d.cols, first=first, iterations=iterations, **d.blocks())
         if not self.fitted:
-            self.programs = _protocol.fit_coresident(jacobi_fused_kernel, self.programs, 1, **arguments)
+            self.programs = sizing.fit_coresident(jacobi_fused_kernel, self.programs, 1, **arguments)
             self.fitted = True
         jacobi_fused_kernel[(self.programs,)](coresident=True, **arguments)

@@ -11,7 +11,7 @@ import torch
 
 import tridist
 
-from .. import _protocol
+from .. import checks, sizing
 from ._halo import Domain
 from .fused import Fused
 from .host_loop import HostLoop
@@ -39,11 +39,11 @@ class Jacobi2D:
             raise ValueError(f"Jacobi2D splits the {rows} rows over {w.world_size} ranks: make rows a multiple of the "
                              "world size")
         self.rows, self.cols, self.local_rows = rows, cols, rows // w.world_size
-        _protocol.check_offsets("Jacobi2D", 2 * (self.local_rows + 2) * (cols + 2))
+        checks.check_offsets("Jacobi2D", 2 * (self.local_rows + 2) * (cols + 2))
         self.domain = Domain(self.local_rows, cols, block or tile_for(self.local_rows, cols))
         self.tiles = self.domain.tiles
         self.methods = {m.name: m for m in (HostLoop(self.domain),
-                                            Fused(self.domain, min(self.tiles, _protocol.programs_limit(programs, w))))}
+                                            Fused(self.domain, min(self.tiles, sizing.programs_limit(programs, w))))}
         self.iterations = 0
 
     @property
@@ -76,10 +76,10 @@ class Jacobi2D:
     def run(self, iterations: int, method: str = "fused") -> torch.Tensor:
         """Relax `iterations` more times with `method`; returns `solution()`."""
         if method not in METHODS:
-            raise _protocol.method_error("Jacobi2D", method, METHODS)
+            raise checks.method_error("Jacobi2D", method, METHODS)
         if not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"Jacobi2D.run takes a positive int number of iterations, got {iterations!r}")
-        if self.iterations + iterations >= _protocol.INDEX_LIMIT:
+        if self.iterations + iterations >= checks.INDEX_LIMIT:
             raise ValueError("Jacobi2D counts iterations in 32 bits: load the state again to count from 1")
         self.methods[method].launch(self.iterations + 1, iterations)
         self.iterations += iterations

@@ -10,8 +10,9 @@ import torch
 
 import tridist
 
-from ... import _protocol
-from ..._protocol import check_input, check_output, row_stride, shape_of, symmetric_identity
+from ... import checks, instances, sizing
+from ...checks import check_input, check_output, shape_of, symmetric_identity
+from ...sizing import row_stride
 from ...method import Nothing
 from .. import policy
 from .._front import Collective
@@ -21,7 +22,7 @@ from . import ce, ce_symmetric, ll, pull, push, ring, two_d
 CLASSES = {kind.name: kind for kind in (push.Push, pull.Pull, ll.Packets, ce.CopyEngines, two_d.TwoD, ring.Ring)}
 METHODS = ("auto", *CLASSES)
 # An all-gather only moves data, so it takes raw bytes and integers as well.
-DTYPES = (*_protocol.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+DTYPES = (*checks.SUPPORTED, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 class AllGather(Collective):
@@ -59,8 +60,8 @@ class AllGather(Collective):
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
                  symmetric_out: bool = False):
         if method not in METHODS:
-            raise _protocol.method_error("all_gather", method, METHODS)
-        _protocol.check_build("all_gather", numel, dtype, DTYPES)
+            raise checks.method_error("all_gather", method, METHODS)
+        checks.check_build("all_gather", numel, dtype, DTYPES)
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         self.method = (policy.choose_all_gather(numel * dtype.itemsize * w.world_size, w, symmetric_out)
@@ -69,13 +70,13 @@ class AllGather(Collective):
         if numel == 0:  # nothing to move: no buffers, and calls return at once
             self.impl = Nothing()
             return
-        _protocol.check_offsets("all_gather", w.world_size * row_stride(numel))
+        checks.check_offsets("all_gather", w.world_size * row_stride(numel))
         kind = CLASSES[self.method]
         if symmetric_out and self.method == "ce" and w.world_size > 1:
             kind = ce_symmetric.CopyEnginesIntoOut
         if kind.one_node:
-            _protocol.require_one_node(f"all_gather method {self.method!r}", "method='2d' or 'push'")
-        self.impl = kind(numel, dtype, _protocol.programs_limit(programs, w))
+            checks.require_one_node(f"all_gather method {self.method!r}", "method='2d' or 'push'")
+        self.impl = kind(numel, dtype, sizing.programs_limit(programs, w))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather `x` from every rank into `out`.
@@ -92,13 +93,13 @@ class AllGather(Collective):
 
         Raises:
             ValueError: `x` or `out` not what this instance was built for, on any rank; with
-                `symmetric_out`, ranks passed different tensors (`_protocol.agree` says when
+                `symmetric_out`, ranks passed different tensors (`checks.agree` says when
                 every rank checks).
         """
         w = self.world
 
         def check() -> None:
-            _protocol.check_same(x, self.numel, self.dtype, "all-gather", DTYPES)
+            checks.check_same(x, self.numel, self.dtype, "all-gather", DTYPES)
             if out is None and self.symmetric_out:
                 raise ValueError("this all-gather was built with symmetric_out=True: pass out, a symmetric tensor "
                                  "(tridist.symm_empty)")
@@ -108,7 +109,7 @@ class AllGather(Collective):
                 raise ValueError("this all-gather was built with symmetric_out=True: out must be a symmetric tensor "
                                  "(tridist.symm_empty), the same on every rank")
 
-        _protocol.agree("all_gather", check, {"shape and dtype of x": shape_of(x),
+        checks.agree("all_gather", check, {"shape and dtype of x": shape_of(x),
                                               "out": symmetric_identity(out) if self.symmetric_out else "any"})
         if out is None:
             out = torch.empty(gathered_shape(x, w), dtype=x.dtype, device=x.device)
@@ -151,14 +152,14 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     def check() -> None:
         check_input(x, "x", DTYPES)
         if method not in METHODS:
-            raise _protocol.method_error("all_gather", method, METHODS)
+            raise checks.method_error("all_gather", method, METHODS)
         if out is not None:
             check_output(out, gathered_shape(x, tridist.world()), x.dtype)
 
-    _protocol.agree("all_gather", check, {"shape and dtype of x": shape_of(x), "method": method,
+    checks.agree("all_gather", check, {"shape and dtype of x": shape_of(x), "method": method,
                                           "out": symmetric_identity(out)})
     symmetric = out is not None and tridist.is_symmetric(out)
-    op = _protocol.instance(lambda: AllGather(x.numel(), x.dtype, method, symmetric_out=symmetric), AllGather,
+    op = instances.instance(lambda: AllGather(x.numel(), x.dtype, method, symmetric_out=symmetric), AllGather,
                             x.numel(), x.dtype, method, symmetric, device=x.device)
     return op(x, out)
 

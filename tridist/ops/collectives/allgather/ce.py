@@ -1,9 +1,9 @@
 """All-gather method "ce" (one node), through staging: the copy engines move the shards, no SM
 drives NVLink.
 
-Protocol (`_protocol.CopyEnginePush`). A barrier at the start of each call (the transfer's own)
+Protocol (`copy_engines.CopyEnginePush`). A barrier at the start of each call (the transfer's own)
 says every peer has finished with its staging and flags. This rank's copy engines then write its
-shard into row `rank` of every peer's staging, chunk by chunk (8 MB, `_protocol.CE_CHUNK_BYTES`),
+shard into row `rank` of every peer's staging, chunk by chunk (8 MB, `sizing.CE_CHUNK_BYTES`),
 each chunk followed by its flag (rank, chunk) = 1; `all_gather_ce_kernel` copies each chunk of each
 peer's row out to `out` as soon as its flag is up, and this rank's shard from x. Once the kernel
 has run, the flags are zeroed for the next call. For large messages next to other work on the SMs:
@@ -14,8 +14,8 @@ import torch
 
 import tridist
 
-from ... import _protocol
-from ..._protocol import CopyEnginePush
+from ... import sizing
+from ...copy_engines import CopyEnginePush
 from ...method import Method
 from .._copy_engine import all_gather_ce_kernel
 
@@ -31,9 +31,9 @@ class CopyEngines(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.numel = numel
-        self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
                                                                   max(1, programs // w.world_size),
-                                                                  _protocol.CE_STEP_BYTES)
+                                                                  sizing.CE_STEP_BYTES)
         self.transfer = self.own(CopyEnginePush(numel, dtype, name="all_gather ce"))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:

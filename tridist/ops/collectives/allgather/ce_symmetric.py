@@ -17,7 +17,7 @@ import torch
 import tridist
 
 from ... import sync
-from ..._protocol import PeerStreams
+from ...copy_engines import PeerStreams
 from ...method import Method
 
 

@@ -5,7 +5,7 @@ packets for every rank (`dl.ll`: a word with the low 32 bits of the call's epoch
 bytes). In a grid of (world_size, splits) programs, program (p, s) for a peer p writes slice s of
 this rank's words into row `rank` of p's packets, then reads slice s of p's words from row p of its
 own packets once their flags equal this call's epoch; program (rank, s) copies slice s of x into
-`out`. No separate signal, no fence. Two slots suffice for the reason `_protocol` gives: every call
+`out`. No separate signal, no fence. Two slots suffice for the reason `protocol` gives: every call
 receives a packet from every peer. The shard must be whole 4-byte words.
 """
 import torch
@@ -15,7 +15,7 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ..._protocol import LL_BLOCK, PacketRows, call_epoch, copy_slice, finish_call, in_slot, split_bounds
+from ...protocol import LL_BLOCK, PacketRows, call_epoch, copy_slice, finish_call, in_slot, split_bounds
 from ...method import Method
 
 

@@ -4,7 +4,7 @@ Protocol. In a grid of (world_size, splits) programs, program (rank, s) copies s
 rank's shard into its own staging (and into `out`), then raises flag (rank, s) to the call's epoch
 on every rank of the node. Program (p, s) for a peer p waits for rank p's flag (p, s) here and reads
 that slice of p's staging through `symm_at`: reads instead of writes over NVLink. A slot's staging
-holds this rank's shard, its flags world_size * splits words; two slots and call epochs (`_protocol`)
+holds this rank's shard, its flags world_size * splits words; two slots and call epochs (`protocol`)
 need no handshake.
 """
 import torch
@@ -14,9 +14,8 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import (Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, notify_peers,
-                          split_bounds)
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, notify_peers, split_bounds
 from ...method import Method
 
 
@@ -53,7 +52,7 @@ class Pull(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.numel = numel
-        self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
                                                                   max(1, programs // w.world_size))
         self.workspace = self.own(Workspace(numel, dtype, w.world_size * self.splits, "all_gather pull"))
 

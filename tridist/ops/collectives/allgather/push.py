@@ -1,13 +1,13 @@
 """All-gather method "push" (any topology): each rank stores its shard into every peer's staging.
 
-Protocol. The shard (n elements) is cut in slices (`_protocol.slices_for`, about 128 KB each). In a
+Protocol. The shard (n elements) is cut in slices (`sizing.slices_for`, about 128 KB each). In a
 grid of (world_size, splits) programs, program (p, s) for a peer p stores slices s, s + splits, ...
 of this rank's shard into row `rank` of rank p's staging (through p's pointer on this node, an
 NVSHMEM put with the signal attached on another node), raising p's flag (rank, slice) to the call's
 epoch after each. Program (rank, s) copies those slices of every rank's shard into `out`: this
 rank's from x, a peer's once its flag is up, so copying out overlaps sending. A slot's staging has a
 row per rank, `row` elements (n rounded up to 64) apart, and world_size * slices flags; two slots and
-call epochs (`_protocol`) need no handshake.
+call epochs (`protocol`) need no handshake.
 """
 import torch
 import triton.language as tl
@@ -16,9 +16,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import (Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, row_stride,
-                          split_bounds)
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, split_bounds
+from ...sizing import row_stride
 from ...method import Method
 
 
@@ -60,9 +60,9 @@ class Push(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.numel = numel
-        self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
                                                                   max(1, programs // w.world_size))
-        self.slices = _protocol.slices_for(numel, dtype.itemsize, self.splits)
+        self.slices = sizing.slices_for(numel, dtype.itemsize, self.splits)
         self.row = row_stride(numel)
         self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.slices,
                                             "all_gather push"))

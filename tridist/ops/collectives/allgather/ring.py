@@ -5,7 +5,7 @@ Protocol. Program s carries slice s of every shard. It pushes this rank's slice 
 slice of the next source along the ring (rank-1, rank-2, ...) under flag (source, s), forwards it
 to rank+1 (unless rank+1 is that source) and copies it to `out`. Each rank sends and receives
 (n-1)/n of the output once, whatever the topology; the slices move independently, so the steps
-overlap. Staging rows are `row` elements apart; two slots and call epochs (`_protocol`) need no
+overlap. Staging rows are `row` elements apart; two slots and call epochs (`protocol`) need no
 handshake.
 """
 import torch
@@ -15,9 +15,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import (Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, row_stride,
-                          split_bounds)
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, split_bounds
+from ...sizing import row_stride
 from ...method import Method
 
 
@@ -57,7 +57,7 @@ class Ring(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.numel = numel
-        self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, programs)
+        self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize, programs)
         self.row = row_stride(numel)
         self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
                                             "all_gather ring"))

@@ -7,7 +7,7 @@ forwards each shard it received from another node to the other ranks of its node
 flag has arrived. Flag (p, s) on a rank says slice s of rank p's shard is in its staging (row p,
 `row` elements apart), raised to the call's epoch once per call by whoever wrote it; then each
 program waits for a few of those flags and copies those rows into `out`. On one node this is "push"
-with the copy-outs spread differently. Two slots and call epochs (`_protocol`) need no handshake.
+with the copy-outs spread differently. Two slots and call epochs (`protocol`) need no handshake.
 
 A program may wait for a shard that a program after it in the grid forwards, so the kernel launches
 co-resident (`kernel[grid](..., coresident=True)`), with fewer splits if its grid would not all be
@@ -22,9 +22,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import (Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, placement, push_slice,
-                          row_stride, split_bounds)
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, placement, push_slice, split_bounds
+from ...sizing import row_stride
 from ...method import Method
 
 
@@ -87,7 +87,7 @@ class TwoD(Method):
         self.world = w = tridist.world()
         self.numel = numel
         self.tasks = spread_tasks(w)
-        self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
                                                                   max(1, programs // self.tasks))
         self.row = row_stride(numel)
         self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
@@ -101,7 +101,7 @@ class TwoD(Method):
                     local_world_size=self.world.local_world_size, COPY_OUT=True, BLOCK=self.block,
                     num_warps=self.warps)
         if not self.fitted:  # fewer splits use fewer of the workspace's flags
-            self.splits = _protocol.fit_coresident(all_gather_2d_kernel, self.splits, self.tasks,
+            self.splits = sizing.fit_coresident(all_gather_2d_kernel, self.splits, self.tasks,
                                                    splits=self.splits, **arguments)
             self.fitted = True
         all_gather_2d_kernel[(self.tasks, self.splits)](splits=self.splits, coresident=True, **arguments)

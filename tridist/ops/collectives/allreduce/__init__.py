@@ -11,8 +11,9 @@ import triton
 
 import tridist
 
-from ... import _protocol
-from ..._protocol import check_input, check_output, row_stride, shape_of, symmetric_identity
+from ... import checks, instances, sizing
+from ...checks import check_input, check_output, shape_of, symmetric_identity
+from ...sizing import row_stride
 from ...method import Nothing
 from .. import policy
 from .._front import Collective
@@ -62,8 +63,8 @@ class AllReduce(Collective):
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None,
                  symmetric_in_place: bool = False):
         if method not in METHODS:
-            raise _protocol.method_error("all_reduce", method, METHODS)
-        _protocol.check_build("all_reduce", numel, dtype)
+            raise checks.method_error("all_reduce", method, METHODS)
+        checks.check_build("all_reduce", numel, dtype)
         self.world = w = tridist.world()
         self.numel, self.dtype = numel, dtype
         self.symmetric_in_place = symmetric_in_place
@@ -74,16 +75,16 @@ class AllReduce(Collective):
             return
         # one-shot and LL staging hold all of x per rank; the others a chunk per rank, twice
         whole = self.method in ("one_shot", "ll")
-        _protocol.check_offsets("all_reduce", w.world_size * row_stride(numel) if whole else
+        checks.check_offsets("all_reduce", w.world_size * row_stride(numel) if whole else
                                 2 * w.world_size * row_stride(triton.cdiv(numel, w.world_size)))
-        limit = _protocol.programs_limit(programs, w)
+        limit = sizing.programs_limit(programs, w)
         kind = CLASSES[self.method]
         if symmetric_in_place and self.method == "two_shot" and w.nnodes == 1:
             kind = two_shot_symmetric.SymmetricTwoShot
             if programs is None:
                 limit = policy.symmetric_two_shot_programs(nbytes, limit)
         if kind.one_node:
-            _protocol.require_one_node(f"all_reduce method {self.method!r}", "method='one_shot' or 'two_shot'")
+            checks.require_one_node(f"all_reduce method {self.method!r}", "method='one_shot' or 'two_shot'")
         self.impl = kind(numel, dtype, limit)
 
     @property
@@ -104,11 +105,11 @@ class AllReduce(Collective):
 
         Raises:
             ValueError: `x` or `out` not what this instance was built for, on any rank; with
-                `symmetric_in_place`, ranks passed different tensors (`_protocol.agree` says when
+                `symmetric_in_place`, ranks passed different tensors (`checks.agree` says when
                 every rank checks).
         """
         def check() -> None:
-            _protocol.check_same(x, self.numel, self.dtype, "all-reduce")
+            checks.check_same(x, self.numel, self.dtype, "all-reduce")
             if out is not None:
                 check_output(out, tuple(x.shape), x.dtype)
             if self.symmetric_in_place and (out is None or out.data_ptr() != x.data_ptr()
@@ -116,7 +117,7 @@ class AllReduce(Collective):
                 raise ValueError("this all-reduce was built with symmetric_in_place=True: call it with out=x, x a "
                                  "symmetric tensor (tridist.symm_empty), the same on every rank")
 
-        _protocol.agree("all_reduce", check, {"shape and dtype of x": shape_of(x),
+        checks.agree("all_reduce", check, {"shape and dtype of x": shape_of(x),
                                               "x": symmetric_identity(x) if self.symmetric_in_place else "any"})
         if out is None:
             out = torch.empty_like(x)
@@ -153,15 +154,15 @@ def all_reduce(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     def check() -> None:
         check_input(x, "x")
         if method not in METHODS:
-            raise _protocol.method_error("all_reduce", method, METHODS)
+            raise checks.method_error("all_reduce", method, METHODS)
         if out is not None:
             check_output(out, tuple(x.shape), x.dtype)
 
     in_place = isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor) and out.data_ptr() == x.data_ptr()
-    _protocol.agree("all_reduce", check, {"shape and dtype of x": shape_of(x), "method": method,
+    checks.agree("all_reduce", check, {"shape and dtype of x": shape_of(x), "method": method,
                                           "x in place": symmetric_identity(x) if in_place else "not in place"})
     symmetric = in_place and tridist.is_symmetric(x)
-    op = _protocol.instance(lambda: AllReduce(x.numel(), x.dtype, method, symmetric_in_place=symmetric), AllReduce,
+    op = instances.instance(lambda: AllReduce(x.numel(), x.dtype, method, symmetric_in_place=symmetric), AllReduce,
                             x.numel(), x.dtype, method, symmetric, device=x.device)
     return op(x, out)
 

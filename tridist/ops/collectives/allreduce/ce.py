@@ -1,7 +1,7 @@
 """All-reduce method "ce" (one node): a copy-engine reduce-scatter, then a copy-engine all-gather of
 the reduced chunks; no SM drives NVLink.
 
-Protocol (`_protocol.CopyEnginePush`, two of them: `scatter` and `gather`). x is world_size chunks
+Protocol (`copy_engines.CopyEnginePush`, two of them: `scatter` and `gather`). x is world_size chunks
 of m elements (the last ranks' shorter). A barrier at the start of each call (the scatter's own)
 says every peer has finished with both stagings and their flags. This rank's copy engines write
 chunk p of x into row `rank` of rank p's scatter staging, a flag = 1 per transfer chunk (8 MB);
@@ -20,8 +20,8 @@ import triton
 
 import tridist
 
-from ... import _protocol
-from ..._protocol import CopyEnginePush
+from ... import sizing
+from ...copy_engines import CopyEnginePush
 from ...method import Method
 from .._copy_engine import all_gather_ce_kernel, reduce_ce_kernel
 
@@ -38,9 +38,9 @@ class CopyEngines(Method):
         self.world = w = tridist.world()
         self.numel = numel
         self.chunk = triton.cdiv(numel, w.world_size)
-        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
                                                                   max(1, programs // w.world_size),
-                                                                  _protocol.CE_STEP_BYTES)
+                                                                  sizing.CE_STEP_BYTES)
         self.scatter = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce scatter"))
         self.gather = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce gather"))
 

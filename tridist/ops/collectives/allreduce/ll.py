@@ -5,7 +5,7 @@ reduce-scatter "ll" runs too). x must be whole 4-byte words.
 """
 import torch
 
-from ..._protocol import PacketRows
+from ...protocol import PacketRows
 from ...method import Method
 from .._packets import reduce_packets
 

@@ -5,7 +5,7 @@ Protocol. Program s pushes slice s of x into row `rank` of every rank's staging 
 raising that rank's flag (rank, s) to the call's epoch, then waits for every rank's flag (p, s) here
 and sums the rows it received, in rank order and in fp32. One step, world_size - 1 copies of the
 data received per rank. A slot's staging has a row per rank, `row` elements apart, and
-world_size * splits flags; two slots and call epochs (`_protocol`) need no handshake.
+world_size * splits flags; two slots and call epochs (`protocol`) need no handshake.
 """
 import torch
 import triton.language as tl
@@ -14,8 +14,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import Workspace, after_flags, call_epoch, finish_call, in_slot, push_slice, row_stride, split_bounds
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, finish_call, in_slot, push_slice, split_bounds
+from ...sizing import row_stride
 from ...method import Method
 from .._sums import sum_rows
 
@@ -51,7 +52,7 @@ class OneShot(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.numel = numel
-        self.block, self.splits, self.warps = _protocol.steps_for(numel, dtype.itemsize, programs)
+        self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize, programs)
         self.row = row_stride(numel)
         self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
                                             "all_reduce one_shot"))

@@ -2,7 +2,7 @@
 reduce-scatter, then an all-gather of the reduced slices.
 
 Protocol. x is world_size chunks of m elements (padded by the host when world_size does not divide
-it), each cut in slices (`_protocol.slices_for`, about 128 KB). In a grid of (world_size, splits)
+it), each cut in slices (`sizing.slices_for`, about 128 KB). In a grid of (world_size, splits)
 programs, program (p, s) for a peer p pushes slices s, s + splits, ... of chunk p of x into row
 `rank` of p's staging, raising p's flag (rank, slice) to the call's epoch after each
 (`_sums.send_chunks`, 16-byte stores). Program (rank, s) sums those slices of this rank's chunk
@@ -10,7 +10,7 @@ over the ranks as they arrive (`_sums.sum_slice`, rank order, fp32) into `out`, 
 into row `rank` of the second half of every peer's staging, flags in the second half of the slot's
 signals; program (p, s) copies p's reduced slices from there into `out` as they arrive. Each rank
 receives 2 (n-1)/n of the data instead of (n-1) x. A slot holds 2 world_size rows, `row` apart, and
-2 world_size * slices flags; two slots and call epochs (`_protocol`) need no handshake.
+2 world_size * slices flags; two slots and call epochs (`protocol`) need no handshake.
 
 In place (out is x) is safe: chunk p of x is overwritten only by the program that sent it, after
 sending it.
@@ -25,9 +25,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import (Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice,
-                          row_stride, split_bounds, sync_program)
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, split_bounds, sync_program
+from ...sizing import row_stride
 from ...method import Method
 from .._sums import send_chunks, sum_slice
 
@@ -77,9 +77,9 @@ class TwoShot(Method):
         self.world = w = tridist.world()
         self.numel = numel
         self.chunk = triton.cdiv(numel, w.world_size)
-        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
                                                                   max(1, programs // w.world_size))
-        self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
+        self.slices = sizing.slices_for(self.chunk, dtype.itemsize, self.splits)
         self.row = row_stride(self.chunk)
         self.workspace = self.own(Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.slices,
                                             "all_reduce two_shot"))

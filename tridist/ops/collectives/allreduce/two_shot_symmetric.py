@@ -9,7 +9,7 @@ x (in fp32, from this rank's x on) and stores the sums into every rank's x, one 
 NVLink each way; then it raises flag (rank, s) on every peer and waits for flag (p, s) from every
 peer p: the same program of p has stored its sums here. A chunk is read and written by its owner
 only, so the in-place stores are safe. A slot holds world_size * (splits + 1) flags (the last
-world_size are `ready`); two slots and call epochs (`_protocol`) need no handshake.
+world_size are `ready`); two slots and call epochs (`protocol`) need no handshake.
 
 From `policy.SYMMETRIC_TWO_PER_SM_BYTES` the front gives it two programs per SM unless the caller
 caps them (`policy.symmetric_two_shot_programs`).
@@ -22,8 +22,8 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import Workspace, after_flags, call_epoch, finish_call, in_slot, notify_peers, split_bounds
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, finish_call, in_slot, notify_peers, split_bounds
 from ...method import Method
 
 
@@ -76,8 +76,8 @@ class SymmetricTwoShot(Method):
         self.world = w = tridist.world()
         self.numel = numel
         self.chunk = triton.cdiv(numel, w.world_size)
-        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, programs)
-        self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
+        self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize, programs)
+        self.slices = sizing.slices_for(self.chunk, dtype.itemsize, self.splits)
         self.workspace = self.own(Workspace(0, dtype, w.world_size * (self.splits + 1),
                                             "all_reduce symmetric two_shot"))
 

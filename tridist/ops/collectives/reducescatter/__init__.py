@@ -9,8 +9,9 @@ import torch
 
 import tridist
 
-from ... import _protocol
-from ..._protocol import check_input, check_output, row_stride, shape_of
+from ... import checks, instances, sizing
+from ...checks import check_input, check_output, shape_of
+from ...sizing import row_stride
 from ...method import Nothing
 from .. import policy
 from .._front import Collective
@@ -54,8 +55,8 @@ class ReduceScatter(Collective):
 
     def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
         if method not in METHODS:
-            raise _protocol.method_error("reduce_scatter", method, METHODS)
-        _protocol.check_build("reduce_scatter", numel, dtype)
+            raise checks.method_error("reduce_scatter", method, METHODS)
+        checks.check_build("reduce_scatter", numel, dtype)
         self.world = w = tridist.world()
         if numel % w.world_size:
             raise ValueError(f"reduce_scatter needs a multiple of world_size={w.world_size} elements, got {numel}")
@@ -66,10 +67,10 @@ class ReduceScatter(Collective):
             return
         kind = CLASSES[self.method]
         if kind.one_node:
-            _protocol.require_one_node(f"reduce_scatter method {self.method!r}", "method='2d' or 'one_shot'")
+            checks.require_one_node(f"reduce_scatter method {self.method!r}", "method='2d' or 'one_shot'")
         # staging holds a row per rank (the ring's fp32 partials: two, counted in elements of x)
-        _protocol.check_offsets("reduce_scatter", 2 * w.world_size * row_stride(numel // w.world_size))
-        self.impl = kind(numel, dtype, _protocol.programs_limit(programs, w))
+        checks.check_offsets("reduce_scatter", 2 * w.world_size * row_stride(numel // w.world_size))
+        self.impl = kind(numel, dtype, sizing.programs_limit(programs, w))
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum `x` over ranks and give this rank its chunk.
@@ -85,15 +86,15 @@ class ReduceScatter(Collective):
 
         Raises:
             ValueError: `x` or `out` not what this instance was built for, on any rank
-                (`_protocol.agree` says when every rank checks).
+                (`checks.agree` says when every rank checks).
         """
         w = self.world
 
         def check() -> None:
-            _protocol.check_same(x, self.numel, self.dtype, "reduce-scatter")
+            checks.check_same(x, self.numel, self.dtype, "reduce-scatter")
             check_scattered(x, out, w)
 
-        _protocol.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x)})
+        checks.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x)})
         if out is None:
             out = torch.empty(scattered_shape(x, w), dtype=x.dtype, device=x.device)
         self.impl.launch(x, out)
@@ -142,11 +143,11 @@ def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str
     def check() -> None:
         check_input(x, "x")
         if method not in METHODS:
-            raise _protocol.method_error("reduce_scatter", method, METHODS)
+            raise checks.method_error("reduce_scatter", method, METHODS)
         check_scattered(x, out, tridist.world())
 
-    _protocol.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x), "method": method})
-    op = _protocol.instance(lambda: ReduceScatter(x.numel(), x.dtype, method), ReduceScatter, x.numel(), x.dtype,
+    checks.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x), "method": method})
+    op = instances.instance(lambda: ReduceScatter(x.numel(), x.dtype, method), ReduceScatter, x.numel(), x.dtype,
                             method, device=x.device)
     return op(x, out)
 

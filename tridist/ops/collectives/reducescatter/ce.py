@@ -1,6 +1,6 @@
 """Reduce-scatter method "ce" (one node): the copy engines move the chunks, no SM drives NVLink.
 
-Protocol (`_protocol.CopyEnginePush`). A barrier at the start of each call (the transfer's own)
+Protocol (`copy_engines.CopyEnginePush`). A barrier at the start of each call (the transfer's own)
 says every peer has finished with its staging and flags. This rank's copy engines then write chunk
 p of x into row `rank` of rank p's staging, chunk by chunk of the transfer (8 MB), each followed by
 its flag = 1; `reduce_ce_kernel` sums this rank's chunk over the ranks, block by block as the
@@ -12,8 +12,8 @@ import torch
 
 import tridist
 
-from ... import _protocol
-from ..._protocol import CopyEnginePush
+from ... import sizing
+from ...copy_engines import CopyEnginePush
 from ...method import Method
 from .._copy_engine import reduce_ce_kernel
 
@@ -30,9 +30,9 @@ class CopyEngines(Method):
         self.world = w = tridist.world()
         self.numel = numel
         self.chunk = numel // w.world_size
-        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
                                                                   max(1, programs // w.world_size),
-                                                                  _protocol.CE_STEP_BYTES)
+                                                                  sizing.CE_STEP_BYTES)
         self.transfer = self.own(CopyEnginePush(self.chunk, dtype, name="reduce_scatter ce"))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:

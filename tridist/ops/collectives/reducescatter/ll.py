@@ -7,7 +7,7 @@ import torch
 
 import tridist
 
-from ..._protocol import PacketRows
+from ...protocol import PacketRows
 from ...method import Method
 from .._packets import reduce_packets
 

@@ -1,13 +1,13 @@
 """Reduce-scatter method "one_shot" (any topology): every rank pushes chunk p of x to rank p, which
 sums the chunks as they arrive.
 
-Protocol. x is world_size chunks of m elements; chunk p is cut in slices (`_protocol.slices_for`,
+Protocol. x is world_size chunks of m elements; chunk p is cut in slices (`sizing.slices_for`,
 about 128 KB each). In a grid of (world_size, splits) programs, program (p, s) for a peer p pushes
 slices s, s + splits, ... of chunk p into row `rank` of p's staging, raising p's flag (rank, slice)
 to the call's epoch after each (`_sums.send_chunks`, 2-byte stores); program (rank, s) sums those
 slices of this rank's chunk over the ranks, in rank order and in fp32, as every peer's arrive
 (`_sums.sum_slice`), so the sums overlap the sending. A slot's staging has a row per rank, `row`
-elements apart, and world_size * slices flags; two slots and call epochs (`_protocol`) need no
+elements apart, and world_size * slices flags; two slots and call epochs (`protocol`) need no
 handshake.
 """
 import torch
@@ -17,8 +17,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import Workspace, call_epoch, finish_call, in_slot, row_stride, split_bounds
+from ... import sizing
+from ...protocol import Workspace, call_epoch, finish_call, in_slot, split_bounds
+from ...sizing import row_stride
 from ...method import Method
 from .._sums import send_chunks, sum_slice
 
@@ -52,9 +53,9 @@ class OneShot(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.chunk = numel // w.world_size
-        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize,
+        self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
                                                                   max(1, programs // w.world_size))
-        self.slices = _protocol.slices_for(self.chunk, dtype.itemsize, self.splits)
+        self.slices = sizing.slices_for(self.chunk, dtype.itemsize, self.splits)
         self.row = row_stride(self.chunk)
         self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.slices,
                                             "reduce_scatter one_shot"))

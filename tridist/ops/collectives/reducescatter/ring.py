@@ -6,10 +6,10 @@ its row k of sent partials and pushes it to rank+1 (row k of rank+1's received p
 raised to the call's epoch); after the last step the partial of its own chunk has passed every other
 rank and it adds its own part into `out`. Partials travel in fp32 (twice the bytes of a 16-bit
 input), so the result is rounded once. A slot's staging holds world-1 received partials, then the
-world-1 sent ones, `row` apart; two slots and call epochs (`_protocol`) need no handshake.
+world-1 sent ones, `row` apart; two slots and call epochs (`protocol`) need no handshake.
 
 A program stores each partial and pushes it from memory in another layout, so it syncs its threads
-between (`_protocol.sync_program`).
+between (`protocol.sync_program`).
 """
 import torch
 import triton
@@ -19,9 +19,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import (Workspace, after_flags, call_epoch, finish_call, in_slot, push_slice, row_stride,
-                          split_bounds, sync_program)
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, finish_call, in_slot, push_slice, split_bounds, sync_program
+from ...sizing import row_stride
 from ...method import Method
 
 
@@ -77,7 +77,7 @@ class Ring(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.chunk = numel // w.world_size
-        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, programs)
+        self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize, programs)
         self.row = row_stride(self.chunk)
         # fp32 partials: world-1 received and world-1 sent rows
         self.workspace = self.own(Workspace(2 * max(1, w.world_size - 1) * self.row, torch.float32,

@@ -10,10 +10,10 @@ node stays here as node sum a; the sum for another node n is put (with the signa
 as that rank's node sum a, flag (split, a) of the second block of flags. Last, it sums its N node
 sums into `out`. Node sums are fp32 (a separate symmetric buffer, `sums`, two slots as the
 workspace), so the result is rounded once. Flags and all buffers are raised to and indexed by the
-call's epoch (`_protocol`): two slots need no handshake.
+call's epoch (`protocol`): two slots need no handshake.
 
 A program stores sums and reads them back in another layout, so it syncs its threads between
-(`_protocol.sync_program`).
+(`protocol.sync_program`).
 """
 import torch
 import triton.language as tl
@@ -22,9 +22,9 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import (Workspace, after_flags, call_epoch, finish_call, in_slot, placement, push_slice, row_stride,
-                          split_bounds, sync_program)
+from ... import sizing
+from ...protocol import Workspace, after_flags, call_epoch, finish_call, in_slot, placement, push_slice, split_bounds, sync_program
+from ...sizing import row_stride
 from ...method import Method
 from .._sums import sum_rows
 
@@ -82,7 +82,7 @@ class TwoD(Method):
         super().__init__()
         self.world = w = tridist.world()
         self.chunk = numel // w.world_size
-        self.block, self.splits, self.warps = _protocol.steps_for(self.chunk, dtype.itemsize, programs)
+        self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize, programs)
         self.row = row = row_stride(self.chunk)
         # flags for the rows, then for the node sums
         self.workspace = self.own(Workspace(w.world_size * row, dtype, (w.world_size + w.nnodes) * self.splits,

@@ -19,7 +19,7 @@ import torch
 
 import tridist
 
-from ... import _protocol
+from ... import checks
 from .. import persistent, policy
 from .ll import LowLatency
 from .one_shot import OneShot
@@ -60,7 +60,7 @@ class GemmAllReduce:
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, method: str = "auto",
                  config: dict | str | None = None):
         if method not in METHODS:
-            raise _protocol.method_error("gemm_ar", method, METHODS)
+            raise checks.method_error("gemm_ar", method, METHODS)
         self.world = w = tridist.world()
         persistent.check_sizes("gemm_ar", dtype, k, n)
         self.method = policy.choose_gemm_ar(m, w) if method == "auto" else method
@@ -68,7 +68,7 @@ class GemmAllReduce:
         if not chosen.flatten:
             persistent.refuse_flatten(config, "gemm_ar")
         if chosen.one_node:
-            _protocol.require_one_node(f"gemm_ar method '{self.method}'", "method='one_shot'")
+            checks.require_one_node(f"gemm_ar method '{self.method}'", "method='one_shot'")
         self.m, self.k, self.n, self.dtype = m, k, n, dtype
         self.config = persistent.resolve_config(
             config, "gemm_ar", (m, k, n, str(dtype), self.method),

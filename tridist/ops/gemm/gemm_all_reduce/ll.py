@@ -4,7 +4,7 @@ dominates: each 4-byte word of two outputs travels with the call epoch as its fl
 no release of a flag waits for a tile's stores to drain and the reader polls the data itself;
 twice the bytes of `one_shot`.
 
-Protocol (one persistent kernel; `_protocol.py` for slots, call epochs and `PacketRows`)
+Protocol (one persistent kernel; `protocol.py` for slots, call epochs and `PacketRows`)
 
 - `own` (a regular tensor) holds this rank's partial tiles, BLOCK_M x BLOCK_N contiguous each,
   read back as int32 words, two 16-bit outputs each.
@@ -25,8 +25,8 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import _protocol
-from ..._protocol import PacketRows, call_epoch, finish_call, in_slot, pack_halves, sync_program, unpack_halves
+from ... import checks, sizing
+from ...protocol import PacketRows, call_epoch, finish_call, in_slot, pack_halves, sync_program, unpack_halves
 from ...method import Method
 from .. import persistent
 from .._tiles import tile_at, tile_offsets
@@ -105,7 +105,7 @@ class LowLatency(Method):
         self.out_dtype = persistent.out_dtype(dtype)
         block = config["BLOCK_M"] * config["BLOCK_N"]
         per_shard = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
-        self.programs = min(_protocol.programs_for(w.device), per_shard)
+        self.programs = min(sizing.programs_for(w.device), per_shard)
         self.workspace = self.own(PacketRows("gemm_ar", per_shard * block * self.out_dtype.itemsize, self.programs))
         self.own_tiles = torch.empty(per_shard * block, dtype=self.out_dtype, device=w.device)
         self.step = min(LL_STEP, block // 2)
@@ -117,5 +117,5 @@ class LowLatency(Method):
         gemm_ar_ll_kernel[(self.programs,)](
             a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out.view(torch.int32),
             own_ptr=self.own_tiles, packets_ptr=ws.staging, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
-            row=ws.row, slot_numel=ws.slot_numel, DTYPE=_protocol.TRITON_DTYPES[self.out_dtype], STEP=self.step,
+            row=ws.row, slot_numel=ws.slot_numel, DTYPE=checks.TRITON_DTYPES[self.out_dtype], STEP=self.step,
             **self.config)

@@ -1,7 +1,7 @@
 """gemm_ar on any topology ("one_shot"): every rank sends each of its partial tiles to every peer,
 then sums every tile over the ranks.
 
-Protocol (one persistent kernel; `_tiles` for how a tile travels, `_protocol.py` for slots and
+Protocol (one persistent kernel; `_tiles` for how a tile travels, `protocol.py` for slots and
 call epochs)
 
 - The workspace holds, per slot, world x per_shard partial tiles (per_shard: the output tiles of
@@ -19,7 +19,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ..._protocol import call_epoch, finish_call, in_slot, sync_program
+from ...protocol import call_epoch, finish_call, in_slot, sync_program
 from .. import persistent
 from .._tiles import TileMethod, received_tile, send_tile, tile_at, tile_offsets, tiles_in_slot
 

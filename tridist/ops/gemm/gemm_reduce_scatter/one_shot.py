@@ -1,7 +1,7 @@
 """gemm_rs on one node ("one_shot"): every partial tile goes straight to the rank that owns its
 rows, which sums it into its own.
 
-Protocol (one persistent kernel; `_tiles` for how a tile travels, `_protocol.py` for slots and
+Protocol (one persistent kernel; `_tiles` for how a tile travels, `protocol.py` for slots and
 call epochs)
 
 - The workspace holds, per slot, world x per_shard partial tiles (per_shard: the output tiles of
@@ -22,7 +22,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ..._protocol import call_epoch, finish_call, in_slot
+from ...protocol import call_epoch, finish_call, in_slot
 from .. import persistent
 from .._tiles import TileMethod, received_tile, tile_at, tile_offsets, tiles_in_slot
 

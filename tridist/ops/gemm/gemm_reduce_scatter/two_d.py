@@ -1,7 +1,7 @@
 """gemm_rs across nodes ("2d"): the partial tiles are summed on each node first, so that each
 tile crosses to another node once.
 
-Protocol (one persistent kernel; `_tiles` for how a tile travels, `_protocol.py` for slots and
+Protocol (one persistent kernel; `_tiles` for how a tile travels, `protocol.py` for slots and
 call epochs). L ranks per node, `nodes` nodes; a rank's "counterpart" on another node is the rank
 with the same local index there.
 
@@ -25,7 +25,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ..._protocol import call_epoch, finish_call, in_slot, placement
+from ...protocol import call_epoch, finish_call, in_slot, placement
 from .. import persistent
 from .._tiles import TileMethod, received_tile, send_tile, tile_at, tiles_in_slot
 
