@@ -98,8 +98,8 @@ class CopyEnginePush:
         self.chunk = row_stride(max(pieces.chunk_bytes // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row
-        self.staging = tridist.symm_empty((w.world_size, self.row), dtype, name and f"{name} staging")
-        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32, name and f"{name} flags")
+        self.staging = tridist.symm_empty((w.world_size, self.row), dtype, name=name and f"{name} staging")
+        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32, name=name and f"{name} flags")
         self.streams = PeerStreams(w)
         # What each peer's copy engines write into, in the order `push` visits the peers.
         self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.streams.peers]

@@ -93,9 +93,9 @@ class Workspace:
         self.slot_numel = slot_numel
         # Zeroed: packets (LL) left in this memory by an op freed before would look fresh to a
         # reader expecting the same epoch.
-        self.staging = (tridist.symm_zeros((2, slot_numel), dtype, name and f"{name} staging") if slot_numel
+        self.staging = (tridist.symm_zeros((2, slot_numel), dtype, name=name and f"{name} staging") if slot_numel
                         else None)
-        self.flags = tridist.signals(2 * signals_per_slot, name and f"{name} flags").view(2, signals_per_slot)
+        self.flags = tridist.signals(2 * signals_per_slot, name=name and f"{name} flags").view(2, signals_per_slot)
         self.calls = torch.zeros(1, dtype=torch.int64, device=tridist.world().device)
 
     def free(self) -> None:

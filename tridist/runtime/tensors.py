@@ -27,14 +27,6 @@ def _shape(shape) -> tuple:
     return shape
 
 
-def _group_and_name(group, name):
-    """`name` given where `group` now stands (`symm_empty(shape, dtype, "staging")`, as callers wrote
-    before `group=` came): taken as the name, so that they keep working until they pass `name=`."""
-    if isinstance(group, str):
-        return None, group
-    return group, name
-
-
 def symm_empty(shape, dtype: torch.dtype = torch.float32, group=None, name: str | None = None) -> torch.Tensor:
     """An uninitialised symmetric tensor: a torch tensor (CUDA on GPUs, CPU in the emulator) in
     this rank's symmetric heap, at the same offset as every other rank's copy, which kernels
@@ -64,7 +56,6 @@ def symm_empty(shape, dtype: torch.dtype = torch.float32, group=None, name: str 
             for different allocations (what each asked for is in the message).
         TridistError: a group allocation inside a CUDA-graph capture.
     """
-    group, name = _group_and_name(group, name)
     g = groups.resolve(group)
     if g is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise TridistError(f"symm_empty(group=...) inside a CUDA-graph capture: the members of group "
@@ -77,7 +68,6 @@ def symm_zeros(shape, dtype: torch.dtype = torch.float32, group=None, name: str 
     """A zeroed symmetric tensor (as `symm_empty`, `group` included). Collective: it returns once
     every rank (of the group) has zeroed its copy, so that no rank's zeroing can erase what a faster
     peer already wrote into it."""
-    group, name = _group_and_name(group, name)
     t = symm_empty(shape, dtype, group, name)
     t.zero_()
     barrier_all(group)
@@ -93,7 +83,6 @@ def symm_free(t: torch.Tensor) -> None:
 def signals(n: int, group=None, name: str | None = None) -> torch.Tensor:
     """`n` zeroed signal words (`SIGNAL_DTYPE`) in symmetric memory, for `dl.notify`, `dl.wait`
     and `dl.shmem`'s signals. Collective, like `symm_zeros` (`group` included)."""
-    group, name = _group_and_name(group, name)
     return symm_zeros((n,), SIGNAL_DTYPE, group, name)
 
 

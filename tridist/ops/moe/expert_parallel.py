@@ -90,12 +90,12 @@ class _Exchange:
         self.fitted = False
         self.slot_numel = rows * width
         name = f"EPBuffer {kind}"
-        self.staging = tridist.symm_zeros((2, self.slot_numel), dtype, f"{name} staging")
-        self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32, f"{name} meta") if meta_width else None
-        self.counts = tridist.symm_zeros((2, count_words), torch.int32, f"{name} counts") if count_words else None
-        self.arrivals = tridist.signals(w.world_size, f"{name} arrivals")
+        self.staging = tridist.symm_zeros((2, self.slot_numel), dtype, name=f"{name} staging")
+        self.meta = tridist.symm_zeros((2, rows * meta_width), torch.int32, name=f"{name} meta") if meta_width else None
+        self.counts = tridist.symm_zeros((2, count_words), torch.int32, name=f"{name} counts") if count_words else None
+        self.arrivals = tridist.signals(w.world_size, name=f"{name} arrivals")
         # Sized for the splits asked for: `fit` only lowers them.
-        self.progress = tridist.signals(w.world_size * splits, f"{name} progress") if progress else None
+        self.progress = tridist.signals(w.world_size * splits, name=f"{name} progress") if progress else None
         self.claims = torch.zeros(2, dtype=torch.int32, device=w.device) if progress else None
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
 
