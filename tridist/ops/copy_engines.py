@@ -64,6 +64,7 @@ class PeerStreams:
     engines at once. `peers` lists them in the order copies are queued, the next rank first."""
 
     def __init__(self, world):
+        """`world`: the ranks that exchange (a `tridist.World` or an `ops.ranks.Ranks`)."""
         self.peers = [(world.rank + step) % world.world_size for step in range(1, world.world_size)]
         self.streams = [SideStream(world.device) for _ in self.peers]
 
@@ -91,20 +92,24 @@ class CopyEnginePush:
     its flags zeroed.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None, name: str | None = None):
+    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None, name: str | None = None,
+                 ranks=None):
         """`row`: elements from one row of staging to the next (at least `numel`; default `numel`
-        rounded up to whole 64-element blocks); `name`: as `Workspace`'s."""
-        self.world = w = tridist.world()
+        rounded up to whole 64-element blocks); `name`: as `Workspace`'s; `ranks` (an
+        `ops.ranks.Ranks`, default the world): the ranks that exchange, rows and peers counted in them."""
+        self.world = w = ranks or tridist.world()
+        group = getattr(ranks, "group", None)
         self.chunk = row_stride(max(pieces.chunk_bytes // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row
-        self.staging = tridist.symm_empty((w.world_size, self.row), dtype, name=name and f"{name} staging")
-        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32, name=name and f"{name} flags")
+        self.staging = tridist.symm_empty((w.world_size, self.row), dtype, group, name=name and f"{name} staging")
+        self.flags = tridist.symm_zeros((w.world_size * self.chunks,), torch.int32, group,
+                                        name=name and f"{name} flags")
         self.streams = PeerStreams(w)
         # What each peer's copy engines write into, in the order `push` visits the peers.
-        self.remote_rows = [tridist.peer_tensor(self.staging, peer)[w.rank] for peer in self.streams.peers]
-        self.remote_flags = [tridist.peer_tensor(self.flags, peer) for peer in self.streams.peers]
-        self.barrier = sync.Barrier()
+        self.remote_rows = [tridist.peer_tensor(self.staging, peer, group)[w.rank] for peer in self.streams.peers]
+        self.remote_flags = [tridist.peer_tensor(self.flags, peer, group) for peer in self.streams.peers]
+        self.barrier = sync.Barrier(group)
 
     def push(self, sources) -> None:
         """Queue, after what the current stream has queued, `sources[p]` (a 1-D tensor of at most

@@ -56,13 +56,13 @@ def after_flags(pointer, flags_ptr, count, value):
 
 
 @triton.jit
-def notify_peers(flag_ptr, value):
-    """Raise the flag at `flag_ptr` to `value` on every other rank (all on this node), the next rank
-    first."""
-    me = dl.rank()
-    world = dl.num_ranks()
+def notify_peers(flag_ptr, value, group=None):
+    """Raise the flag at `flag_ptr` to `value` on every other rank (all on this node; of `group`, if
+    given), the next rank first."""
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     for step in range(1, world):
-        dl.notify(flag_ptr, (me + step) % world, signal=value, sig_op="set")
+        dl.notify(flag_ptr, (me + step) % world, signal=value, sig_op="set", group=group)
 
 
 @triton.jit
@@ -87,15 +87,18 @@ class Workspace:
     """Symmetric staging for one op instance: two slots of `slot_numel` elements of `dtype` (none
     for kernels that write straight into symmetric tensors of the caller's), a block of signal
     words per slot, and the device-side calls counter. `name` (e.g. "all_gather push") names the
-    allocations in the report of a wait that expires on them ("all_gather push flags[5]")."""
+    allocations in the report of a wait that expires on them ("all_gather push flags[5]");
+    `group` (a `tridist.Group`, None for the world) allocates them among its members only."""
 
-    def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int, name: str | None = None):
+    def __init__(self, slot_numel: int, dtype: torch.dtype, signals_per_slot: int, name: str | None = None,
+                 group=None):
         self.slot_numel = slot_numel
         # Zeroed: packets (LL) left in this memory by an op freed before would look fresh to a
         # reader expecting the same epoch.
-        self.staging = (tridist.symm_zeros((2, slot_numel), dtype, name=name and f"{name} staging") if slot_numel
-                        else None)
-        self.flags = tridist.signals(2 * signals_per_slot, name=name and f"{name} flags").view(2, signals_per_slot)
+        self.staging = (tridist.symm_zeros((2, slot_numel), dtype, group, name=name and f"{name} staging")
+                        if slot_numel else None)
+        self.flags = tridist.signals(2 * signals_per_slot, group, name=name and f"{name} flags").view(
+            2, signals_per_slot)
         self.calls = torch.zeros(1, dtype=torch.int64, device=tridist.world().device)
 
     def free(self) -> None:
@@ -126,24 +129,25 @@ def pack_halves(low, high, dtype: tl.constexpr):
 class PacketRows(Workspace):
     """Staging for the low-latency (LL) methods: per slot, a row of `words` packets for each rank
     (`dl.ll`: a 4-byte word and its flag in 8 bytes), moved by `splits` programs per row. `what`
-    names the op in the error raised where the data is not whole 4-byte words."""
+    names the op in the error raised where the data is not whole 4-byte words; `ranks` (an
+    `ops.ranks.Ranks`, default the world) the ranks it runs among."""
 
-    def __init__(self, what: str, nbytes: int, programs: int):
-        w = tridist.world()
+    def __init__(self, what: str, nbytes: int, programs: int, ranks=None):
+        w = ranks or tridist.world()
         if nbytes % 4:
             raise ValueError(f"{what} method 'll' moves 4-byte words: each rank's part must be a multiple of 4 "
                              f"bytes, got {nbytes}")
         self.words = nbytes // 4
         self.splits = splits_for(self.words, LL_BLOCK, programs)
         self.row = row_stride(self.words)
-        super().__init__(w.world_size * self.row, torch.int64, 1, f"{what} ll")
+        super().__init__(w.world_size * self.row, torch.int64, 1, f"{what} ll", getattr(ranks, "group", None))
 
 
 @triton.jit
-def placement(local_world_size):
-    """(rank, world size, nodes, this rank's node, its index on the node)."""
-    me = dl.rank()
-    world = dl.num_ranks()
+def placement(local_world_size, group=None):
+    """(rank, world size, nodes, this rank's node, its index on the node), in `group` if given."""
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     return me, world, world // local_world_size, me // local_world_size, me % local_world_size
 
 
@@ -157,20 +161,21 @@ def copy_slice(src_ptr, dst_ptr, start, stop, BLOCK: tl.constexpr):
 
 @triton.jit
 def push_slice(src_ptr, dst_ptr, start, stop, flag_ptr, epoch, peer, local_world_size, BLOCK: tl.constexpr,
-               WIDE: tl.constexpr = True):
+               WIDE: tl.constexpr = True, group=None):
     """Copy src[start:stop] to dst[start:stop] on `peer` (`dst_ptr` is this rank's address of the
     symmetric destination), then set the peer's flag to `epoch`. On this node the program stores
     through the peer's pointer and raises the flag with a release; on another node NVSHMEM puts the
     data with the signal attached (and the caller's `quiet` completes it). WIDE: in 16-byte stores
-    (`dl.symm_at`'s `aligned`), else 2 bytes at a time for 16-bit data (see `_send_chunks`)."""
-    me = dl.rank()
+    (`dl.symm_at`'s `aligned`), else 2 bytes at a time for 16-bit data (see `collectives._sums.send_chunks`). `peer`
+    and `local_world_size` are of `group`, if given."""
+    me = dl.rank(group)
     if peer // local_world_size == me // local_world_size:
-        copy_slice(src_ptr, dl.symm_at(dst_ptr, peer, aligned=WIDE), start, stop, BLOCK)
-        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
+        copy_slice(src_ptr, dl.symm_at(dst_ptr, peer, group, aligned=WIDE), start, stop, BLOCK)
+        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set", group=group)
     else:
         nbytes = (stop - start) * (src_ptr.dtype.element_ty.primitive_bitwidth // 8)
         dl.shmem.putmem_signal_nbi_block(dst_ptr + start, src_ptr + start, nbytes, flag_ptr, epoch,
-                                         dl.shmem.SIGNAL_SET, peer)
+                                         dl.shmem.SIGNAL_SET, peer, group)
 
 
 @triton.jit

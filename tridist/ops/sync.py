@@ -19,17 +19,17 @@ def _barrier_kernel():
 
 
 @jit
-def _bounded_barrier_kernel(slots_ptr, passed_ptr):
+def _bounded_barrier_kernel(slots_ptr, passed_ptr, group=None):
     """A barrier with slots of its own (`Barrier`; also `barrier_all_on_stream` on GPUs with
     TRIDIST_DEBUG=1, where NVSHMEM's cannot be bounded): barrier e raises this rank's slot on every
     rank to e, then waits (bounded under debug, as every wait) until each slot here is at least e.
     Slot r is written only by rank r, with values that only grow, so a peer already in barrier e+1
-    does not confuse this one. One program."""
-    me = dl.rank()
-    world_size = dl.num_ranks()
+    does not confuse this one. One program. With `group`, among the group's ranks."""
+    me = dl.rank(group)
+    world_size = dl.num_ranks(group)
     epoch = dl.ld(passed_ptr, scope="gpu", semantic="relaxed") + 1
     for peer in range(world_size):  # NVSHMEM's signal reaches every rank, on this node or another
-        dl.notify(slots_ptr + me, peer, signal=epoch, sig_op="set", comm_scope="inter_node")
+        dl.notify(slots_ptr + me, peer, signal=epoch, sig_op="set", comm_scope="inter_node", group=group)
     for peer in range(world_size):
         dl.shmem.signal_wait_until(slots_ptr + peer, dl.shmem.CMP_GE, epoch)
     dl.st(passed_ptr, epoch, scope="gpu", semantic="relaxed")
@@ -65,20 +65,21 @@ def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None) -> None:
 
 
 class Barrier:
-    """A barrier across all ranks, queued on the current stream, with slots and a count of its own
+    """A barrier across all ranks (or the members of `group`, a `tridist.Group`), queued on the current stream, with slots and a count of its own
     (`_bounded_barrier_kernel`). NVSHMEM's barrier_all is one collective of the whole world, paired
     across ranks in the order it is called: two op instances that each queued it on their own
     stream could pair one's barrier on one rank with the other's on another. An op that queues a
     barrier every call holds one of these instead. Build it on every rank at once (it allocates
     symmetric memory); graph replays count, since the count is on the device."""
 
-    def __init__(self):
+    def __init__(self, group=None):
         w = world()
-        self.slots = signals(w.world_size)
+        self.group = group
+        self.slots = signals(w.world_size if group is None else group.size, group)
         self.passed = torch.zeros(1, dtype=torch.int64, device=w.device)
 
     def __call__(self) -> None:
-        _bounded_barrier_kernel[(1,)](self.slots, self.passed)
+        _bounded_barrier_kernel[(1,)](self.slots, self.passed, group=self.group)
 
     def free(self) -> None:
         symm_free(self.slots)

@@ -1,0 +1,80 @@
+"""The ranks an op runs among: the world, or a process group.
+
+Every op takes `group=None`. The op asks `ranks_of(group)` once, when it is built, and from then on
+uses the answer where it used the world before: `rank` and `world_size` are the group's (rank r of
+the group, `world_size` shards), `nnodes` and `local_world_size` its layout over nodes, and
+`handle` what its kernels receive as their `group` argument. For the world `handle` is None: the
+device functions (`dl.rank(group)`, `dl.symm_at(ptr, peer, group)`, ...) then compile exactly as
+they did before groups existed; for a group it is the `tridist.Group`, whose device table
+translates group ranks into the world's.
+
+The kernels that split their work by node (the `2d` methods) number a group's members node by
+node, `local_world_size` to a node, so a group that spans nodes must have as many members on each:
+`ranks_of` refuses one that does not.
+"""
+import dataclasses
+
+import torch
+
+import tridist
+from tridist.runtime import groups
+from tridist.runtime.world import transport
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Who an op instance runs among, in the terms the ops use (the same names as `tridist.World`).
+
+    Attributes:
+        rank: this rank's index among them.
+        world_size: how many they are.
+        nnodes: the nodes they span.
+        local_world_size: how many of them are on each node.
+        device: this rank's device.
+        group: the `tridist.Group`, or None for the world.
+        key: a hashable name, the same on every member (the instance caches key on it).
+        ranks: their world ranks, in order (what error messages name).
+    """
+
+    rank: int
+    world_size: int
+    nnodes: int
+    local_world_size: int
+    device: torch.device
+    group: "groups.Group | None"
+    key: tuple
+    ranks: tuple
+
+    @property
+    def handle(self):
+        """The kernels' `group` argument: None for the world, else the group (a pointer to its table)."""
+        return self.group
+
+    def allgather_objects(self, value) -> list:
+        """Every member's `value`, in member order (a host collective of the members only)."""
+        return transport().allgather_objects(value) if self.group is None else self.group.allgather_objects(value)
+
+    def world_rank(self, rank: int) -> int:
+        return self.ranks[rank]
+
+
+def ranks_of(group=None) -> Ranks:
+    """The `Ranks` of `group` (a `torch.distributed.ProcessGroup`, a `tridist.Group`, or None for
+    the world) for this rank.
+
+    Raises:
+        ValueError: this rank is not a member of `group`; a group spanning nodes with unequal
+            numbers of members on them.
+        TypeError: `group` is not a process group.
+    """
+    w = tridist.world()
+    g = groups.resolve(group)
+    if g is None:
+        return Ranks(w.rank, w.world_size, w.nnodes, w.local_world_size, w.device, None, ("world",),
+                     tuple(range(w.world_size)))
+    per_node = {node: g.nodes.count(node) for node in g.nodes}
+    if len(set(per_node.values())) > 1:
+        raise ValueError(f"the group of ranks {list(g.ranks)} has {', '.join(map(str, per_node.values()))} members on "
+                         "its nodes; tridist's ops take groups with as many members on every node they span (or on "
+                         "one node)")
+    return Ranks(g.rank, g.size, g.nnodes, g.local_size, w.device, g, ("group", *g.key), g.ranks)
