@@ -4,6 +4,15 @@ Catches type and lowering errors of the GPU path (inline PTX, NVSHMEM declaratio
 libnvshmem_device.bc, ptxas) before any GPU time is spent. Each case names a kernel, its argument
 types and its constexprs; the module is run in a subprocess by tests/test_gpu_compile.py because
 the backend is fixed when tridist is imported.
+
+    python -m tests.gpu_compile [NAME...]              every case, or those of the kernels named
+    python -m tests.gpu_compile --ptx DIR [NAME...]    the same, and each case's PTX in DIR/<case>.ptx
+    python -m tests.gpu_compile --compare NAME...      whole against cut device library (one line each)
+
+`--ptx` writes the PTX without its debug information (`normalised_ptx`), so that a kernel moved to
+another file, or a line moved, gives the same file: `diff -r` of two such folders shows only what
+changed in the code. A case's file is named after its kernel (`case_names`); DIR/cases.txt says
+which constexprs each name stands for.
 """
 import concurrent.futures
 import functools
@@ -524,13 +533,37 @@ DEBUG_SUBSET = {"consume_kernel", "notify_add_kernel", "ll_ping_pong_kernel", "a
                 "moe_combine_kernel", "all_to_all_v_kernel", "ll_dispatch_kernel", "combine_kernel"}
 
 
-def _check(index: int, debug: bool) -> str:
-    """Compiles case `index` of `cases()` and checks it: one line, "ok ..." or "FAIL ..."."""
+def normalised_ptx(ptx: str) -> str:
+    """`ptx` without its debug information: the `.loc` and `.file` directives, the labels that only
+    they and the DWARF sections refer to (`$L__tmp3:`, `$L__func_begin0:`), and the `.debug_*`
+    sections, which LLVM puts after the code. What is left is what Triton emits with line info
+    off (TRITON_DISABLE_LINE_INFO=1): the code, which names no file and no line."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    lines = [line for line in code.splitlines()
+             if not re.match(r"\s*\.(?:loc|file)\b|\$L__(?:tmp|func_begin|func_end)\d+:$", line)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def case_names(selected: list[int]) -> list[str]:
+    """A file name for each of these cases: the kernel's name, and where `cases()` holds several
+    cases of that kernel, its ordinal among them (`ag_gemm_kernel-3`). Neither the module nor the
+    signature is in it, so a kernel moved or given grouped arguments keeps its name."""
+    names = [kernel.__name__ for kernel, *_ in cases()]
+    ordinal = [names[:index].count(name) for index, name in enumerate(names)]
+    return [names[i] if names.count(names[i]) == 1 else f"{names[i]}-{ordinal[i]}" for i in selected]
+
+
+def _check(index: int, debug: bool, ptx_path: str | None = None) -> str:
+    """Compiles case `index` of `cases()` and checks it: one line, "ok ..." or "FAIL ...". With
+    `ptx_path`, writes the case's `normalised_ptx` there."""
     kernel, signature, constexprs, *options = cases()[index]
     start = time.monotonic()
     try:
         compiled = compile_for_hopper(kernel, signature, constexprs, *options, debug=debug)
         assert "cubin" in compiled.asm
+        if ptx_path:
+            with open(ptx_path, "w") as f:
+                f.write(normalised_ptx(compiled.asm["ptx"]))
         scalar = scalar_accesses(kernel, signature, compiled)
         assert not scalar, f"{len(scalar)} 2-byte accesses ({scalar[0]}) where 16-byte ones were expected"
         aligned = aligned_barriers_in_asm(compiled)
@@ -571,18 +604,34 @@ def compare_libraries(names: list[str]) -> int:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--compare"]:
-        return compare_libraries(sys.argv[2:])
+    args = sys.argv[1:]
+    if args[:1] == ["--compare"]:
+        return compare_libraries(args[1:])
+    ptx_dir = None
+    if args[:1] == ["--ptx"]:
+        if len(args) < 2:
+            print("usage: python -m tests.gpu_compile --ptx DIR [NAME...]")
+            return 2
+        ptx_dir, args = args[1], args[2:]
     debug = os.environ.get("TRIDIST_DEBUG") == "1"
-    only = sys.argv[1:]  # kernel names, to compile a few while working on them
+    only = args  # kernel names, to compile a few while working on them
     selected = [index for index, (kernel, *_) in enumerate(cases())
                 if not ((debug and kernel.__name__ not in DEBUG_SUBSET) or (only and kernel.__name__ not in only))]
+    paths = [None] * len(selected)
+    if ptx_dir:
+        os.makedirs(ptx_dir, exist_ok=True)
+        names = case_names(selected)
+        paths = [os.path.join(ptx_dir, f"{name}.ptx") for name in names]
+        with open(os.path.join(ptx_dir, "cases.txt"), "w") as f:
+            for name, index in zip(names, selected):
+                kernel, _, constexprs, *options = cases()[index]
+                f.write(f"{name}: {constexprs} {options[0] if options else {}}\n")
     library = device_library.for_kernels(find_device_library())  # cut once, before the workers fork
     print(f"NVSHMEM device library linked: {library}", flush=True)
     # A compile keeps one core busy (LLVM, then ptxas): one at a time per core. Forked workers
     # inherit the imports, and Triton's cache writes each entry whole, so they can share it.
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) as pool:
-        lines = list(pool.map(_check, selected, [debug] * len(selected)))
+        lines = list(pool.map(_check, selected, [debug] * len(selected), paths))
     for line in lines:
         print(line, flush=True)
     return 1 if any(line.startswith("FAIL") for line in lines) else 0
