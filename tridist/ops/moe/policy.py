@@ -1,0 +1,48 @@
+"""The MoE family's choices: how the tensor-parallel ops (`ag_moe`, `moe_rs`) walk their GEMM's tiles
+and move their tokens, and how many SMs `moe_rs` gives the combine beside its GEMM."""
+import tridist
+
+TILE_ORDERS = ("auto", "source", "expert")
+
+# ag_moe's "auto" walks by source where the (source, expert) segments average at least this many
+# rows: below, the GEMM waits on the weights, which the walk by source reads once per rank.
+# Measured: benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)", moe/policy.py.
+AG_MOE_SOURCE_ROWS = 256
+
+# moe_rs's "auto" walks by expert at any size (None: no number of rows makes it walk by source): by
+# source its peers' combine holds a quarter of the SMs through the GEMM, and by expert was the
+# faster at every layer measured. Measured: benchmarks/NOTES.md, "Moved from the code's docstrings
+# (issue 41)", moe/policy.py.
+MOE_RS_SOURCE_ROWS = None
+
+# moe_rs's combine for the peers, beside the GEMM, runs on 1 / MOE_RS_COMM_SHARE of the SMs: the
+# fastest share of those tried at every layer. Measured: benchmarks/NOTES.md, "Moved from the
+# code's docstrings (issue 41)", moe/policy.py.
+MOE_RS_COMM_SHARE = 4
+
+
+def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: int | None) -> bool:
+    """Whether an op of `pairs` rows of h over `experts` walks its tiles by expert: with several
+    ranks, where `tile_order` is "expert", or "auto" and the segments average fewer than
+    `source_rows` rows (None: any number). At one rank both walks are one. Raises ValueError for
+    another order."""
+    if tile_order not in TILE_ORDERS:
+        raise ValueError(f"tile_order must be one of {', '.join(map(repr, TILE_ORDERS))}; got {tile_order!r}")
+    world_size = tridist.world().world_size
+    if world_size == 1 or tile_order == "source":
+        return False
+    return tile_order == "expert" or source_rows is None or pairs < source_rows * world_size * experts
+
+
+def choose_comm(comm: str) -> str:
+    """ag_moe's transfer of the tokens for `comm`: "auto" is the copy engines ("ce") on one node,
+    where they cost no SMs, and SM pushes ("sm") across nodes, which the copy engines do not reach."""
+    if comm != "auto":
+        return comm
+    return "ce" if tridist.world().nnodes == 1 else "sm"
+
+
+def moe_rs_comm_programs(comm_programs: int | None, programs: int) -> int:
+    """The programs of moe_rs's combine for the peers beside its GEMM: `comm_programs` if given,
+    else MOE_RS_COMM_SHARE's part of the `programs` the op may use."""
+    return comm_programs or max(1, programs // MOE_RS_COMM_SHARE)
