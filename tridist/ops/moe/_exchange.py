@@ -103,7 +103,7 @@ def raise_flag(flag_ptr, epoch, peer, local_world_size):
 def arrive(counter_ptr, peer, local_world_size):
     """Add 1 to `peer`'s arrival counter at `counter_ptr` once what this program sent it has landed.
     A counter per source replaces a flag per (source, program): a receiver that needs every program's
-    part waits on one word a source, where waiting on each of a hundred flags in turn took a memory
+    part waits on one word a source, where waiting on each of a hundred flags in turn costs a memory
     round trip each."""
     _publish(counter_ptr, 1, peer, local_world_size, "add")
 
