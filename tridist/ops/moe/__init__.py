@@ -1,4 +1,4 @@
-"""Mixture of experts. One folder per op family, each a front and its methods:
+"""Mixture of experts, a folder per kind of op, each holding its fronts and their methods:
 
 Expert parallel (each rank holds some experts, tokens travel to them):
 - `all_to_all`: `all_to_all_v`, `all_to_all_v_2d`, `all_to_all_v_2d_offset` (`AllToAllV`):
@@ -10,7 +10,7 @@ Tensor parallel (every rank holds a slice of every expert), `tensor_parallel`: `
 (all-gather + grouped GEMM) and `moe_rs` (grouped GEMM + top-k sum + reduce-scatter), with the
 routing they share.
 
-What the families share: the all-to-alls' protocol and device helpers (`_exchange`), a stable
+What expert and tensor parallelism share: the all-to-alls' protocol and device helpers (`_exchange`), a stable
 counting sort on the device that both families route with (`_sort`: each token's or pair's place
 among those of its rank or expert), and the family's choices (`policy`).
 
