@@ -190,9 +190,9 @@ def _moe_cases():
                            "gathered": ag_moe.Gathered(rows="*bf16", flags=flags, calls="*i64", slot_rows="i32"),
                            "w_desc": w_desc, "out_ptr": "*bf16",
                            "segments": ag_moe.Segments(pair_of_row="*i32", counts="*i32", base="*i32"),
-                           "tokens": "i32", "N": "i32", "K": "i32", "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
-                           "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", "BY_EXPERT": "constexpr",
-                           **blocks},
+                           "tokens": "i32", "N": "i32", "K": "i32", "TOPK": "constexpr", "W_PAD": "constexpr",
+                           "E_PAD": "constexpr", "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr",
+                           "BY_EXPERT": "constexpr", **blocks},
                           {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
                            "BY_EXPERT": by_expert, **config}, options))
         # moe_rs counts its tiles (COUNT) by source with peers, flattened or not; by expert or at one rank not.

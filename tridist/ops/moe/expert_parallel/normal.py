@@ -45,7 +45,8 @@ from tridist.runtime.jit import jit
 from ... import _protocol
 from ..._protocol import finish_call, in_slot
 from ...gemm.grouped import pick
-from .._exchange import arrive, await_counts, copy_rows, exchange_program, raise_flag, send_rows, send_values, split_rows
+from .._exchange import (arrive, await_counts, copy_rows, exchange_program, raise_flag, send_rows, send_values,
+                         split_rows)
 from ._routing import tokens_to_ranks
 from ._staging import BLOCK_R, Exchange, Layer, block_w, combine_blocks, nonempty, sum_parts, token_words
 
