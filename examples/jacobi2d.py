@@ -2,7 +2,7 @@
 
 The domain (a hot top edge, cold other edges, a random start inside) is split by rows across the
 ranks; every iteration each rank sends its first and last rows to the ranks above and below. Two
-versions of the same solver (`tridist.ops.Jacobi2D`, see `tridist/ops/stencil/jacobi.py`):
+versions of the same solver (`tridist.ops.Jacobi2D`, see `tridist/ops/stencil/`):
 - host_loop: one kernel launch per iteration and a barrier across ranks queued after each;
 - fused: one co-resident kernel runs every iteration, each rank waiting only for its neighbours'
   halo signals, its programs meeting at a grid barrier between iterations.

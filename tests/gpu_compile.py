@@ -35,9 +35,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from tridist.bench import primitives  # noqa: E402
 from tridist.ops import _protocol, sync  # noqa: E402
 from tridist.ops.attention import combine, split_kv  # noqa: E402
-from tridist.ops.collectives import allgather, allreduce  # noqa: E402
-from tridist.ops.gemm import allgather_gemm, gemm_reduce  # noqa: E402
-from tridist.ops.attention import decode as attention  # noqa: E402
+from tridist.ops.attention import policy as attention_policy  # noqa: E402
+from tridist.ops.collectives import _copy_engine, _packets, allgather, allreduce, reducescatter  # noqa: E402
+from tridist.ops.gemm import allgather_gemm, shard_gather  # noqa: E402
+from tridist.ops.gemm.gemm_all_reduce import ll as gemm_ar_ll, one_shot as gemm_ar_one_shot  # noqa: E402
+from tridist.ops.gemm.gemm_reduce_scatter import one_shot as gemm_rs_one_shot, two_d as gemm_rs_two_d  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.moe import _exchange as exchange  # noqa: E402
@@ -48,7 +50,8 @@ from tridist.ops.moe.expert_parallel import low_latency as ep_low_latency  # noq
 from tridist.ops.moe.expert_parallel import normal as ep_normal  # noqa: E402
 from tridist.ops.moe.tensor_parallel import ag_moe, moe_rs  # noqa: E402
 from tridist.ops.moe.tensor_parallel import routing as tp_routing  # noqa: E402
-from tridist.ops.stencil import jacobi  # noqa: E402
+from tridist.ops.stencil import fused as jacobi_fused, host_loop as jacobi_host_loop  # noqa: E402
+from tridist.ops.stencil import policy as stencil_policy  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
 from tridist.runtime.nvshmem import find_device_library  # noqa: E402
 
@@ -91,16 +94,16 @@ def _gemm_cases():
                 *[(kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16", "flags_ptr": "*i64",
                             "calls_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "local_world_size": "i32",
                             **blocks}, config, options)
-                  for kernel in ((gemm_reduce.gemm_rs_kernel,) if flat else
-                                 (gemm_reduce.gemm_rs_kernel, gemm_reduce.gemm_ar_kernel))],
-                *[(gemm_reduce.gemm_ar_ll_kernel, {**operands, "out_ptr": "*i32", "own_ptr": "*bf16",
-                                                   "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                   "K": "i32", "row": "i32", "slot_numel": "i32",
-                                                   "DTYPE": "constexpr", "STEP": "constexpr", **blocks},
+                  for kernel in ((gemm_rs_one_shot.gemm_rs_kernel,) if flat else
+                                 (gemm_rs_one_shot.gemm_rs_kernel, gemm_ar_one_shot.gemm_ar_kernel))],
+                *[(gemm_ar_ll.gemm_ar_ll_kernel, {**operands, "out_ptr": "*i32", "own_ptr": "*bf16",
+                                                  "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                  "K": "i32", "row": "i32", "slot_numel": "i32",
+                                                  "DTYPE": "constexpr", "STEP": "constexpr", **blocks},
                    {"DTYPE": tl.bfloat16, "STEP": 2048, **config}, options) for _ in (() if flat else (1,))],
-                *[(gemm_reduce.gemm_rs_2d_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
-                                                   "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                   "K": "i32", "local_world_size": "i32", **blocks}, config, options)
+                *[(gemm_rs_two_d.gemm_rs_2d_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
+                                                     "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
+                                                     "K": "i32", "local_world_size": "i32", **blocks}, config, options)
                   for _ in (() if flat else (1,))],
             ]
     return cases
@@ -327,16 +330,17 @@ def _attention_cases():
                  "partials_ptr": "*fp32", "sm_scale": "fp32", "seq_stride": "i32", "row_stride": "i32",
                  "table_stride": "i32", "splits": "i32", "kv_heads": "i32", "GROUP": "constexpr", "D": "constexpr",
                  "BLOCK_N": "constexpr", "PAGE": "constexpr"}
-    config = attention.configs(CUDA)[0]
+    config = attention_policy.configs(CUDA)[0]
     cases = []
     for group, head_dim, page, warps in [(4, 128, 0, None), (4, 128, 16, None), (4, 64, 0, None), (4, 64, 16, None),
                                          (32, 128, 0, 8)]:
         constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page}
-        stages = config["num_stages"] + (attention.PAGED_EXTRA_STAGES if page else 0)  # as FlashDecode launches it
+        # as FlashDecode launches it
+        stages = config["num_stages"] + (attention_policy.PAGED_EXTRA_STAGES if page else 0)
         cases.append((kernel, signature, constexprs, {"num_warps": warps or config["num_warps"], "num_stages": stages}))
     for group, head_dim, splits, world, exchange in [(4, 128, 66, 1, False), (4, 128, 66, 2, True),
                                                      (32, 128, 128, 4, True), (4, 64, 2, 8, True)]:
-        columns, rows, rank_rows = combine.combine_shape(group, head_dim, splits, world)
+        columns, rows, rank_rows = attention_policy.combine_shape(group, head_dim, splits, world)
         cases.append((combine.flash_decode_combine_kernel,
                       {"partials_ptr": "*fp32", "out_ptr": "*bf16", "staging_ptr": "*i64" if exchange else "*fp32",
                        "calls_ptr": "*i64" if exchange else "*i32",
@@ -344,7 +348,7 @@ def _attention_cases():
                        "GROUP": "constexpr", "D": "constexpr", "COLUMNS": "constexpr", "ROWS": "constexpr",
                        "RANK_ROWS": "constexpr", "EXCHANGE": "constexpr"},
                       {"GROUP": group, "D": head_dim, "COLUMNS": columns, "ROWS": rows, "RANK_ROWS": rank_rows,
-                       "EXCHANGE": exchange}, {"num_warps": combine.WARPS, "launch_pdl": True}))
+                       "EXCHANGE": exchange}, {"num_warps": attention_policy.COMBINE_WARPS, "launch_pdl": True}))
     return cases
 
 
@@ -360,68 +364,67 @@ def cases():
         *_expert_parallel_cases(),
         *_moe_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
-        *[(allgather.all_gather_push_kernel, {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64",
-                                               "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
-                                               "local_world_size": "i32", "slices": "i32", "BLOCK": "constexpr"},
+        *[(allgather.push.all_gather_push_kernel,
+           {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
+            "row": "i32", "slot_numel": "i32", "local_world_size": "i32", "slices": "i32", "BLOCK": "constexpr"},
            {"BLOCK": _largest_step(t)}, _step_options(t)) for t in ("*bf16", "*fp32", "*u8")],
         # all_gather "2d" and "ring"; "2d" also as ag_gemm's comm="sm" launches it
-        *[(allgather.all_gather_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
-                                             "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
-                                             "slot_numel": "i32", "local_world_size": "i32",
-                                             "COPY_OUT": "constexpr", "splits": "i32", "BLOCK": "constexpr"},
+        *[(allgather.two_d.all_gather_2d_kernel,
+           {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64",
+            "n": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32", "COPY_OUT": "constexpr",
+            "splits": "i32", "BLOCK": "constexpr"},
            {"COPY_OUT": copy_out, "BLOCK": block}, {"num_warps": warps})
           for copy_out, block, warps in ((True, _largest_step("*bf16"), _step_options("*bf16")["num_warps"]),
-                                         (False, allgather_gemm.PUSH_BLOCK, 8))],
-        (allgather.all_gather_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
-                                             "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
-                                             "slot_numel": "i32", "local_world_size": "i32", "splits": "i32",
-                                             "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")},
-         _step_options("*bf16")),
-        (allgather.all_gather_pull_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
-                                             "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "slot_numel": "i32",
-                                             "splits": "i32", "BLOCK": "constexpr"},
+                                         (False, shard_gather.PUSH_BLOCK, 8))],
+        (allgather.ring.all_gather_ring_kernel,
+         {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64",
+          "n": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32", "splits": "i32",
+          "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
+        (allgather.pull.all_gather_pull_kernel,
+         {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64",
+          "n": "i32", "slot_numel": "i32", "splits": "i32", "BLOCK": "constexpr"},
          {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
-        (allgather.all_gather_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
-                                           "calls_ptr": "*i64", "n": "i32", "row": "i32", "slot_numel": "i32",
-                                           "splits": "i32", "BLOCK": "constexpr"},
+        (allgather.ll.all_gather_ll_kernel,
+         {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "row": "i32",
+          "slot_numel": "i32", "splits": "i32", "BLOCK": "constexpr"},
          {"BLOCK": _protocol.LL_BLOCK}),
-        *[(allgather.all_gather_ce_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
-                                             "flags_ptr": "*i32", "n": "i32", "total": "i32", "row": "i32",
-                                             "chunk": "i32", "chunks": "i32", "COPY_OWN": "constexpr",
-                                             "splits": "i32", "BLOCK": "constexpr"},
+        *[(_copy_engine.all_gather_ce_kernel,
+           {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i32", "n": "i32",
+            "total": "i32", "row": "i32", "chunk": "i32", "chunks": "i32", "COPY_OWN": "constexpr", "splits": "i32",
+            "BLOCK": "constexpr"},
            {"COPY_OWN": own, "BLOCK": _largest_step("*bf16", CE)}, _step_options("*bf16", CE))
           for own in (True, False)],
-        (allreduce.reduce_ce_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
-                                       "flags_ptr": "*i32", "n": "i32", "m": "i32", "row": "i32", "chunk": "i32",
-                                       "chunks": "i32", "splits": "i32", "BLOCK": "constexpr"},
+        (_copy_engine.reduce_ce_kernel,
+         {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i32", "n": "i32", "m": "i32",
+          "row": "i32", "chunk": "i32", "chunks": "i32", "splits": "i32", "BLOCK": "constexpr"},
          {"BLOCK": _largest_step("*bf16", CE)}, _step_options("*bf16", CE)),
         *[(kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64",
                     "calls_ptr": "*i64", "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                     "slices": "i32", "BLOCK": "constexpr"}, {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16"))
-          for kernel in (allreduce.reduce_scatter_kernel, allreduce.all_reduce_two_shot_kernel)],
-        *[(allreduce.all_reduce_symmetric_kernel, {"x_ptr": t, "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
-                                                    "m": "i32", "slices": "i32", "BLOCK": "constexpr"},
+          for kernel in (reducescatter.one_shot.reduce_scatter_kernel, allreduce.two_shot.all_reduce_two_shot_kernel)],
+        *[(allreduce.two_shot_symmetric.all_reduce_symmetric_kernel,
+           {"x_ptr": t, "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32", "m": "i32", "slices": "i32",
+            "BLOCK": "constexpr"},
            {"BLOCK": _largest_step(t)}, _step_options(t)) for t in ("*bf16", "*fp32")],
-        (allreduce.reduce_scatter_ring_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*fp32",
-                                                 "flags_ptr": "*i64", "calls_ptr": "*i64", "m": "i32", "row": "i32",
-                                                 "slot_numel": "i32", "local_world_size": "i32",
-                                                 "splits": "i32", "BLOCK": "constexpr"},
+        (reducescatter.ring.reduce_scatter_ring_kernel,
+         {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*fp32", "flags_ptr": "*i64", "calls_ptr": "*i64",
+          "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32", "splits": "i32",
+          "BLOCK": "constexpr"},
          {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
-        (allreduce.reduce_scatter_2d_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16",
-                                               "sums_ptr": "*fp32", "flags_ptr": "*i64", "calls_ptr": "*i64",
-                                               "m": "i32", "row": "i32", "slot_numel": "i32",
-                                               "local_world_size": "i32", "splits": "i32",
-                                               "BLOCK": "constexpr"},
+        (reducescatter.two_d.reduce_scatter_2d_kernel,
+         {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "sums_ptr": "*fp32", "flags_ptr": "*i64",
+          "calls_ptr": "*i64", "m": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
+          "splits": "i32", "BLOCK": "constexpr"},
          {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
-        (allreduce.all_reduce_one_shot_kernel, {"x_ptr": "*fp16", "out_ptr": "*fp16", "staging_ptr": "*fp16",
-                                                 "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
-                                                 "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
-                                                 "splits": "i32", "BLOCK": "constexpr"},
+        (allreduce.one_shot.all_reduce_one_shot_kernel,
+         {"x_ptr": "*fp16", "out_ptr": "*fp16", "staging_ptr": "*fp16", "flags_ptr": "*i64", "calls_ptr": "*i64",
+          "n": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32", "splits": "i32",
+          "BLOCK": "constexpr"},
          {"BLOCK": _largest_step("*bf16")}, _step_options("*bf16")),
-        *[(allreduce.reduce_ll_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64",
-                                         "calls_ptr": "*i64", "n": "i32", "peer_stride": "i32", "row": "i32",
-                                         "slot_numel": "i32", "DTYPE": "constexpr", "splits": "i32",
-                                         "BLOCK": "constexpr"},
+        *[(_packets.reduce_ll_kernel,
+           {"x_ptr": "*i32", "out_ptr": "*i32", "packets_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",
+            "peer_stride": "i32", "row": "i32", "slot_numel": "i32", "DTYPE": "constexpr", "splits": "i32",
+            "BLOCK": "constexpr"},
            {"DTYPE": dtype, "BLOCK": _protocol.LL_BLOCK}) for dtype in (tl.bfloat16, tl.float32)],
         (lang.push_allgather_kernel, {"shard_ptr": "*fp32", "out_ptr": "*fp32", "flags_ptr": "*i64", "n": "i32",
                                       "epoch": "i32", "BLOCK": "constexpr"}, {"BLOCK": 128}),
@@ -466,13 +469,14 @@ def cases():
         (shmem.shmem_ptr_kernel, {"buf_ptr": "*i32", "out_ptr": "*i32"}, {}),
         (lang.rotate_kernel, {"slots_ptr": "*i64", "out_ptr": "*i64", "counter_ptr": "*i64", "rounds": "i32",
                               "base": "i32", "SKIP_FIRST": "constexpr"}, {"SKIP_FIRST": False}),
-        (jacobi.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32", "cols": "i32",
-                                     "iteration": "i32", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
-        (jacobi.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
-                                      "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
-                                      "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
-         dict(zip(("BLOCK_R", "BLOCK_C"), jacobi.tile_for(4096, 8192)))),
+        (jacobi_host_loop.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32",
+                                               "cols": "i32", "iteration": "i32", "BLOCK_R": "constexpr",
+                                               "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), stencil_policy.tile_for(4096, 8192)))),
+        (jacobi_fused.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
+                                            "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
+                                            "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"},
+         dict(zip(("BLOCK_R", "BLOCK_C"), stencil_policy.tile_for(4096, 8192)))),
         (shmem.ll_ping_pong_kernel, {"packets_ptr": "*i64", "src_ptr": "*i32", "out_ptr": "*i32", "peer": "i32",
                                      "rounds": "i32", "initiator": "i32", "n": "i32", "BLOCK": "constexpr"},
          {"BLOCK": 128}),
@@ -480,20 +484,21 @@ def cases():
     ]
 
 
-def _argument_types(signature):
-    """(path, type) of every argument, a tuple argument's elements at paths (i, j), as Triton keys
-    their attributes."""
-    for i, ty in enumerate(signature.values()):
-        if isinstance(ty, tuple):
-            yield from (((i, j), inner) for j, inner in enumerate(ty))
-        else:
-            yield (i,), ty
+def argument_types(signature: dict) -> list[tuple[tuple[int, ...], str]]:
+    """(path, type) of every argument in `signature`, a tuple argument's elements each with its
+    path ((2, 0): the first element of the third argument), as Triton addresses them in `attrs`. A
+    tuple argument's type is a tuple of types: `{"workspace": ("*i64", "*i64", "i32")}`."""
+    def walk(path, ty):
+        return [leaf for i, t in enumerate(ty) for leaf in walk((*path, i), t)] if isinstance(ty, tuple) \
+            else [(path, ty)]
+
+    return walk((), tuple(signature.values()))
 
 
 def compile_for_hopper(kernel, signature, constexprs, options=None, debug=False, library=None):
     # Pointers and ints divisible by 16, as Triton specialises them at launch when they are (tensors
     # always, sizes usually): the variant that moves data in 16-byte accesses.
-    attrs = {path: [["tt.divisibility", 16]] for path, ty in _argument_types(signature)
+    attrs = {path: [["tt.divisibility", 16]] for path, ty in argument_types(signature)
              if ty.startswith("*") or ty in ("i32", "i64")}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": 4, **(options or {}), "debug": debug,
@@ -509,7 +514,7 @@ VECTORISED = {"all_gather_push_kernel",
 
 def scalar_accesses(kernel, signature, compiled) -> list[str]:
     """The 2-byte global loads and stores of a bf16 kernel in VECTORISED (none expected)."""
-    if kernel.__name__ not in VECTORISED or "*bf16" not in signature.values():
+    if kernel.__name__ not in VECTORISED or "*bf16" not in [ty for _, ty in argument_types(signature)]:
         return []
     return re.findall(r"\b(?:ld|st)\.global\.b16\b", compiled.asm["ptx"])
 
@@ -539,7 +544,7 @@ def unpipelined(signature, constexprs, options, compiled) -> bool:
             return True
     if not constexprs.get("FLATTEN"):  # (the GEMM cases always give their num_stages)
         return False
-    itemsize = 1 if "fp8" in next(t for t in signature.values() if isinstance(t, str) and t.startswith("tensordesc")) else 2
+    itemsize = 1 if "fp8" in next(t for _, t in argument_types(signature) if t.startswith("tensordesc")) else 2
     stage_bytes = itemsize * constexprs["BLOCK_K"] * (constexprs["BLOCK_M"] + constexprs["BLOCK_N"])
     return compiled.metadata.shared < options["num_stages"] * stage_bytes
 

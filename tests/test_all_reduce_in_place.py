@@ -16,7 +16,7 @@ def _everyone(w, n: int, call: int):
 
 def _in_place(w):
     n = 1000
-    for call, method in enumerate(allreduce.ALL_REDUCE_METHODS):
+    for call, method in enumerate(allreduce.METHODS):
         everyone = _everyone(w, n, call)
         x = everyone[w.rank].float().to(w.device)
         assert ops.all_reduce_(x, method=method) is x

@@ -267,7 +267,7 @@ def test_split_counts_fill_one_wave():
     every program fits at once, the chunks fill that one wave (1x131072: 49, not 66); where not
     (512 units), about 4 an SM; never chunks shorter than 4 steps; fixed splits stay fixed."""
     config = attention.configs(torch.device("cuda"))[0]
-    choose = attention.decode.choose_splits
+    choose = attention.policy.choose_splits
     units_and_splits = {(1, 8192): 32, (1, 32768): 49, (1, 131072): 49, (8, 32768): 6, (16, 16384): 3, (64, 8192): 2}
     for (batch, length), splits in units_and_splits.items():
         assert choose(config, batch * 8, length, 132, resident=396) == splits, (batch, length)

@@ -12,7 +12,6 @@ import tridist
 from tridist.bench import overlap, primitives, results, shared_gpu, torch_fused
 from tridist.runtime import config as settings
 
-from .harness import load_script
 
 
 def _primitives(w):
@@ -66,9 +65,10 @@ def test_sleep_async(world):
 
 
 def _gemm_rs_epilogue(w):
-    """benchmarks/gemm_rs_epilogue.py's variants of gemm_rs's loop give the right sums (its kernel
+    """`tridist bench gemm_rs_epilogue`'s variants of gemm_rs's loop give the right sums (its kernel
     pretends a world of two on one rank; the TMA-store variants run only on GPUs)."""
-    module = load_script("benchmarks", "gemm_rs_epilogue")
+    from tridist.bench import gemm_rs_epilogue as module
+
     with pytest.raises(SystemExit, match="unknown variants"):
         module.main(["no such variant"])
     for config in module.gemm.configs(w.device):
@@ -78,7 +78,7 @@ def _gemm_rs_epilogue(w):
 
 def test_gemm_rs_epilogue_variants(world):
     if world.backend != "emulator":
-        pytest.skip("on GPUs: `tridist run -n 1 benchmarks/gemm_rs_epilogue.py`")
+        pytest.skip("on GPUs: `tridist bench gemm_rs_epilogue -n 1`")
     if world.size > 1:
         pytest.skip("its kernel pretends a world of two on one rank: world 1 only")
     world.run(_gemm_rs_epilogue)
@@ -174,6 +174,10 @@ def test_bench_help_and_bad_rank_counts(capsys, monkeypatch):
     with pytest.raises(SystemExit) as stop:
         cli.main(["bench", "gemm_ar", "-n", "2", "--help"])
     assert stop.value.code == 0 and "--shapes" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:  # a benchmark of one GPU: one rank by default
+        cli.main(["bench", "gemm_rs_epilogue", "--help"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "ranks to start (default 1)" in out and "--rounds" in out
     for bad in (["-n"], ["-n", "two"], ["-n", "0"]):
         assert cli.main(["bench", "gemm_ar", *bad]) == 2
         assert "-n takes a number of ranks" in capsys.readouterr().err

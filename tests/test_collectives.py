@@ -8,7 +8,7 @@ import torch
 import tridist
 from tridist import ops
 from tridist.ops import _protocol
-from tridist.ops.collectives import allreduce
+from tridist.ops.collectives import policy
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}  # relative, vs an fp64 sum
@@ -209,13 +209,13 @@ def _all_reduce_symmetric(w, method, dtype, numel, calls, two_per_sm=False):
     and two more for every rank's chunk)."""
     if numel is None:
         numel = (_protocol.programs_for(w.device) + 2) * _protocol.SMALLEST_STEP * w.world_size
-    saved = allreduce.SYMMETRIC_TWO_PER_SM_BYTES
-    allreduce.SYMMETRIC_TWO_PER_SM_BYTES = 0 if two_per_sm else saved
+    saved = policy.SYMMETRIC_TWO_PER_SM_BYTES
+    policy.SYMMETRIC_TWO_PER_SM_BYTES = 0 if two_per_sm else saved
     try:
         with _small_pieces():
             op = ops.AllReduce(numel, dtype, method, symmetric_in_place=True)
     finally:
-        allreduce.SYMMETRIC_TWO_PER_SM_BYTES = saved
+        policy.SYMMETRIC_TWO_PER_SM_BYTES = saved
     assert op.direct == (w.nnodes == 1), "in place on a symmetric x, on one node: no staging"
     if two_per_sm and op.direct:
         assert op.splits > _protocol.programs_for(w.device)
@@ -584,13 +584,13 @@ def test_two_streams(world, gather, scatter):
 
 @pytest.mark.parametrize("op, nbytes, ranks, nodes, method", [
     ("all_gather", 4 << 10, 2, 1, "ll"), ("all_gather", 1 << 20, 4, 1, "ll"), ("all_gather", 6, 2, 1, "push"),
-    ("all_gather", 16 << 20, 4, 1, "push"), ("all_gather", 64 << 20, 4, 1, "push"),
-    ("all_gather", 256 << 20, 2, 1, "push"), ("all_gather", 256 << 20, 4, 1, "push"), ("all_gather", 4 << 10, 4, 2, "2d"),
+    ("all_gather", 16 << 20, 4, 1, "push"), ("all_gather", 64 << 20, 4, 1, "ring"), ("all_gather", 64 << 20, 2, 1, "push"),
+    ("all_gather", 256 << 20, 2, 1, "push"), ("all_gather", 256 << 20, 4, 1, "ring"), ("all_gather", 4 << 10, 4, 2, "2d"),
     ("reduce_scatter", 4 << 10, 2, 1, "ll"), ("reduce_scatter", 1 << 20, 4, 1, "ll"),
     ("reduce_scatter", 12, 2, 1, "one_shot"),
     ("reduce_scatter", 4 << 20, 4, 1, "one_shot"), ("reduce_scatter", 256 << 20, 2, 1, "one_shot"),
     ("reduce_scatter", 256 << 20, 4, 1, "one_shot"), ("reduce_scatter", 4 << 10, 4, 2, "2d"),
-    ("all_reduce", 4 << 10, 2, 1, "ll"), ("all_reduce", 6, 2, 1, "one_shot"), ("all_reduce", 1 << 20, 4, 1, "one_shot"),
+    ("all_reduce", 4 << 10, 2, 1, "ll"), ("all_reduce", 6, 2, 1, "one_shot"), ("all_reduce", 1 << 20, 4, 1, "two_shot"), ("all_reduce", 2 << 20, 2, 1, "one_shot"),
     ("all_reduce", 4 << 20, 4, 1, "two_shot"), ("all_reduce", 64 << 20, 2, 1, "two_shot"),
     ("all_reduce", 64 << 20, 4, 1, "two_shot"), ("all_reduce", 4 << 10, 4, 2, "one_shot"),
 ])
@@ -599,10 +599,8 @@ def test_auto_crossovers(op, nbytes, ranks, nodes, method):
     (see the `choose_*` docstrings); host code only."""
     from types import SimpleNamespace
 
-    from tridist.ops.collectives import allgather, allreduce
-
-    choose = {"all_gather": allgather.choose_method, "reduce_scatter": allreduce.choose_reduce_scatter,
-              "all_reduce": allreduce.choose_all_reduce}[op]
+    choose = {"all_gather": policy.choose_all_gather, "reduce_scatter": policy.choose_reduce_scatter,
+              "all_reduce": policy.choose_all_reduce}[op]
     assert choose(nbytes, SimpleNamespace(world_size=ranks, nnodes=nodes)) == method
 
 
@@ -615,7 +613,5 @@ def test_auto_crossovers_symmetric(op, nbytes, nodes, method):
     """What `auto` picks for a symmetric all-gather output or all-reduce buffer (2 ranks)."""
     from types import SimpleNamespace
 
-    from tridist.ops.collectives import allgather, allreduce
-
-    choose = {"all_gather": allgather.choose_method, "all_reduce": allreduce.choose_all_reduce}[op]
+    choose = {"all_gather": policy.choose_all_gather, "all_reduce": policy.choose_all_reduce}[op]
     assert choose(nbytes, SimpleNamespace(world_size=2, nnodes=nodes), True) == method

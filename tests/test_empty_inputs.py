@@ -7,7 +7,7 @@ import torch
 
 import tridist
 from tridist import ops
-from tridist.ops.collectives import allgather, allreduce
+from tridist.ops.collectives import allgather, allreduce, reducescatter
 
 
 def _empty_collectives(w):
@@ -16,9 +16,9 @@ def _empty_collectives(w):
         for method in allgather.METHODS:
             out = ops.all_gather(x, method=method)
             assert out.shape == (0, *shape[1:]), (method, out.shape)
-        for method in allreduce.REDUCE_SCATTER_METHODS:
+        for method in reducescatter.METHODS:
             assert ops.reduce_scatter(x, method=method).shape == x.shape
-        for method in allreduce.ALL_REDUCE_METHODS:
+        for method in allreduce.METHODS:
             assert ops.all_reduce(x, method=method).shape == x.shape
             assert ops.all_reduce_(x, method=method) is x
     symmetric = tridist.symm_empty((0,), torch.bfloat16)

@@ -406,6 +406,6 @@ def test_gemm_ar_auto(m, nodes, method):
     """What gemm_ar's `auto` picks (host code only): LL packets for decode-sized M on one node."""
     from types import SimpleNamespace
 
-    from tridist.ops.gemm import gemm_reduce
+    from tridist.ops.gemm import policy
 
-    assert gemm_reduce.choose_gemm_ar(m, SimpleNamespace(nnodes=nodes)) == method
+    assert policy.choose_gemm_ar(m, SimpleNamespace(nnodes=nodes)) == method

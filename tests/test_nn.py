@@ -14,7 +14,7 @@ from tridist.nn import linear, moe as nn_moe
 
 from .harness import load_script
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 
 def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, decode_rows, low_latency_tokens):
@@ -79,6 +79,14 @@ def _refuses(w):
 
     with pytest.raises(NotImplementedError, match="group"):
         tridist.nn.parallelize(model, group=Half())
+    # Each rank's own weights (as when a rank built from a config another rank had changed): every rank
+    # refuses, naming the first parameter that differs.
+    config = example.tiny_config("qwen3")
+    torch.manual_seed(w.rank)
+    with torch.device(w.device):
+        mixed = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="weights differ between ranks, first in model.embed_tokens.weight"):
+        tridist.nn.parallelize(mixed)
     assert model.model.layers[0].self_attn.q_proj is q_proj, "a refused model must be left as it was"
     with pytest.raises(ValueError, match="must split over the 2 ranks"):
         tridist.nn.ColumnParallelLinear(64, 3)

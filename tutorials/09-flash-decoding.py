@@ -19,8 +19,10 @@ into chunks (a split-KV or "flash decoding" kernel), the query heads that share 
 query attention) share a program so K and V are read once, and each chunk leaves its record. The
 second merges each (sequence, KV head)'s records, many programs to one (a block of output columns
 each, so that each loads every chunk at once), sends the merged piece to every rank, waits for
-every rank's and merges them in rank order, so every rank ends with the same bits. This tutorial
-checks the merge rule in plain PyTorch, then runs the op on a contiguous and on a paged cache.
+every rank's and merges them in rank order, so every rank ends with the same bits (the kernels:
+`tridist/ops/attention/split_kv.py` and `combine.py`, the records they share: `_records.py`). This
+tutorial checks the merge rule in plain PyTorch, then runs the op on a contiguous and on a paged
+cache.
 
 Run: `tridist run -n 2 tutorials/09-flash-decoding.py`
 """

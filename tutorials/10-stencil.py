@@ -20,8 +20,9 @@ You will learn:
 
 Run: `tridist run -n 2 tutorials/10-stencil.py`
 
-`tridist.ops.Jacobi2D` is the same solver for large domains (tiles instead of whole rows), and
-`tridist bench jacobi` times it against the host loop.
+`tridist.ops.Jacobi2D` is the same solver for large domains (tiles instead of whole rows; its two
+methods, this kernel's and the host loop, are `tridist/ops/stencil/fused.py` and `host_loop.py`),
+and `tridist bench jacobi` times them against each other.
 """
 import sys
 
@@ -154,11 +155,12 @@ def main():
     planes.copy_(mine.expand(2, *mine.shape).to(w.device))
     signals = tridist.signals(4)
     counter = torch.zeros(1, dtype=torch.int64, device=w.device)
-    args = (planes, signals, counter, ROWS_PER_RANK)
+    arguments = dict(planes_ptr=planes, signals_ptr=signals, counter_ptr=counter, rows=ROWS_PER_RANK, COLS=COLS,
+                     BAND=BAND)
     programs = ROWS_PER_RANK // BAND
-    limit = tridist.coresident_programs(jacobi_kernel, *args, 1, 1, COLS=COLS, BAND=BAND)
+    limit = tridist.coresident_programs(jacobi_kernel, first=1, iterations=1, **arguments)
     try:
-        jacobi_kernel[(limit + 1,)](*args, 1, 1, COLS=COLS, BAND=BAND, coresident=True)
+        jacobi_kernel[(limit + 1,)](first=1, iterations=1, coresident=True, **arguments)
         sys.exit("a grid larger than can be resident was launched")
     except ValueError as refusal:
         if w.rank == 0:
@@ -166,7 +168,7 @@ def main():
     tridist.barrier_all()
     done = 0
     for iterations in (6, 4):
-        jacobi_kernel[(programs,)](*args, done + 1, iterations, COLS=COLS, BAND=BAND, coresident=True)
+        jacobi_kernel[(programs,)](first=done + 1, iterations=iterations, coresident=True, **arguments)
         done += iterations
     tridist.barrier_all()
     got = planes[done % 2, 1:ROWS_PER_RANK + 1].cpu()

@@ -11,9 +11,12 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "gemm_ar": "tridist.bench.overlap", "torch_fused": "tridist.bench.torch_fused",
               "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode",
               "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe",
-              "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep", "model": "tridist.bench.model"}
-SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model")  # modules with one benchmark: their `main` takes no benchmark name
+              "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep", "model": "tridist.bench.model",
+              "gemm_rs_epilogue": "tridist.bench.gemm_rs_epilogue"}
+# Modules with one benchmark: their `main` takes no benchmark name.
+SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model", "gemm_rs_epilogue")
 DEFAULT_RANKS = 2
+ONE_RANK = ("gemm_rs_epilogue",)  # benchmarks of one GPU: one rank unless -n says otherwise
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
 HELP = f"""{USAGE}
 
@@ -38,6 +41,9 @@ NAME:
   alltoall        all_to_all_v and all_to_all_v_2d against NCCL all_to_all_single and PyTorch's all_to_all_vdev
   model           Qwen3-8B-like and Qwen3-30B-A3B-like decoders sharded by tridist.nn: prefill and CUDA-graphed
                   decode steps against the same model on torch + NCCL (Megatron-style) and transformers' tp_plan
+  gemm_rs_epilogue
+                  gemm_rs's tile loop on one GPU (one rank by default), part by part: variants of its
+                  epilogue (tile layout, flags, sums, TMA stores and loads) against the GEMM alone and cuBLAS
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them
@@ -53,12 +59,13 @@ def main(argv: list[str]) -> int:
         problem = f"unknown benchmark {argv[0]!r}" if argv else "no benchmark named"
         print(f"{USAGE}\ntridist bench: {problem}; NAME is one of {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
-    name, (nproc, rest) = argv[0], _ranks(argv[1:])
+    name, default = argv[0], 1 if argv[0] in ONE_RANK else DEFAULT_RANKS
+    nproc, rest = _ranks(argv[1:], default)
     if nproc is None:
         print(f"{USAGE}\ntridist bench: -n takes a number of ranks of at least 1, e.g. -n 2", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:  # printed here, not once by every rank it would start
-        print(f"-n RANKS: ranks to start (default {DEFAULT_RANKS})\n")
+        print(f"-n RANKS: ranks to start (default {default})\n")
     elif "RANK" not in os.environ:
         from ..runtime.launcher import run
 
@@ -69,11 +76,12 @@ def main(argv: list[str]) -> int:
     return module.main(rest if name in SINGLE else [name, *rest])
 
 
-def _ranks(rest: list[str]) -> tuple[int | None, list[str]]:
-    """(the ranks `-n` asks for, the arguments without it); (None, rest) when its value is missing or
-    not a positive integer. Under a launcher `-n` is dropped too: the launcher has started the ranks."""
+def _ranks(rest: list[str], default: int = DEFAULT_RANKS) -> tuple[int | None, list[str]]:
+    """(the ranks `-n` asks for, else `default`; the arguments without it); (None, rest) when its value
+    is missing or not a positive integer. Under a launcher `-n` is dropped too: the launcher has
+    started the ranks."""
     if "-n" not in rest:
-        return DEFAULT_RANKS, rest
+        return default, rest
     i = rest.index("-n")
     try:
         nproc = int(rest[i + 1])

@@ -29,6 +29,7 @@ two decode steps with a `DynamicCache`, within `TOLERANCE` of the largest logit)
 `--kernels` prints where each step's GPU time goes, by kernel.
 """
 import argparse
+import copy
 import shutil
 import tempfile
 import warnings
@@ -62,7 +63,10 @@ PREFILL = (4096, 16384)
 DECODE = (1, 8, 64)
 CONTEXT = 4096  # positions of the static cache a decode step attends over
 SYSTEMS = ("tridist", "megatron", "hf_tp")
-TOLERANCE = 3e-2  # bf16 logits against the whole model's, over the largest (examples/llm.py's)
+# bf16 logits against the whole model's, over the largest. Splitting the row-parallel sums over 2 ranks
+# alone moves 8 random bf16 layers' logits by 2.3e-2 (plain torch); transformers' TP by 3.1e-2 (NOTES:
+# "the dense model's wrong logits"). Ranks that sharded different weights were off by 1.5.
+TOLERANCE = 5e-2
 CHECK_BATCH, CHECK_TOKENS, CHECK_STEPS = 2, 16, 2
 GRAPH_STEPS = 5  # decode steps in one CUDA-graph replay
 NOTES = {"megatron moe decode": "eager: its splits are read on the host, which a CUDA graph cannot capture"}
@@ -217,7 +221,9 @@ def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool
     one saying why a system did not run."""
     w = tridist.world()
     config = make_config(kind, layers, dims)
-    whole = build(config, w.device)
+    # Its own config: save_pretrained writes into the model's config (its dtype), and the systems built
+    # from `config` afterwards must draw the same weights on every rank, also where only rank 0 saved.
+    whole = build(copy.deepcopy(config), w.device)
     prompt = torch.randint(0, config.vocab_size, (CHECK_BATCH, CHECK_TOKENS + CHECK_STEPS),
                            generator=torch.Generator().manual_seed(1)).to(w.device)
     expected = check_logits(whole, prompt)

@@ -1,8 +1,8 @@
 """Benchmark results: printed as a table, saved as JSON named after the benchmark, the device and
 the date, recording the code and the versions that ran.
 
-Files are named `<benchmark>-<device>x<ranks>-<date>.json` (`allreduce-h200x2-2026-11-28.json`),
-with `-shared<K>` before the date where K ranks share each GPU; a second run of the same benchmark
+Files are named `<benchmark>-<device>x<ranks>-<date>.json`, the date as YEAR-MONTH-DAY (an
+all-reduce on two H200s: `allreduce-h200x2-<date>.json`), with `-shared<K>` before the date where K ranks share each GPU; a second run of the same benchmark
 on the same device and day adds `-2` (then `-3`, ...) instead of replacing the first, so that a
 figure once cited keeps its file. Plots take the JSON's name with `.png`.
 """

@@ -57,8 +57,8 @@ def op_us(fn, graph_limit_us: float = GRAPH_LIMIT_US) -> float:
     """The slowest rank's median microseconds per call of `fn()`, the figure the benchmarks report.
     Ops timed eagerly at less than `graph_limit_us` are timed again inside a CUDA graph, where
     launches cost nothing. An op whose host work outlasts its GPU work times eagerly at its host's
-    pace: pass a higher limit for ops that are always capturable (EP's round trip, about 130 us
-    on the GPU, took just over 1 ms a call eagerly now and then on 2 x H100, 2026-11-26)."""
+    pace: pass a higher limit for ops that are always capturable (EP's round trip did:
+    benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)")."""
     us = slowest(time_us(fn, inner=5, repetitions=10, warmup=3))
     if us < graph_limit_us:  # every rank sees the same slowest value, so all of them take this branch
         us = slowest(time_us(fn, inner=20, repetitions=15, warmup=3, graph=True))
@@ -67,10 +67,9 @@ def op_us(fn, graph_limit_us: float = GRAPH_LIMIT_US) -> float:
 
 def interleaved_us(fns, rounds: int = 3, graph_limit_us: float = GRAPH_LIMIT_US) -> list[float]:
     """`op_us` of each of `fns`, taken in turns `rounds` times, and the median of each one's figures.
-    A chip's clocks drift within a run (a compute-bound GEMM heats it: on an H100, 2026-11-26, the
-    same grouped GEMM timed twice in one run took 1228 and 1329 us), so two ops timed one after the
-    other can differ by more than they do; in turns the drift moves both alike, and their ratio
-    holds."""
+    A chip's clocks drift within a run (a compute-bound GEMM heats it: benchmarks/NOTES.md, "Moved
+    from the code's docstrings (issue 41)"), so two ops timed one after the other can differ by more
+    than they do; in turns the drift moves both alike, and their ratio holds."""
     samples = [[] for _ in fns]
     for _ in range(rounds):
         for times, fn in zip(samples, fns):

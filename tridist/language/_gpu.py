@@ -123,9 +123,9 @@ def _sync_threads():
     # The unaligned `barrier.sync`, not `bar.sync` (= barrier.sync.aligned): LLVM does not know that
     # inline asm must not be duplicated onto divergent paths, and it unswitches a loop such as
     # `for peer: _sync_threads(); if thread 0: signal` on the thread test, leaving thread 0 and the
-    # others at different copies of the barrier. An aligned barrier reached that way hung (dl.notify
-    # across nodes in a loop, on an H200, 2026-11-23); an unaligned one counts each thread's
-    # arrivals wherever they happen.
+    # others at different copies of the barrier. An aligned barrier reached that way hangs (it did:
+    # benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)"); an unaligned one counts
+    # each thread's arrivals wherever they happen.
     tl.inline_asm_elementwise("barrier.sync 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -526,7 +526,8 @@ def signal_wait_until(sig_addr, cmp: tl.constexpr, cmp_value):
                      or cmp == CMP_LE, "shmem.signal_wait_until: cmp is one of dl.shmem.CMP_*")
     # Our acquire spin rather than NVSHMEM's wait: `ld.acquire.sys` orders the caller's later loads
     # after the word and keeps them off L1 lines filled before it, which NVSHMEM's documentation does
-    # not promise of its loop (a low-latency dispatch on 2 x H100, 2026-11-25, read partial rows).
+    # not promise of its loop (with it, reads after the wait saw partial rows: benchmarks/NOTES.md,
+    # "Moved from the code's docstrings (issue 41)").
     return _spin(sig_addr, cmp, cmp_value, "sys", "acquire")
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tridist import ops
+from tridist.runtime.world import transport
 
 from .linear import ColumnParallelLinear, RowParallelLinear, check_group, split
 from .moe import ExpertParallelMoE, TensorParallelMoE
@@ -171,6 +172,25 @@ def _check(model: nn.Module, world_size: int, moe: str) -> None:
                                       f"3-D expert weights); it takes {', '.join(SUPPORTED)}")
 
 
+def _same_weights(model: nn.Module) -> None:
+    """Refuse a model whose weights differ between ranks: every rank would then shard a different
+    model, and the sums of the row-parallel layers would mix them into logits that are wrong
+    without any error. Two numbers a parameter: the sum of its elements and of every 61st, in fp64
+    (summed alike on every rank, so equal weights give equal bits)."""
+    names = [name for name, _ in model.named_parameters()]
+    sums = [torch.stack([p.sum(dtype=torch.float64), p.reshape(-1)[::61].sum(dtype=torch.float64)]).cpu()
+            for _, p in model.named_parameters()]
+    prints = [tuple(pair.tolist()) for pair in sums]
+    everyone = transport().allgather_objects(prints)
+    for index, name in enumerate(names):
+        values = [prints[index] for prints in everyone]
+        if len(set(values)) > 1:
+            differ = [rank for rank, value in enumerate(values) if value != values[0]]
+            raise ValueError(f"parallelize: the weights differ between ranks, first in {name} (rank 0 and rank(s) "
+                             f"{', '.join(map(str, differ))}); build the model on every rank from the same weights "
+                             "(the same config and seed, or the same checkpoint)")
+
+
 def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
     """Shard a transformers causal LM in place over the ranks and return it.
 
@@ -194,7 +214,8 @@ def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
         `model`, sharded.
 
     Raises:
-        ValueError: an unknown `moe`; heads, KV heads, intermediate sizes or experts that do not
+        ValueError: weights that differ between ranks; an unknown `moe`; heads, KV heads,
+            intermediate sizes or experts that do not
             split over the world size, or sizes the GEMMs do not take (not multiples of 8 per
             rank); the message says which.
         NotImplementedError: a model class or module layout it does not know; a group of some
@@ -202,6 +223,7 @@ def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
     """
     world = check_group(group)
     _check(model, world.world_size, moe)
+    _same_weights(model)
     for layer in model.model.layers:
         _attention(layer.self_attn, group)
         if _is_dense(layer.mlp):

@@ -28,7 +28,7 @@ What holds for every op:
   happen during a capture: call it once on the capture stream first (`torch.cuda.graph(g,
   stream=s)` after a warm-up on `s`), or capture an instance of the class.
 - **`method="auto"`** picks by size and topology from crossovers measured on H200s (written down
-  in `choose_method`, `choose_reduce_scatter`, `choose_all_reduce` and `choose_gemm_ar`, listed
+  in `choose_all_gather`, `choose_reduce_scatter`, `choose_all_reduce` and `choose_gemm_ar`, listed
   on the family pages). Methods marked "one node" reach peers through pointers or copy engines
   and refuse worlds of several nodes.
 - **Symmetric tensors are used in place.** Where an op takes a symmetric tensor (from

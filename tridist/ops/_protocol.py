@@ -80,8 +80,8 @@ def sync_program():
     to all the others after it. Needed wherever a program reads back what it stored: Triton lays out
     each load and store on its own (an fp32 store of a sum computed from bf16 loads moves 4 elements
     a thread, the fp32 load of it 8), so an element may be stored by one warp and loaded by another
-    that ran ahead. Without it the 2d reduce-scatter returned stale sums with four ranks sharing one
-    H100 (2026-11-24), where many programs per SM skewed the warps."""
+    that ran ahead, as many programs per SM make likely (it happened: benchmarks/NOTES.md, "Moved from
+    the code's docstrings (issue 41)")."""
     tl.debug_barrier()
 
 
@@ -376,12 +376,10 @@ def steps_for(numel: int, itemsize: int, programs: int, step_bytes: int = STEP_B
     warps of each (`warps_for`).
 
     A step's loads complete before its stores are issued, so a program moves about one step per
-    memory latency, and large messages need large steps: with 4 KB steps, the 66 programs that
-    copied the copy-engine all-gather out of staging held it to 265 GB/s (2 x H200, 2026-11-22),
-    where a put with 16 KB steps reached 354 GB/s (with 16 KB steps, and slices, the push
-    all-gather reached 330 GB/s on 2026-11-23). Steps grow from SMALLEST_STEP elements to
-    `step_bytes` as long as every one of the programs still gets a whole step, so small messages
-    keep their programs."""
+    memory latency, and large messages need large steps (4 KB steps held a copy to far below what
+    16 KB steps reached: benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)").
+    Steps grow from SMALLEST_STEP elements to `step_bytes` as long as every one of the programs
+    still gets a whole step, so small messages keep their programs."""
     block = SMALLEST_STEP
     while 2 * block * itemsize <= step_bytes and numel >= 2 * block * programs:
         block *= 2
@@ -452,10 +450,10 @@ def wait_chunks(flags_ptr, arrived, stop, chunk, pointer):
 
 def raise_flag(flags: torch.Tensor, index: int) -> None:
     """flags[index] = 1 (int32 flags, this rank's or a peer's through `peer_tensor`) in stream order,
-    after the copies queued before it: a 4-byte memset, which runs once they are complete. (With a
-    stream write, cuStreamWriteValue32, to the peer's memory instead, the copy-engine collectives
-    took 250-400 us more per call outside CUDA graphs than inside them, where the memset was used:
-    2 x H200, 2026-11-22.) In the emulator the copies before it are done already, so a store does."""
+    after the copies queued before it: a 4-byte memset, which runs once they are complete (a stream
+    write, cuStreamWriteValue32, was far slower outside CUDA graphs: benchmarks/NOTES.md, "Moved from
+    the code's docstrings (issue 41)"). In the emulator the copies before it are done already, so a
+    store does."""
     if flags.is_cuda:
         _SymmetricMemory.memset32(flags.view(torch.uint32), offset=index, val=1, count=1)
     else:

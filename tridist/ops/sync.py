@@ -1,6 +1,6 @@
-"""Synchronisation a host queues on a stream: a barrier across ranks, and a timed busy-wait."""
+"""Synchronisation a host queues on a stream: a barrier across ranks (NVSHMEM's, or one of
+tridist's own with slots of its own, `Barrier`), and a timed busy-wait (`sleep_async`)."""
 import torch
-
 
 from .. import language as dl
 from ..language import global_time_ns as _global_time_ns
@@ -13,6 +13,8 @@ from ..runtime.world import bounded_barrier, world
 
 @jit
 def _barrier_kernel():
+    """NVSHMEM's barrier_all, one program: every rank's earlier work on the stream is done and its
+    puts have landed when any rank passes it. Unbounded."""
     dl.shmem.barrier_all()
 
 
@@ -35,6 +37,7 @@ def _bounded_barrier_kernel(slots_ptr, passed_ptr):
 
 @jit(do_not_specialize=["duration_ns"])  # one compiled kernel for every duration; GPUs only
 def _sleep_kernel(duration_ns):
+    """Spins on the global timer until `duration_ns` have passed, one program."""
     start = _global_time_ns()
     now = start
     while now - start < duration_ns:

@@ -22,6 +22,7 @@ an SM (`coresident_limit`): all the ranks' grids then fit even on the SMs of one
 import ctypes
 import dataclasses
 import functools
+import math
 
 import torch
 
@@ -111,17 +112,15 @@ def _driver_sms() -> int | None:
 def available_sms(device: torch.device) -> tuple[int, str]:
     """(SMs this process sizes its grids for, where the number comes from): the smaller of the
     device's SM count and what the driver reports for this context, divided by the ranks sharing
-    the GPU. Under CUDA MPS with a thread percentage the driver already counts this client's share:
-    an H100 said 32 of its 132 SMs at 25% (2026-11-24, four ranks sharing one; 33 rounded down to
-    whole 2-SM TPCs). Should a driver ever report the whole GPU there, the co-resident launch is
-    also cooperative (see `runtime/jit.py`), so the driver refuses a grid it cannot hold instead of
-    leaving it to wait.
+    the GPU. Under CUDA MPS with a thread percentage the driver already counts this client's share
+    (rounded down to whole 2-SM TPCs). Should a driver ever report the whole GPU there, the
+    co-resident launch is also cooperative (see `runtime/jit.py`), so the driver refuses a grid it
+    cannot hold instead of leaving it to wait.
 
-    The division: on 2026-11-26 (one H100 per job, TRIDIST_DEBUG=1) gemm_rs hung in 3 of 4 stress
-    runs at 2 and 4 ranks with grids of one program an SM of each rank's share, the peer's whole
-    grid absent (it had sent none of its tiles), as if the ranks' blocks were given the same SMs.
-    Not proven: the division guards against it at the price of speed, which sharing a GPU does
-    not promise."""
+    The division guards against the ranks' blocks being given the same SMs, which hangs of
+    co-resident grids of one program an SM of each rank's share suggested (not proven; benchmarks/
+    NOTES.md, "Moved from the code's docstrings (issue 41)"), at the price of speed, which sharing a
+    GPU does not promise."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     torch.cuda.init()
     with torch.cuda.device(device):
@@ -166,12 +165,22 @@ def coresident_limit(compiled, device: torch.device) -> tuple[int, str]:
         per_sm, limited_by = driver, f"the driver's answer; counted {counted}: {limited_by}"
     if sharing.ranks_per_gpu_here() > 1:
         # Another rank's blocks may hold part of each SM this rank's blocks land on (see the module
-        # docstring); one program an SM fits beside whatever they hold. 2026-11-26 (one H100 per
-        # job, 2 and 4 ranks, TRIDIST_DEBUG=1): fused Jacobi grids of several programs an SM hung in
-        # 3 of 4 stress runs, a peer's halo signals never set; one an SM, the same calls passed.
+        # docstring); one program an SM fits beside whatever they hold, where grids of several an SM
+        # hung (benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)").
         per_sm, limited_by = 1, f"one, as ranks share this GPU; {limited_by}"
     sms, where = available_sms(device)
     why = (f"{per_sm} program(s) an SM ({registers} registers a thread, {shared} bytes of shared memory, "
            f"{warps} warps; {limited_by}) x {sms} SMs ({where})")
     _limits[compiled] = (per_sm * sms, why)
     return _limits[compiled]
+
+
+def refuse_grid(kernel: str, grid: tuple, limit: int, why: str) -> None:
+    """Raises ValueError, before anything runs, where a co-resident launch of `kernel` with `grid`
+    has more programs than `limit`, the most that can be resident at once (`why` says how that
+    number comes about)."""
+    programs = math.prod(grid)
+    if programs > limit:
+        raise ValueError(f"kernel {kernel}: a co-resident launch of {programs} programs (grid {grid}), but at most "
+                         f"{limit} can be resident at once: {why}. Launch at most {limit} programs "
+                         "(tridist.coresident_programs gives the number for a kernel and its arguments)")

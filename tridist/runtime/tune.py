@@ -210,8 +210,8 @@ def _measure(config: dict, make_run, warmup: int, repetitions: int, device: torc
     transport().barrier()  # every rank starts timing together
     if device.type == "cuda":
         # The GPU waits while the host queues every repetition, so that what is timed is the GPU's
-        # work and not the host's launches: without it, ag_gemm at M = 1024 on 2 x H200 timed
-        # 234-451 us per call by config here (2026-11-23), 134 us in a CUDA graph.
+        # work and not the host's launches (without it, the host's pace was timed: benchmarks/NOTES.md,
+        # "Moved from the code's docstrings (issue 41)").
         torch.cuda._sleep(HEAD_START_CYCLES * repetitions)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(repetitions)]

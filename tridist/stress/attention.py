@@ -23,7 +23,7 @@ import random
 import torch
 
 from tridist import ops
-from tridist.ops.attention import decode
+from tridist.ops.attention import decode, policy
 
 from .cases import (Expected, Invalid, OpCases, Trial, _UNIT_ROUNDOFF, count_with_edges, log_uniform, poison,
                     random_tensor, register, round_up, seed_of)
@@ -58,7 +58,7 @@ class FlashDecodeCases(OpCases):
             positions = min(round_up(positions, block), most // block * block)
         config = {}
         if rng.random() < CONFIG_SHARE:
-            config.update(rng.choice(decode.configs(world.device)),
+            config.update(rng.choice(policy.configs(world.device)),
                           splits=rng.randint(1, MAX_SPLITS if gpu else EMULATOR_SPLITS))
             del config["programs_per_sm"]
         if rng.random() < 0.5:

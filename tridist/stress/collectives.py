@@ -12,13 +12,14 @@ import torch
 import tridist
 from tridist import ops
 from tridist.ops import _protocol
-from tridist.ops.collectives import allgather, allreduce
+from tridist.ops.collectives import allgather, allreduce, reducescatter
 
 from .cases import (Expected, Invalid, OpCases, Trial, draw_method, log_uniform, poison, random_tensor, register,
                     seed_of, sum_tolerance)
 
 # Methods that reach their peers through pointers or copy engines, so within one node only.
-ONE_NODE = {"all_gather": ("pull", "ll", "ce"), "reduce_scatter": ("ll", "ce"), "all_reduce": ("ll", "ce")}
+ONE_NODE = {op: tuple(name for name, kind in front.CLASSES.items() if kind.one_node)
+            for op, front in (("all_gather", allgather), ("reduce_scatter", reducescatter), ("all_reduce", allreduce))}
 
 
 def _draw_method(rng, op: str, methods, world, ll_bytes: int) -> str:
@@ -90,7 +91,7 @@ class ReduceScatterCases(OpCases):
     def draw(self, rng, world, limits):
         dtype = rng.choice(_protocol.SUPPORTED)
         chunk = log_uniform(rng, 1, max(1, limits.nbytes // dtype.itemsize // world.world_size))
-        method = _draw_method(rng, self.name, allreduce.REDUCE_SCATTER_METHODS, world, chunk * dtype.itemsize)
+        method = _draw_method(rng, self.name, reducescatter.METHODS, world, chunk * dtype.itemsize)
         return dict(method=method, dtype=dtype, shape=(chunk,), in_place=rng.random() < 0.5)
 
     def trial(self, call, world):
@@ -132,7 +133,7 @@ class AllReduceCases(OpCases):
     def draw(self, rng, world, limits):
         dtype = rng.choice(_protocol.SUPPORTED)
         n = log_uniform(rng, 1, limits.nbytes // dtype.itemsize)
-        method = _draw_method(rng, self.name, allreduce.ALL_REDUCE_METHODS, world, n * dtype.itemsize)
+        method = _draw_method(rng, self.name, allreduce.METHODS, world, n * dtype.itemsize)
         in_place = rng.random() < 0.5
         return dict(method=method, dtype=dtype, shape=(n,), in_place=in_place,
                     symmetric=in_place and rng.random() < 0.5)

@@ -12,7 +12,7 @@ import torch
 
 from tridist import ops
 from tridist.ops import gemm
-from tridist.ops.gemm import allgather_gemm, gemm_reduce, persistent
+from tridist.ops.gemm import gemm_all_reduce, persistent, shard_gather
 
 from .cases import (Expected, Invalid, OpCases, Trial, draw_method, gemm_tolerance, log_uniform, poison, random_tensor,
                     register, round_up, seed_of)
@@ -62,7 +62,7 @@ class AgGemmCases(_GemmCases):
         return log_uniform(rng, 1, max(1, limits.rows // world.world_size))
 
     def method(self, rng, world):
-        return draw_method(rng, self.name, allgather_gemm.COMMS, world, ("ce",), "comm")
+        return draw_method(rng, self.name, shard_gather.COMMS, world, ("ce",), "comm")
 
 
 class GemmRsCases(_GemmCases):
@@ -80,7 +80,7 @@ class GemmArCases(_GemmCases):
     name = "gemm_ar"
 
     def method(self, rng, world):
-        return draw_method(rng, self.name, gemm_reduce.GEMM_AR_METHODS, world, ("ll",))
+        return draw_method(rng, self.name, gemm_all_reduce.METHODS, world, ("ll",))
 
     def takes_flatten(self, world):
         return False

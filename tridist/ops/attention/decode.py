@@ -11,48 +11,31 @@ the union of the slices. Two kernels, queued on the current stream:
    `out` (the protocol: `combine`'s docstring). A programmatic dependent launch: it starts on the
    SMs the first kernel's last programs leave, and waits there for that kernel to end.
 No host synchronisation, no allocation but `out`: the op can be captured in a CUDA graph.
-
-Configs (dicts, `configs(device)`): BLOCK_N, positions per step of a program's loop; num_warps and
-num_stages, as Triton takes them (a paged cache gets PAGED_EXTRA_STAGES more); programs_per_sm, how
-many programs of the split-KV kernel per SM the split count aims at (fewer where that fills one
-wave of what fits at once: `choose_splits`), or splits, a fixed number of chunks per sequence.
+The configs, the split count and the combine's shape are chosen in `policy`.
 """
 import math
 
 import torch
-import triton
 
 import tridist
 from tridist.runtime.tensors import check_tensor
 
 from .. import _protocol
 from .._protocol import Workspace, check_input, check_output
-from .combine import WARPS, combine_shape, flash_decode_combine_kernel, record_size
+from ._records import record_size
+from .combine import flash_decode_combine_kernel
+from .policy import COMBINE_WARPS, PAGED_EXTRA_STAGES, choose_splits, combine_shape, configs, most_splits
 from .split_kv import flash_decode_split_kernel
 
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 32  # query heads per KV head: a program holds all of them, in registers, as dot rows
 
-GPU_CONFIGS = [dict(BLOCK_N=block, num_warps=warps, num_stages=stages, programs_per_sm=4)
-               for block in (64, 32, 128) for warps, stages in ((4, 3), (4, 2), (4, 4), (8, 3))]
-# The emulator: small steps, so that tiny test sequences still take several steps and chunks.
-EMULATOR_CONFIGS = [dict(BLOCK_N=16, num_warps=4, num_stages=1, programs_per_sm=4)]
 CONFIG_KEYS = {"BLOCK_N", "num_warps", "num_stages", "programs_per_sm", "splits"}
-MIN_STEPS_PER_SPLIT = 4  # a chunk shorter than this many steps spends more on its record than it saves
-# A paged cache compiles with this many more stages than the config's num_stages: the block table's
-# load, on which the K and V addresses depend, takes two stages of Triton's pipeline, and without them
-# a program keeps one K/V tile in flight where a contiguous cache keeps num_stages - 1 (sm_90 TTGIR of
-# the kernel at GQA 4, D 128, BLOCK_N 64: one buffer each for K and V at num_stages 3 and 4, two at 5).
-PAGED_EXTRA_STAGES = 2
-
-
-def configs(device: torch.device) -> list[dict]:
-    """The configs to sweep on `device`, the default first."""
-    return [dict(c) for c in (GPU_CONFIGS if device.type == "cuda" else EMULATOR_CONFIGS)]
 
 
 def check_config(config: dict) -> None:
+    """Raises ValueError unless `config` is a flash_decode config (`policy`'s module docstring)."""
     if not isinstance(config, dict) or not {"BLOCK_N", "num_warps", "num_stages"} <= set(config) \
             or not set(config) <= CONFIG_KEYS or ("splits" in config) == ("programs_per_sm" in config):
         raise ValueError(f"a flash_decode config is a dict of BLOCK_N, num_warps, num_stages and one of "
@@ -62,27 +45,6 @@ def check_config(config: dict) -> None:
             raise ValueError(f"flash_decode config {key} must be a positive int, got {value!r}")
     if config["BLOCK_N"] & (config["BLOCK_N"] - 1) or config["BLOCK_N"] < 16:
         raise ValueError(f"flash_decode config BLOCK_N must be a power of two of at least 16, got {config['BLOCK_N']}")
-
-
-def choose_splits(config: dict, units: int, capacity: int, sms: int, resident: int | None = None) -> int:
-    """Chunks per sequence: `splits` if the config fixes them; else enough for about
-    programs_per_sm programs of (units x splits) per SM, but where the kernel's programs can all be
-    resident at once (`resident` of them: `tridist.coresident_programs`), no more than fill that
-    one wave; each chunk at least MIN_STEPS_PER_SPLIT steps of the longest sequence this cache can
-    hold (`capacity` positions). A wave that ends in a tail of one program an SM is what costs: on
-    an H100 (2026-11-26, 3 programs an SM resident) 1x131072 took the kernel 187.4 us in 8 x 66
-    programs and 178.8 in 8 x 49, 16x16384 363.0 in 128 x 5 and 353.0 in 128 x 3."""
-    if "splits" in config:
-        return config["splits"]
-    wanted = most_splits(config, units, sms)
-    if resident is not None and units <= resident:
-        wanted = min(wanted, resident // units)
-    return max(1, min(wanted, capacity // (MIN_STEPS_PER_SPLIT * config["BLOCK_N"])))
-
-
-def most_splits(config: dict, units: int, sms: int) -> int:
-    """The most chunks per sequence `choose_splits` gives, whatever the cache: what `partials` holds."""
-    return config["splits"] if "splits" in config else max(1, triton.cdiv(config["programs_per_sm"] * sms, units))
 
 
 class FlashDecode:
@@ -159,14 +121,15 @@ class FlashDecode:
         ws = self.workspace
         # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
         staging, calls = (ws.staging, ws.calls) if ws else (self.partials, seqlens)
-        args = (self.partials, out, staging, calls, self.units, splits, ws.slot_numel if ws else 0,
-                self.world.local_world_size)
-        meta = dict(GROUP=self.group, D=self.head_dim, COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows,
-                    EXCHANGE=ws is not None, num_warps=WARPS, launch_pdl=True)
+        arguments = dict(partials_ptr=self.partials, out_ptr=out, staging_ptr=staging, calls_ptr=calls,
+                         units=self.units, splits=splits, slot_numel=ws.slot_numel if ws else 0,
+                         local_world_size=self.world.local_world_size, GROUP=self.group, D=self.head_dim,
+                         COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows, EXCHANGE=ws is not None,
+                         num_warps=COMBINE_WARPS, launch_pdl=True)
         if not self.fitted:
-            self.combine_programs = _protocol.fit_coresident(flash_decode_combine_kernel, self.items, 1, *args, **meta)
+            self.combine_programs = _protocol.fit_coresident(flash_decode_combine_kernel, self.items, 1, **arguments)
             self.fitted = True
-        flash_decode_combine_kernel[(self.combine_programs,)](*args, coresident=ws is not None, **meta)
+        flash_decode_combine_kernel[(self.combine_programs,)](coresident=ws is not None, **arguments)
         return out
 
     def split_kv(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
@@ -192,15 +155,16 @@ class FlashDecode:
         """Queues the split-KV kernel; returns its chunks per sequence."""
         table = seqlens if block_table is None else block_table  # (unused without a table: any tensor)
         c = self.config
-        args = (q, k_cache, v_cache, seqlens, table, self.partials, scale, seq_stride, self.kv_heads * self.head_dim,
-                table.shape[-1])
-        meta = dict(GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page, num_warps=c["num_warps"],
-                    num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
+        arguments = dict(q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, seqlens_ptr=seqlens, table_ptr=table,
+                         partials_ptr=self.partials, sm_scale=scale, seq_stride=seq_stride,
+                         row_stride=self.kv_heads * self.head_dim, table_stride=table.shape[-1],
+                         kv_heads=self.kv_heads, GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page,
+                         num_warps=c["num_warps"], num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
         if page not in self.resident:  # compiles the kernel (it would be, to launch) and asks its occupancy
-            self.resident[page] = tridist.coresident_programs(flash_decode_split_kernel, *args, self.max_splits,
-                                                              self.kv_heads, **meta)
+            self.resident[page] = tridist.coresident_programs(flash_decode_split_kernel, splits=self.max_splits,
+                                                              **arguments)
         splits = self.splits_for(k_cache, block_table)
-        flash_decode_split_kernel[(self.units, splits)](*args, splits, self.kv_heads, **meta)
+        flash_decode_split_kernel[(self.units, splits)](splits=splits, **arguments)
         return splits
 
     def _checked_out(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,7 @@ pair. Under grouped-query attention (GQA) the GROUP = Hq / Hkv query heads of KV
 program, so K and V are read once for all of them: the queries are the rows of a dot product
 padded to 16, the least a tensor-core dot takes.
 
-Program (unit, split) writes its chunk's record (`combine`: outputs and log-sum-exps) to `partials`
+Program (unit, split) writes its chunk's record (`_records`: outputs and log-sum-exps) to `partials`
 row (unit * splits + split), and that is all: no program waits or counts, so the grid need not be
 resident at once. The combine kernel, queued after it, merges the records; launched as this kernel's
 programmatic dependent (`dl.launch_dependents`), it starts while this kernel's last programs run.
@@ -19,7 +19,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .combine import finish_record, record_size, store_record
+from ._records import finish_record, record_size, store_record
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in base 2: exp2 is one instruction
 

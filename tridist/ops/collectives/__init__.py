@@ -7,7 +7,9 @@ messages, one node and several.
 | `reduce_scatter(x)`, `ReduceScatter` | `reduce_scatter_tensor`, sum, fp32 accumulation | `ll`, `one_shot`, `ce`, `2d`, `ring`, `auto` |
 | `all_reduce(x)`, `all_reduce_(x)`, `AllReduce` | `all_reduce`, sum, fp32 accumulation; `all_reduce` returns a new tensor, `all_reduce_` sums in place | `ll`, `one_shot`, `two_shot`, `ce`, `auto` |
 
-Each class's docstring says what its methods do and where they work. Common to all three:
+Each class's docstring says what its methods do and where they work; each op is a package
+(`allgather`, `reducescatter`, `allreduce`) whose modules are its methods, each with its protocol,
+and `policy` holds what `method="auto"` chooses. Common to all three:
 
 - `programs=` (classes) caps the programs (blocks, so SMs) a call's kernels run; default one
   per SM.
@@ -20,6 +22,7 @@ Each class's docstring says what its methods do and where they work. Common to a
   that keep the SMs busy with other work, except into a symmetric `out` (all-gather).
 """
 from .allgather import AllGather, all_gather
-from .allreduce import AllReduce, ReduceScatter, all_reduce, all_reduce_, reduce_scatter
+from .allreduce import AllReduce, all_reduce, all_reduce_
+from .reducescatter import ReduceScatter, reduce_scatter
 
 __all__ = ["AllGather", "all_gather", "AllReduce", "all_reduce", "all_reduce_", "ReduceScatter", "reduce_scatter"]

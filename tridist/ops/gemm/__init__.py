@@ -22,6 +22,13 @@ Operands of all four:
   under CUDA-graph replay.
 - Sums over ranks accumulate in fp32; partial tiles travel in the output dtype.
 
+Modules, one per method of each op: `persistent` (the GEMM itself, its configs and checks) and
+`grouped` (the grouped GEMM), local; `allgather_gemm` (ag_gemm's GEMM) with `shard_gather` (its
+two feeders, comm "ce" and "sm", which ag_moe shares); `gemm_reduce_scatter/` (`one_shot`,
+`two_d`) and `gemm_all_reduce/` (`one_shot`, `ll`), each package's `__init__` the op's front;
+`_tiles` (what the tile-exchanging methods of both share: sending and reading partial tiles,
+their workspace plan and launch); `policy` (every choice and threshold).
+
 Configs: the overlapped GEMMs take `config=`, a dict from
 [`configs(device, dtype=...)`][tridist.ops.gemm.configs], None for
 [`default_config`][tridist.ops.gemm.default_config], or `"tune"` to time every config on the op
@@ -29,7 +36,8 @@ itself with `tridist.tune` (every rank together; the choice is cached on disk); 
 dict or None.
 """
 from .allgather_gemm import AllGatherGEMM, ag_gemm
-from .gemm_reduce import GemmAllReduce, GemmReduceScatter, gemm_ar, gemm_rs
+from .gemm_all_reduce import GemmAllReduce, gemm_ar
+from .gemm_reduce_scatter import GemmReduceScatter, gemm_rs
 from .grouped import grouped_gemm
 from .persistent import FP8, configs, default_config, matmul, out_dtype
 

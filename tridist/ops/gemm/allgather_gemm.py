@@ -4,28 +4,22 @@ Shapes: a_shard is m_shard x K on every rank (M = world_size * m_shard rows in a
 (this rank's columns of the weight), out is M x N, rank r's rows of A at r * m_shard. dtypes and
 layouts as in `gemm`; with fp8, scale_a scales all of A, so every rank passes the same value.
 
+One method with two feeders: this module's kernel is the GEMM of every comm, and a comm is the way
+the shards reach `gathered`, a feeder of `shard_gather` ("ce": copy engines, one node; "sm": a few
+programs pushing, any topology), which ag_moe shares. The comm changes nothing here but which
+flags the GEMM waits for (`EPOCH_FLAGS`).
+
 Protocol
 
-- The gathered A lives in a symmetric buffer `gathered` (slots x M x K), shard s at rows
-  s * m_shard of a slot, each shard with its flags.
+- The gathered A lives in the feeder's symmetric buffer `gathered`, shard s at rows s * m_shard of
+  a slot, each shard with its flags (`shard_gather`'s contract).
 - The GEMM takes its tiles shard by shard: first its own, straight from a_shard (no wait, no copy),
   then rank+1, rank+2, ...: the order in which they arrive. Before a program's first tile of a
   peer's shard it waits for the shard's flags, and the TMA loads after it depend on the wait
-  (consume_token) and are fenced behind it.
-- comm="ce" (one node): `_protocol.CopyEnginePush` with `gathered` as its staging: after a barrier
-  (every peer is done with the last call), the copy engines write a_shard into every peer's
-  `gathered` on a stream per peer, 8 MB at a time, and raise a flag there after each piece (a
-  4-byte memset): no SM is taken from the GEMM, and the GEMM of the own shard hides the transfer.
-  The flags are zeroed after the GEMM.
-- comm="sm" (any topology): a few programs on the side stream spread this rank's shard into every
-  peer's `gathered` in the 2D order (one NVSHMEM put with signal to each other node, which forwards
-  it along its node with stores through symm_at) and raise flags (slot, rank, split) everywhere to
-  the call epoch, one per split of the shard: all_gather's "2d" kernel
-  (`allgather.all_gather_2d_kernel`) without its copy-out, launched co-resident as all_gather
-  launches it (its few programs always fit). The GEMM runs on the remaining SMs of those this
-  process may use (`_protocol.programs_for`, fewer under CUDA MPS), so both are resident at once:
-  the GEMM's programs wait for the push, never for each other. Two slots and call epochs (see
-  `_protocol.py`), no barriers.
+  (consume_token) and are fenced behind it (the loads go through the async proxy, the shard came
+  through the generic one).
+- The GEMM launches at most the feeder's `gemm_programs`, so that both are resident at once: the
+  GEMM's programs wait for the transfer, never for each other.
 """
 import torch
 import triton
@@ -37,12 +31,9 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from .. import _protocol
-from ..collectives import allgather
-from . import persistent
+from . import persistent, policy
 from .._protocol import after_flags, call_epoch, finish_call
-
-COMMS = ("auto", "ce", "sm")
-PUSH_BLOCK = 8192  # elements per copy step: a few SMs push a whole shard, so each moves a lot at once
+from .shard_gather import COMMS, FEEDERS, ShardGather
 
 
 @jit
@@ -68,8 +59,8 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, 
     for tile in tl.range(tl.program_id(0), per_shard, programs, flatten=FLATTEN):
         tm, tn = persistent.tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         acc = persistent.tile_product(own_desc, b_desc, tm * BLOCK_M, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
-        persistent.store_tile(out_ptr, acc * scale, me * m_shard + tm * BLOCK_M, tn * BLOCK_N, (me + 1) * m_shard, N, BLOCK_M,
-                        BLOCK_N)
+        persistent.store_tile(out_ptr, acc * scale, me * m_shard + tm * BLOCK_M, tn * BLOCK_N, (me + 1) * m_shard, N,
+                              BLOCK_M, BLOCK_N)
     # Each program goes on where its walk over the tiles of all shards (program_id, program_id +
     # programs, ...) left this rank's shard.
     own_tiles = tl.maximum(per_shard - tl.program_id(0) + programs - 1, 0) // programs
@@ -105,7 +96,7 @@ class AllGatherGEMM:
     | --- | --- | --- |
     | `"ce"` | the copy engines write a_shard into every peer's buffer, 8 MB at a time with a flag each: no SM is taken from the GEMM; a barrier per call | one node |
     | `"sm"` | `comm_programs` programs on a side stream push the shard (the `2d` all-gather's order: one put with signal per other node, forwarded along it), the GEMM runs on the other SMs | any topology |
-    | `"auto"` | `ce` on one node, else `sm` | |
+    | `"auto"` | [`choose_ag_gemm_comm`][tridist.ops.gemm.policy.choose_ag_gemm_comm]: `ce` on one node, else `sm` | |
 
     Args:
         m_shard: rows of A per rank.
@@ -134,9 +125,9 @@ class AllGatherGEMM:
         if comm_programs is not None:
             _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the shard with comm='sm'")
         self.world = w = tridist.world()
-        self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
-        if self.comm == "ce":
-            _protocol.require_one_node("ag_gemm comm='ce'", "comm='sm'")
+        self.comm = policy.choose_ag_gemm_comm(w) if comm == "auto" else comm
+        if FEEDERS[self.comm].one_node:
+            _protocol.require_one_node(f"ag_gemm comm='{self.comm}'", "comm='sm'")
         self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
         self.m = w.world_size * m_shard
         self.config = persistent.resolve_config(
@@ -167,93 +158,23 @@ class AllGatherGEMM:
             ValueError: operands, scales or `out` not what this instance was built for.
         """
         out = persistent.check_call(a_shard, b, scale_a, scale_b, out, self.m, "a_shard",
-                              built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
+                                    built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
         own_desc, b_desc = persistent.descriptors(a_shard, b, self.config)
         gather = self.gather
         gather.start(a_shard)
         tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
             triton.cdiv(self.n, self.config["BLOCK_N"])
         ag_gemm_kernel[(min(tiles, gather.gemm_programs),)](
-            own_desc, self.a_desc, b_desc, scale_a, scale_b, out, gather.flags, self.calls, self.m_shard, self.n,
-            self.k, self.m, FLAGS_PER_SHARD=gather.flags_per_shard, EPOCH_FLAGS=gather.epoch_flags, **self.config)
+            own_desc=own_desc, a_desc=self.a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b,
+            out_ptr=out, flags_ptr=gather.flags, calls_ptr=self.calls, m_shard=self.m_shard, N=self.n, K=self.k,
+            slot_rows=gather.slot_rows, FLAGS_PER_SHARD=gather.flags_per_shard, EPOCH_FLAGS=gather.epoch_flags,
+            **self.config)
         gather.finish()
         return out
 
     def free(self) -> None:
         """Give the symmetric buffers back (collective: every rank, in the same order)."""
         self.gather.free()
-
-
-class ShardGather:
-    """The all-gather behind ag_gemm (and ag_moe): every rank's shard of m_shard x k into
-    `gathered` on every rank (shard s at rows s * m_shard of a slot, `slot_rows` rows per slot),
-    with `flags_per_shard` flags per shard that a GEMM on the current stream waits for before
-    reading it: with `epoch_flags`, flag (slot, s, i) raised to the call epoch (comm "sm"), without,
-    flag (s, i) of the single slot raised to 1 and zeroed after the call (comm "ce"; see the module
-    docstring). `gemm_programs`: the SMs left to that GEMM. Queue `start(shard)` before the GEMM
-    and `finish()` after it."""
-
-    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None):
-        self.world = w = tridist.world()
-        self.comm, self.m_shard, self.k = comm, m_shard, k
-        self.slot_rows = m = w.world_size * m_shard
-        programs = _protocol.programs_for(w.device)
-        self.epoch_flags = comm == "sm"
-        if comm == "sm":
-            _protocol.check_offsets("ag_gemm comm='sm'", 2 * m * k)  # all_gather_2d_kernel into `gathered`
-            self.gathered = tridist.symm_empty((2 * m, k), dtype)
-            self.side = _protocol.SideStream(w.device)
-            # A few SMs push (8 of an H200's 132), the GEMM keeps the others; "sm" is there for several
-            # nodes, where the network, not these programs, sets the pace.
-            self.comm_programs = comm_programs or max(1, programs // 16)
-            self.push_tasks = allgather.spread_tasks(w)
-            self.splits = _protocol.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
-            self.flags = tridist.signals(2 * w.world_size * self.splits)
-            self.flags_per_shard = self.splits
-            self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-            self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
-        else:
-            self.push = _protocol.CopyEnginePush(m_shard * k, dtype, row=m_shard * k)
-            self.gathered = self.push.staging.view(m, k)
-            self.flags, self.flags_per_shard = self.push.flags, self.push.chunks
-            self.gemm_programs = programs
-
-    def start(self, shard: torch.Tensor) -> None:
-        """Queue the transfer of this rank's shard (contiguous, m_shard x k) to every peer (none at
-        world size 1: the GEMM reads its own shard where it is)."""
-        if self.world.world_size == 1:
-            return
-        if self.comm == "ce":
-            self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
-            self.push.push([shard.reshape(-1)] * self.world.world_size)
-            return
-        w = self.world
-        with self.side.fork():
-            # Shards lie back to back in `gathered` (row = shard size), as the GEMM reads them;
-            # without the copy-out, `out` (here `gathered`) is never written.
-            n = shard.numel()
-            allgather.all_gather_2d_kernel[(self.push_tasks, self.splits)](
-                shard, self.gathered, self.gathered, self.flags, self.push_calls, n, n, self.slot_rows * self.k,
-                w.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK, num_warps=8,
-                coresident=True)
-
-    def finish(self) -> None:
-        """After the GEMM that read the shards: the current stream waits for the transfer (and "ce"
-        zeroes its flags)."""
-        if self.world.world_size == 1:
-            return
-        if self.comm == "ce":
-            self.push.join()
-        else:
-            self.side.join()
-
-    def free(self) -> None:
-        """Give the symmetric buffers back (collective: every rank, in the same order)."""
-        if self.comm == "sm":
-            tridist.symm_free(self.flags)
-            tridist.symm_free(self.gathered)
-        else:
-            self.push.free()
 
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",

@@ -37,7 +37,7 @@ from ...runtime.tensors import check_tensor
 from ...runtime.tune import tune
 from .. import _protocol
 from .._protocol import check_output, programs_for
-from . import persistent
+from . import persistent, policy
 
 FP8 = persistent.FP8
 DTYPES = persistent.DTYPES
@@ -50,7 +50,6 @@ DECODE_CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, FLATTEN=True, num_stages=4, num_warps=4),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, FLATTEN=True, num_stages=6, num_warps=4),
 ]
-DECODE_ROWS = 64  # rows per expert on average up to which `default_config` takes DECODE_CONFIGS[0]
 
 
 def configs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
@@ -67,10 +66,11 @@ def _decode_configs(device: torch.device, dtype: torch.dtype) -> list[dict]:
 
 def default_config(device: torch.device, rows: int, groups: int, n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Without tuning, for `rows` rows of x in `groups` groups and n columns: the first decode tile
-    when the groups average DECODE_ROWS rows or fewer, else the plain GEMM's pick for rows x n."""
+    when the groups average `policy.GROUPED_DECODE_ROWS` rows or fewer, else the plain GEMM's pick
+    for rows x n."""
     if device.type != "cuda":
         return persistent.configs(device, dtype=dtype)[0]
-    if rows <= DECODE_ROWS * groups:
+    if rows <= policy.GROUPED_DECODE_ROWS * groups:
         return _decode_configs(device, dtype)[0]
     return persistent.pick_tile(persistent.configs(device, dtype=dtype), rows, n, programs_for(device))
 
@@ -284,6 +284,7 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torc
     bound = (triton.cdiv(x.shape[0], config["BLOCK_M"]) + experts) * triton.cdiv(n, config["BLOCK_N"])
     x_desc = TensorDescriptor.from_tensor(x, [config["BLOCK_M"], config["BLOCK_K"]])
     grouped_gemm_kernel[(min(bound, programs_for(x.device)),)](
-        x_desc, weight_descriptor(w, config), scale_a, scale_b, out, offs, x.shape[0], experts, n, k,
-        E_PAD=triton.next_power_of_2(experts), ZERO_TAIL=zero_tail(x.device), **config)
+        x_desc=x_desc, w_desc=weight_descriptor(w, config), scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out,
+        offs_ptr=offs, T=x.shape[0], E=experts, N=n, K=k, E_PAD=triton.next_power_of_2(experts),
+        ZERO_TAIL=zero_tail(x.device), **config)
     return out

@@ -25,15 +25,16 @@ from tridist.runtime.jit import jit
 from ...runtime.tune import tune
 from .. import _protocol
 from .._protocol import check_input, check_output, instance, programs_for, shape_of
+from . import policy
 
 FP8 = torch.float8_e4m3fn
 """The fp8 dtype the GEMMs take (e4m3), with per-tensor scales."""
 DTYPES = (torch.bfloat16, torch.float16, FP8)
 
-# 128 x 256 x 64, 3 stages, 8 warps reached 90-99% of cuBLAS on an H200 (DESIGN.md). 4 stages of that
-# tile fit with FLATTEN (224 KB of shared memory) but were 1-11% slower on 2 x H200 (2026-11-23,
-# bench gemm). FLATTEN lets Triton pipeline the loads of a program's next tile behind the end of the
-# current one. Small-M configs give decode batches enough tiles for every SM.
+# In order of preference: the big tile first, which runs closest to cuBLAS (how close, and why 3
+# stages: benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)",
+# "tridist/ops/gemm/persistent.py"). FLATTEN lets Triton pipeline the loads of a program's next tile
+# behind the end of the current one. Small-M configs give decode batches enough tiles for every SM.
 # fp8 configs take twice the BLOCK_K, so that a step loads as many bytes (`configs`).
 # The emulator gets small tiles, so that its shapes can stay small.
 GPU_CONFIGS = [
@@ -66,23 +67,21 @@ def out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == FP8 else dtype
 
 
-# Throughput of a full wave of each tile shape, relative to 128 x 256: the TFLOP/s of the GEMM
-# benchmark on 2 x H200 at 1024 x 4096 x 8192 (gemm-h200x2-2026-11-22.json: 769, 652, 487,
-# 608, 359 TFLOP/s).
+# Throughput of a full wave of each tile shape, relative to 128 x 256, as the GEMM benchmark measured
+# it on 2 x H200 (benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)",
+# "tridist/ops/gemm/persistent.py").
 TILE_RATES = {(128, 256): 1.0, (128, 128): 0.85, (128, 64): 0.63, (64, 128): 0.79, (64, 64): 0.47}
 
 
 def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1) -> dict:
-    """Of `candidates` (in order of preference), the one whose output tiles finish first: waves of
-    `sms` tiles at a time, each wave as long as a tile takes at its shape's `TILE_RATES`. A small
-    product with the big tile leaves SMs idle (4-rank ag_gemm at M = 1024: 64 tiles of 128 x 256
-    for 132 SMs, our GEMM 79 us against cuBLAS's 46), where smaller tiles fill them.
+    """Of `candidates` (in order of preference), the one whose output tiles of an m x n product
+    finish first (the first of equals): waves of `sms` tiles at a time, each wave as long as a tile
+    takes at its shape's `TILE_RATES`. A small product with the big tile leaves SMs idle, where
+    smaller tiles fill them.
     With `shards` > 1 the m rows come as equal shards, one at hand and the others arriving while
     its tiles are computed (ag_gemm): a wave that mixes the two waits for the transfer, so they are
-    counted in waves of their own. At M = 1024 on 2 x H200 the big tile gave one wave of both and
-    ag_gemm took 133.8 us, 128 x 128 two waves and 117.9 us (2026-11-23). Sending the peer's shard in
-    blocks of K (2-D copies, a flag each) so that one wave of big tiles could take them as they came
-    was slower again (125-144 us against 118 in one run: benchmarks/NOTES.md, fifth session)."""
+    counted in waves of their own. The timings behind both: benchmarks/NOTES.md, "Moved from the
+    code's docstrings (issue 41)", "tridist/ops/gemm/persistent.py"."""
     def finish(c):
         own = triton.cdiv(m // shards, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"])
         waves = triton.cdiv(own, sms) + triton.cdiv((shards - 1) * own, sms)
@@ -92,20 +91,24 @@ def pick_tile(candidates: list[dict], m: int, n: int, sms: int, shards: int = 1)
 
 def default_config(device: torch.device, m: int, n: int, flatten: bool = True, shards: int = 1,
                    dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The config the GEMM ops use without `config=`, for an m x n product.
-
-    For a decode batch the tiles `tridist.tune` picked on
-    2 x H200 (64 x 128 up to 64 rows, 128 x 64 up to 128; benchmarks/NOTES.md): there the GEMM
-    streams B, so one row of tiles reads it once. With the big tile, M = 128 ran a tile per 256
-    columns, 32 programs for N = 8192, and gemm_ar's GEMM alone took 23 us at 4 ranks (K = 2048)
-    where 128 x 64 tiles had taken 22 us at 2 (K = 4096). Otherwise `pick_tile` (`shards`: see there)."""
+    """The config the GEMM ops use without `config=`, for an m x n product of `dtype` operands
+    (`flatten`: as `configs`): in the emulator the first of `configs`; for a decode batch the tile
+    of `policy.DECODE_TILES` for m rows, where the GEMM streams B and one row of tiles reads it
+    once; otherwise `pick_tile`'s (`shards`: see there)."""
     candidates = configs(device, flatten, dtype)
     if device.type != "cuda":
         return candidates[0]
-    if m <= 128:
-        tile = (64, 128) if m <= 64 else (128, 64)
-        return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == tile)
+    for most_rows, tile in policy.DECODE_TILES:
+        if m <= most_rows:
+            return next(c for c in candidates if (c["BLOCK_M"], c["BLOCK_N"]) == tile)
     return pick_tile(candidates, m, n, programs_for(device), shards)
+
+
+def refuse_flatten(config, what: str) -> None:
+    """For ops whose kernel Triton cannot flatten (`what`: the op, and where that holds): a config
+    dict with FLATTEN is refused."""
+    if isinstance(config, dict) and config.get("FLATTEN"):
+        raise ValueError(f"{what} takes configs with FLATTEN=False (Triton cannot flatten its loop nest); got {config}")
 
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
@@ -336,6 +339,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, co
     config = config or default_config(a.device, a.shape[0], b.shape[1], dtype=a.dtype)
     tiles = triton.cdiv(shape[0], config["BLOCK_M"]) * triton.cdiv(shape[1], config["BLOCK_N"])
     a_desc, b_desc = descriptors(a, b, config)
-    matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc, b_desc, scale_a, scale_b, out, shape[0], shape[1],
-                                                         a.shape[1], **config)
+    matmul_kernel[(min(tiles, programs_for(a.device)),)](a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a,
+                                                         scale_b_ptr=scale_b, out_ptr=out, M=shape[0], N=shape[1],
+                                                         K=a.shape[1], **config)
     return out

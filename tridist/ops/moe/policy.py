@@ -8,18 +8,19 @@ TILE_ORDERS = ("auto", "source", "expert")
 AG_MOE_SOURCE_ROWS = 256
 """ag_moe's "auto" walks by source where the (source, expert) segments average at least this many
 rows: below, the GEMM waits on the weights, which the walk by source reads once per rank.
-Measured: benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)", moe/policy.py."""
+Measured: benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)",
+tridist/ops/moe/policy.py."""
 
 MOE_RS_SOURCE_ROWS = None
 """moe_rs's "auto" walks by expert at any size (None: no number of rows makes it walk by source):
 by source its peers' combine holds a quarter of the SMs through the GEMM, and by expert was the
 faster at every layer measured. Measured: benchmarks/NOTES.md, "Moved from the code's docstrings
-(issue 41)", moe/policy.py."""
+(issue 41)", tridist/ops/moe/policy.py."""
 
 MOE_RS_COMM_SHARE = 4
 """moe_rs's combine for the peers, beside the GEMM, runs on 1 / MOE_RS_COMM_SHARE of the SMs: the
 fastest share of those tried at every layer. Measured: benchmarks/NOTES.md, "Moved from the code's
-docstrings (issue 41)", moe/policy.py."""
+docstrings (issue 41)", tridist/ops/moe/policy.py."""
 
 
 def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: int | None) -> bool:

@@ -1,5 +1,7 @@
 """Stencils: kernels that relax a grid split across ranks, exchanging halos from inside the
-kernels. `Jacobi2D` runs a 2D Jacobi solver one launch per iteration or in one co-resident launch."""
+kernels. `Jacobi2D` (`jacobi`) runs a 2D Jacobi solver by one of two methods, one launch per
+iteration (`host_loop`) or one co-resident launch (`fused`), which share the layout and halo
+protocol of `_halo`; its tile is chosen in `policy`."""
 from .jacobi import Jacobi2D, jacobi_reference
 
 __all__ = ["Jacobi2D", "jacobi_reference"]

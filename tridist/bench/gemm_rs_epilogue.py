@@ -1,23 +1,23 @@
-"""Where gemm_rs's time over the GEMM alone goes, on ONE GPU: `tridist run -n 1 benchmarks/gemm_rs_epilogue.py
-[--rounds N] [variant ...]`.
+"""`tridist bench gemm_rs_epilogue -n 1 [--rounds N] [variant ...]`: where gemm_rs's time over the
+GEMM alone goes, on ONE GPU.
 
-gemm_rs took 1.09-1.16x the GEMM alone on 2 x H200; variants of its kernel in one call split that
-into three parts of 3-5% each (benchmarks/NOTES.md, fourth session of 2026-11-23): the flags and
-the stores of the peer's tiles into the contiguous tile layout, the sums of the received tiles, and
-the stores crossing NVLink. The first two need no second GPU, so this script rebuilds the kernel's
-tile loop on one: rank 0 of a pretend world of two computes shard 1's tiles first and writes each
-into the tile layout (kept local) with its flag raised one tile late, as if sending it, then
-computes shard 0 and adds the tile "received" for the same t. Switches turn the parts on and off
-and try other ways of doing them:
+gemm_rs takes more than the GEMM alone; variants of its kernel in one call split that into three
+parts (benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)"): the flags and the
+stores of the peer's tiles into the contiguous tile layout, the sums of the received tiles, and
+the stores crossing NVLink. The first two need no second GPU, so this benchmark rebuilds the
+kernel's tile loop on one: rank 0 of a pretend world of two computes shard 1's tiles first and
+writes each into the tile layout (kept local) with its flag raised one tile late, as if sending
+it, then computes shard 0 and adds the tile "received" for the same t. Switches turn the parts on
+and off and try other ways of doing them:
 - PEER: how shard 1's tiles are written. 0: into `out` like any GEMM tile (the baseline);
   1: `tl.store` into the tile layout (as gemm_rs_kernel does); 2: one TMA store of the tile;
   3: TMA stores of its two halves (a whole tile's 64 KB buffer does not fit beside 3 stages).
-- SUMS: how the received tile is read. 0: not at all; 1: `tl.load` (as committed); 2: one TMA
-  load; 3: TMA loads of two halves.
-- QUIET: a closing `dl.shmem.quiet()`, which gemm_rs's kernel had until it was split from gemm_ar's
-  (needed only by gemm_ar's puts across nodes). Without it gemm_rs_kernel still compiles to 254
-  registers where the GEMM alone takes 194 (ptxas for sm_90a, 2026-11-23).
-On the CPU (emulator) it checks the variants without TMA stores at small shapes and times nothing.
+- SUMS: how the received tile is read. 0: not at all; 1: `tl.load` (as gemm_rs_kernel does);
+  2: one TMA load; 3: TMA loads of two halves.
+- QUIET: a closing `dl.shmem.quiet()`, which only gemm_ar's puts across nodes need: gemm_rs_kernel
+  has none (its registers with and without: the same section of the notes).
+gemm_rs_kernel is "layout+flags+sums". On the CPU (emulator) it checks the variants without TMA
+stores at small shapes and times nothing.
 """
 import argparse
 import functools
@@ -31,11 +31,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tridist
 import tridist.language as dl
-from tridist.bench import results, timing
-from tridist.ops.gemm import persistent as gemm
 from tridist.ops import _protocol
 from tridist.ops._protocol import call_epoch, finish_call
+from tridist.ops.gemm import persistent as gemm
 from tridist.runtime.jit import jit
+
+from . import results, timing
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def epilogue_variant_kernel(a_desc, b_desc, out_ptr, tiles_ptr, tile_desc, half_
     finish_call(calls_ptr)
 
 
-# name: (switches, run with FLATTEN too). gemm_rs_kernel is "layout+flags+sums" (until 2026-11-23, "+quiet").
+# name: (switches, run with FLATTEN too)
 VARIANTS = {
     "plain": (dict(PEER=0, FLAGS=False, SUMS=0, QUIET=False), True),
     "plain+quiet": (dict(PEER=0, FLAGS=False, SUMS=0, QUIET=True), True),
@@ -179,15 +180,19 @@ def run_variants(m: int, n: int, k: int, config: dict, only: list[str], rounds: 
     return rows
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="gemm_rs's tile loop on one GPU, part by part")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tridist bench gemm_rs_epilogue",
+                                     description="gemm_rs's tile loop on one GPU, part by part")
     parser.add_argument("--rounds", type=int, default=1, help="times every variant is timed, in turn")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     parser.add_argument("variants", nargs="*", help="names from VARIANTS (default: all)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.variants if name not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; name some of: {', '.join(map(repr, VARIANTS))}")
     w = tridist.init()
+    if w.world_size != 1:
+        raise SystemExit(f"tridist bench gemm_rs_epilogue runs on one GPU (-n 1); this world has {w.world_size} ranks")
     on_gpu = w.device.type == "cuda"
     rows = []
     for m, n, k in GPU_SHAPES if on_gpu else EMULATOR_SHAPES:
@@ -199,13 +204,13 @@ def main(argv: list[str]) -> int:
                              ("gemm.matmul", lambda: gemm.matmul(a, b, out=out))):
                 rows.append({"shape": f"{m}x{n}x{k}", "variant": name, "us": timing.op_us(fn)})
                 print(rows[-1], flush=True)
+        big = (gemm.GPU_CONFIGS[0]["BLOCK_M"], gemm.GPU_CONFIGS[0]["BLOCK_N"])  # the default tile
         for config in gemm.configs(w.device):
-            if (config["BLOCK_M"], config["BLOCK_N"]) == (gemm.GPU_CONFIGS[0]["BLOCK_M"], gemm.GPU_CONFIGS[0]["BLOCK_N"]) \
-                    or not on_gpu:
+            if (config["BLOCK_M"], config["BLOCK_N"]) == big or not on_gpu:
                 rows += run_variants(m, n, k, config, args.variants, args.rounds)
     if on_gpu:
         print(results.table(rows, ["shape", "FLATTEN", "variant", "us", "min us", "max us", "rel err"]))
-        print("saved", results.save("gemm_rs-epilogue", rows, "benchmarks/results"))
+        print("saved", results.save("gemm_rs-epilogue", rows, args.out))
     return 0
 
 

@@ -1,0 +1,162 @@
+"""Reduce-scatter (sum), accumulated in fp32 whatever the input dtype: x has world_size * m elements;
+rank r gets out = sum over ranks of x[r*m:(r+1)*m], rounded once.
+
+The front (`ReduceScatter`, `reduce_scatter`) checks its arguments, asks
+`policy.choose_reduce_scatter` for `"auto"` and builds one method; each method is a module of this
+package, with its protocol in its docstring: `ll`, `one_shot`, `ce`, `two_d` ("2d"), `ring`.
+"""
+import torch
+
+import tridist
+
+from ... import _protocol
+from ..._protocol import check_input, check_output, row_stride, shape_of
+from ...method import Nothing
+from .. import policy
+from .._front import Collective
+from . import ce, ll, one_shot, ring, two_d
+
+# The methods by the name `method=` selects them with.
+CLASSES = {kind.name: kind for kind in (ll.Packets, one_shot.OneShot, ce.CopyEngines, two_d.TwoD, ring.Ring)}
+METHODS = ("auto", *CLASSES)
+
+
+class ReduceScatter(Collective):
+    """A sum reduce-scatter of `numel` elements of `dtype` per rank, with its own symmetric
+    buffers: rank r gets the sum over ranks of chunk r (dim 0 of x cut in `world_size` chunks),
+    summed in fp32 and rounded once.
+
+    Build it on every rank at once; call it (`op(x, out)`) back to back on one stream, also in
+    CUDA graphs; `free()` it on every rank. `tridist.ops.reduce_scatter` keeps one per shape,
+    dtype, method and stream.
+
+    | method | how | where |
+    | --- | --- | --- |
+    | `"ll"` | low-latency packets: chunk p travels to rank p with the call's epoch as the flag of every 4-byte word; summed in rank order | one node; small messages; chunks of whole 4-byte words |
+    | `"one_shot"` | chunk p is cut in slices (about 128 KB), pushed to rank p, a flag after each; rank p's own programs sum each slice as every peer's arrives, so summing overlaps sending | any topology |
+    | `"ce"` | the copy engines write chunk p into rank p's staging, a flag per 8 MB; a kernel sums the pieces as they land | one node; large messages next to other work on the SMs |
+    | `"2d"` | summed on the node first: every rank pushes to its node's ranks the chunks they collect for each node, they sum them in fp32 and put one sum per other node (fp32, with its signal) to its owner | several nodes |
+    | `"ring"` | each slice of the partial sums passes around the ring, each rank adding its part; partials travel in fp32 (twice the bytes of a 16-bit input) | any topology |
+    | `"auto"` | [`choose_reduce_scatter`][tridist.ops.collectives.policy.choose_reduce_scatter]: `2d` across nodes, `ll` while a rank sends at most 1 MB, else `one_shot` | |
+
+    Args:
+        numel: elements of each rank's x, a multiple of the world size (0: calls do nothing).
+        dtype: bf16, fp16 or fp32.
+        method: one of the methods above.
+        programs: the most programs (blocks, so SMs) a call's kernel runs (default: one per SM).
+
+    Raises:
+        ValueError: an unknown method, a dtype it does not take, `numel` not a non-negative
+            multiple of the world size, `programs` not a positive int, a one-node method in a
+            world of several nodes, buffers past 2^31 elements, or for `"ll"` chunks that are
+            not whole 4-byte words.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, method: str = "auto", programs: int | None = None):
+        if method not in METHODS:
+            raise _protocol.method_error("reduce_scatter", method, METHODS)
+        _protocol.check_build("reduce_scatter", numel, dtype)
+        self.world = w = tridist.world()
+        if numel % w.world_size:
+            raise ValueError(f"reduce_scatter needs a multiple of world_size={w.world_size} elements, got {numel}")
+        self.numel, self.dtype = numel, dtype
+        self.method = policy.choose_reduce_scatter(numel * dtype.itemsize, w) if method == "auto" else method
+        if numel == 0:  # nothing to sum: no buffers, and calls return at once
+            self.impl = Nothing()
+            return
+        kind = CLASSES[self.method]
+        if kind.one_node:
+            _protocol.require_one_node(f"reduce_scatter method {self.method!r}", "method='2d' or 'one_shot'")
+        # staging holds a row per rank (the ring's fp32 partials: two, counted in elements of x)
+        _protocol.check_offsets("reduce_scatter", 2 * w.world_size * row_stride(numel // w.world_size))
+        self.impl = kind(numel, dtype, _protocol.programs_limit(programs, w))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum `x` over ranks and give this rank its chunk.
+
+        Args:
+            x: `numel` elements of `dtype` (as built), contiguous, on this rank's device, dim 0 a
+                multiple of the world size.
+            out: `x.shape[0] // world_size` rows of `x`'s other dimensions, `x`'s dtype; a new
+                tensor if None.
+
+        Returns:
+            `out`: chunk `rank` of the sum over ranks.
+
+        Raises:
+            ValueError: `x` or `out` not what this instance was built for, on any rank
+                (`_protocol.agree` says when every rank checks).
+        """
+        w = self.world
+
+        def check() -> None:
+            _protocol.check_same(x, self.numel, self.dtype, "reduce-scatter")
+            check_scattered(x, out, w)
+
+        _protocol.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x)})
+        if out is None:
+            out = torch.empty(scattered_shape(x, w), dtype=x.dtype, device=x.device)
+        self.impl.launch(x, out)
+        return out
+
+
+def scattered_shape(x: torch.Tensor, world) -> tuple:
+    """The shape of a rank's part of the reduce-scatter of `x`: dim 0 cut in `world_size` chunks."""
+    return (x.shape[0] // world.world_size, *x.shape[1:])
+
+
+def check_scattered(x: torch.Tensor, out: torch.Tensor | None, world) -> None:
+    """x's dim 0 splits in `world_size` chunks, and `out` (unless None) is one of them."""
+    if x.dim() == 0 or x.shape[0] % world.world_size:
+        raise ValueError(f"reduce_scatter splits dim 0 of x ({tuple(x.shape)}) into {world.world_size} chunks; make "
+                         "it a multiple of the world size")
+    if out is not None:
+        check_output(out, scattered_shape(x, world), x.dtype)
+
+
+def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto") -> torch.Tensor:
+    """Sum `x` over ranks and give rank r the r-th of `world_size` chunks of dim 0, like
+    `torch.distributed.reduce_scatter_tensor`; summed in fp32, rounded once.
+
+    A collective: every rank calls it with the same shape, dtype and method. An empty `x` (on
+    every rank) gives an empty `out` and moves nothing. Keeps one
+    [`ReduceScatter`][tridist.ops.ReduceScatter] per shape, dtype, method and stream (its table
+    lists the methods).
+
+    Args:
+        x: contiguous, on this rank's device, bf16, fp16 or fp32, dim 0 a multiple of the world
+            size.
+        out: `x.shape[0] // world_size` rows of `x`'s other dimensions, `x`'s dtype; a new
+            tensor if None.
+        method: `"auto"` or one of `ReduceScatter`'s methods.
+
+    Returns:
+        `out`.
+
+    Raises:
+        ValueError: before any launch, on every rank: a dtype, device, layout or size it does not
+            take on any rank, ranks that disagree on the shape, dtype or method, an unknown
+            method, or a one-node method on several nodes (see `ReduceScatter`).
+        TypeError: `x` is not a tensor.
+    """
+    def check() -> None:
+        check_input(x, "x")
+        if method not in METHODS:
+            raise _protocol.method_error("reduce_scatter", method, METHODS)
+        check_scattered(x, out, tridist.world())
+
+    _protocol.agree("reduce_scatter", check, {"shape and dtype of x": shape_of(x), "method": method})
+    op = _protocol.instance(lambda: ReduceScatter(x.numel(), x.dtype, method), ReduceScatter, x.numel(), x.dtype,
+                            method, device=x.device)
+    return op(x, out)
+
+
+@torch.library.custom_op("tridist::reduce_scatter", mutates_args=())
+def reduce_scatter_op(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    """`reduce_scatter` as a PyTorch custom op (`torch.ops.tridist.reduce_scatter`)."""
+    return reduce_scatter(x, method=method)
+
+
+@reduce_scatter_op.register_fake
+def _reduce_scatter_shape(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
+    return x.new_empty((x.shape[0] // tridist.world().world_size, *x.shape[1:]))
