@@ -13,7 +13,7 @@ one block (`count`, for the totals alone, is the first with the blocks' counts a
    cumulative sum over the block); the last block's programs also write the totals. Items of one
    block need no counts of other blocks: one launch. Blocks are short (`sort_shape`): a program
    that walks many items in turn is slow, however few the groups (benchmarks/NOTES.md, "Moved
-   from the code's docstrings (issue 41)", tridist/ops/moe/_sort.py).
+   from the code's docstrings (issue 41)", "tridist/ops/moe/_sort.py").
 """
 import torch
 import triton

@@ -1,5 +1,6 @@
-"""The MoE family's choices: how the tensor-parallel ops (`ag_moe`, `moe_rs`) walk their GEMM's tiles
-and move their tokens, and how many SMs `moe_rs` gives the combine beside its GEMM."""
+"""The MoE family's choices: how the tensor-parallel ops (`ag_moe`, `moe_rs`) walk their GEMM's tiles,
+and how many SMs `moe_rs` gives the combine beside its GEMM. (ag_moe moves its tokens as ag_gemm
+moves A: its `comm="auto"` is `gemm.policy.choose_ag_gemm_comm`'s.)"""
 import tridist
 
 TILE_ORDERS = ("auto", "source", "expert")
@@ -9,18 +10,18 @@ AG_MOE_SOURCE_ROWS = 256
 """ag_moe's "auto" walks by source where the (source, expert) segments average at least this many
 rows: below, the GEMM waits on the weights, which the walk by source reads once per rank.
 Measured: benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)",
-tridist/ops/moe/policy.py."""
+"tridist/ops/moe/policy.py"."""
 
 MOE_RS_SOURCE_ROWS = None
 """moe_rs's "auto" walks by expert at any size (None: no number of rows makes it walk by source):
 by source its peers' combine holds a quarter of the SMs through the GEMM, and by expert was the
 faster at every layer measured. Measured: benchmarks/NOTES.md, "Moved from the code's docstrings
-(issue 41)", tridist/ops/moe/policy.py."""
+(issue 41)", "tridist/ops/moe/policy.py"."""
 
 MOE_RS_COMM_SHARE = 4
 """moe_rs's combine for the peers, beside the GEMM, runs on 1 / MOE_RS_COMM_SHARE of the SMs: the
 fastest share of those tried at every layer. Measured: benchmarks/NOTES.md, "Moved from the code's
-docstrings (issue 41)", tridist/ops/moe/policy.py."""
+docstrings (issue 41)", "tridist/ops/moe/policy.py"."""
 
 
 def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: int | None) -> bool:
@@ -34,14 +35,6 @@ def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: in
     if world_size == 1 or tile_order == "source":
         return False
     return tile_order == "expert" or source_rows is None or pairs < source_rows * world_size * experts
-
-
-def choose_comm(comm: str) -> str:
-    """ag_moe's transfer of the tokens for `comm`: "auto" is the copy engines ("ce") on one node,
-    where they cost no SMs, and SM pushes ("sm") across nodes, which the copy engines do not reach."""
-    if comm != "auto":
-        return comm
-    return "ce" if tridist.world().nnodes == 1 else "sm"
 
 
 def moe_rs_comm_programs(comm_programs: int | None, programs: int) -> int:

@@ -6,7 +6,7 @@ combine's sums) with the sends: the senders set a progress word per part as rows
 work on arrived rows goes in blocks that every program claims from a counter of this rank
 (`claim`) in the order the rows arrive. This rank's own programs, which send nothing, start on
 them at once, the others when they have sent (what this gains: benchmarks/NOTES.md, "Moved from
-the code's docstrings (issue 41)", tridist/ops/moe/expert_parallel/normal.py).
+the code's docstrings (issue 41)", "tridist/ops/moe/expert_parallel/normal.py").
 
 Routing (`_routing.tokens_to_ranks`, before the dispatch) gives each token its place among the
 tokens for each rank, and each rank's tokens in place order. `dispatch_kernel` then runs the

@@ -35,7 +35,8 @@ from tridist.runtime.jit import jit
 from ... import _protocol
 from ..._protocol import after_flags, call_epoch, finish_call
 from ...gemm import grouped, persistent
-from ...gemm.allgather_gemm import COMMS, ShardGather
+from ...gemm import policy as gemm_policy
+from ...gemm.shard_gather import COMMS, ShardGather
 from ...method import Method
 from .. import policy
 from . import routing
@@ -180,7 +181,7 @@ class AllGatherMoE:
         if comm_programs is not None:
             _protocol.check_programs(comm_programs, "comm_programs", "the programs that push the tokens with comm='sm'")
         self.world = w = tridist.world()
-        self.comm = policy.choose_comm(comm)
+        self.comm = gemm_policy.choose_ag_gemm_comm(w) if comm == "auto" else comm
         if self.comm == "ce":
             _protocol.require_one_node("ag_moe comm='ce'", "comm='sm'")
         self.tokens, self.k, self.n, self.experts, self.topk, self.dtype = tokens, k, n, experts, topk, dtype
