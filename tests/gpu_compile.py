@@ -42,8 +42,14 @@ from tridist.ops.gemm.gemm_all_reduce import ll as gemm_ar_ll, one_shot as gemm_
 from tridist.ops.gemm.gemm_reduce_scatter import one_shot as gemm_rs_one_shot, two_d as gemm_rs_two_d  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
-from tridist.ops.moe import allgather_moe, alltoall, ep_low_latency, ep_normal, exchange, expert_parallel  # noqa: E402
-from tridist.ops.moe import moe_reduce, sort, tp_routing  # noqa: E402
+from tridist.ops.moe import _exchange as exchange  # noqa: E402
+from tridist.ops.moe import _sort as sort  # noqa: E402
+from tridist.ops.moe.all_to_all import staged as alltoall  # noqa: E402
+from tridist.ops.moe.expert_parallel import _staging as ep_staging  # noqa: E402
+from tridist.ops.moe.expert_parallel import low_latency as ep_low_latency  # noqa: E402
+from tridist.ops.moe.expert_parallel import normal as ep_normal  # noqa: E402
+from tridist.ops.moe.tensor_parallel import ag_moe, moe_rs  # noqa: E402
+from tridist.ops.moe.tensor_parallel import routing as tp_routing  # noqa: E402
 from tridist.ops.stencil import fused as jacobi_fused, host_loop as jacobi_host_loop  # noqa: E402
 from tridist.ops.stencil import policy as stencil_policy  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
@@ -199,17 +205,18 @@ def _moe_cases():
         w_desc = f"tensordesc<bf16[1, {config['BLOCK_K']}, {config['BLOCK_N']}]>"
         for flags, per_shard, epochs, by_expert in (("*i32", 1, False, False), ("*i32", 1, False, True),
                                                     ("*i64", 4, True, False))[:3 if index == 0 else 2]:
-            cases.append((allgather_moe.ag_moe_kernel,
-                          {"x_ptr": "*bf16", "gathered_ptr": "*bf16", "w_desc": w_desc, "out_ptr": "*bf16",
-                           "pair_ptr": "*i32", "counts_ptr": "*i32", "base_ptr": "*i32", "flags_ptr": flags,
-                           "calls_ptr": "*i64", "tokens": "i32", "N": "i32", "K": "i32", "slot_rows": "i32",
-                           "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
-                           "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr", "BY_EXPERT": "constexpr",
-                           **blocks},
+            cases.append((ag_moe.ag_moe_kernel,
+                          {"x_ptr": "*bf16",
+                           "gathered": ag_moe.Gathered(rows="*bf16", flags=flags, calls="*i64", slot_rows="i32"),
+                           "w_desc": w_desc, "out_ptr": "*bf16",
+                           "segments": ag_moe.Segments(pair_of_row="*i32", counts="*i32", base="*i32"),
+                           "tokens": "i32", "N": "i32", "K": "i32", "TOPK": "constexpr", "W_PAD": "constexpr",
+                           "E_PAD": "constexpr", "FLAGS_PER_SHARD": "constexpr", "EPOCH_FLAGS": "constexpr",
+                           "BY_EXPERT": "constexpr", **blocks},
                           {"TOPK": 2, "W_PAD": 8, "E_PAD": 32, "FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs,
                            "BY_EXPERT": by_expert, **config}, options))
         # moe_rs counts its tiles (COUNT) by source with peers, flattened or not; by expert or at one rank not.
-        cases += [(moe_reduce.moe_rs_gemm_kernel,
+        cases += [(moe_rs.moe_rs_gemm_kernel,
                    {"h_desc": f"tensordesc<bf16[{config['BLOCK_M']}, {config['BLOCK_K']}]>", "w_desc": w_desc,
                     "products_ptr": "*bf16", "counts_ptr": "*i32", "base_ptr": "*i32", "done_ptr": "*i64",
                     "calls_ptr": "*i64", "N": "i32", "K": "i32", "COUNT": "constexpr", "W_PAD": "constexpr",
@@ -218,22 +225,23 @@ def _moe_cases():
                    options)
                   for count, by_expert in ((False, False), (True, False), (False, True))
                   if count or config["FLATTEN"]]
-    combine = {name: "*bf16" for name in ("products_ptr", "partials_ptr", "send_ptr", "out_ptr")}
-    combine.update(row_of_pair_ptr="*i32", counts_ptr="*i32", weights_ptr="*fp32", exchange_ptr="*fp32",
-                   flags_ptr="*i64", done_ptr="*i64", calls_ptr="*i64")
-    combine.update({name: "i32" for name in ("tokens", "K", "weights_row", "slot_numel", "local_world_size",
-                                             "spans", "span", "gemm_tiles_n")})
+    combine = {"gemm": moe_rs.Products(products="*bf16", done="*i64", tiles_n="i32"), "row_of_pair_ptr": "*i32",
+               "counts_ptr": "*i32", "weights_ptr": "*fp32",
+               "staging": moe_rs.CombineStaging(partials="*bf16", send="*bf16", exchange="*fp32", weights_row="i32",
+                                                flags="*i64", calls="*i64", slot_numel="i32"),
+               "out_ptr": "*bf16"}
+    combine.update({name: "i32" for name in ("tokens", "K", "local_world_size", "spans", "span")})
     combine.update({name: "constexpr" for name in ("TOPK", "GEMM_BLOCK_M", "OWN", "W_PAD", "E_PAD", "BY_EXPERT",
                                                    "CHUNK", "BLOCK_C")})
-    cases += [(moe_reduce.moe_combine_kernel, dict(combine),
+    cases += [(moe_rs.moe_combine_kernel, dict(combine),
                {"TOPK": 8, "GEMM_BLOCK_M": 128, "OWN": own, "W_PAD": 8, "E_PAD": 32, "BY_EXPERT": by_expert,
-                "CHUNK": moe_reduce.CHUNK["cuda"], "BLOCK_C": moe_reduce.BLOCK_C["cuda"]})
+                "CHUNK": moe_rs.CHUNK["cuda"], "BLOCK_C": moe_rs.BLOCK_C["cuda"]})
               for own, by_expert in ((False, False), (False, True), (True, False))]
     return cases
 
 
 def _sort_cases(one_group: bool, clamp: bool, groups: int):
-    """The counting sort's two kernels (`sort`), at the chunk of `groups` and the blocks it takes for
+    """The counting sort's two kernels (`_sort`), at the chunk of `groups` and the blocks it takes for
     a million items."""
     _, step, _, blocks = sort.sort_shape(10 ** 6, groups, one_group)
     sizes = {name: "i32" for name in ("items", "topk", "groups", "per_group", "per_block")}
@@ -253,22 +261,13 @@ def _expert_parallel_cases():
     routing both ways, and EPBuffer's four kernels (the low-latency dispatch as one launch, which
     holds both halves), at DeepSeek-like sizes: 8 ranks, 32 experts each, top-8, hidden 7168. And
     the all-to-all-v with given offsets in int8 rows of one expert a rank: 16-element copies beside
-    the count matrix's narrowest side (`exchange.matrix_pad`), which Triton 3.6 failed to lower
+    the count matrix's narrowest side (`_exchange.matrix_pad`), which Triton 3.6 failed to lower
     at 8."""
     w_pad, e_pad = exchange.matrix_pad(8), exchange.matrix_pad(32)
     i32 = {"width": "i32", "max_tokens": "i32", "experts_local": "i32", "topk": "i32", "slot_numel": "i32",
-           "meta_slot": "i32", "local_world_size": "i32", "splits": "i32", "tokens": "i32", "hidden": "i32"}
-    block_w = expert_parallel._block_w(7168 // 2)
-    dispatch = {"x_ptr": "*i32", "meta_ptr": "*i32", "positions_ptr": "*i32", "order_ptr": "*i32",
-                "routed_ptr": "*i32", "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32",
-                "arrivals_ptr": "*i64", "progress_ptr": "*i64", "claims_ptr": "*i32", "calls_ptr": "*i64",
-                "recv_x_ptr": "*i32", "recv_idx_ptr": "*i64", "recv_weights_ptr": "*fp32",
-                "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "recv_per_expert_ptr": "*i64"}
-    ll_dispatch = {"x_ptr": "*i32", "idx_ptr": "*i64", "positions_ptr": "*i32", "routed_ptr": "*i32",
-                   "pair_ids_ptr": "*i32", "staging_ptr": "*i32", "meta_staging_ptr": "*i32", "counts_ptr": "*i32",
-                   "arrivals_ptr": "*i64", "calls_ptr": "*i64", "recv_x_ptr": "*i32", "recv_src_ptr": "*i32",
-                   "recv_count_ptr": "*i32", "recv_layout_ptr": "*i32"}
-    blocks = {"BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": block_w}
+           "local_world_size": "i32", "splits": "i32", "tokens": "i32", "hidden": "i32"}
+    block_w = ep_staging.block_w(7168 // 2)
+    blocks = {"BLOCK_R": ep_staging.BLOCK_R, "BLOCK_W": block_w}
     return [
         *[case for one, clamp, groups in ((True, False, 16), (True, True, 16), (False, False, 8))
           for case in _sort_cases(one, clamp, groups)],
@@ -276,43 +275,53 @@ def _expert_parallel_cases():
                                 "limit": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
         *[(alltoall.all_to_all_v_kernel,
            {"x_ptr": word, "splits_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": word, "result_ptr": "*i64",
-            "staging_ptr": word, "counts_ptr": "*i32", "flags_ptr": "*i64", "calls_ptr": "*i64", "width": "i32",
-            "region": "i32", "out_rows": "i32", "experts": "i32", "major_align": "i32", "slot_numel": "i32",
+            "staging": alltoall.Staging(rows=word, counts="*i32", flags="*i64", calls="*i64", slot_numel="i32"),
+            "width": "i32", "region": "i32", "out_rows": "i32", "experts": "i32", "major_align": "i32",
             "local_world_size": "i32", "splits": "i32", "LAYOUT": "constexpr", "W_PAD": "constexpr",
             "G_PAD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
            {"LAYOUT": layout, "W_PAD": w_pad, "G_PAD": g_pad, "BLOCK_R": alltoall.BLOCK_R,
             "BLOCK_W": alltoall.TILE // alltoall.BLOCK_R})
           for word, layout, g_pad in (("*i16", 1, e_pad), ("*i8", 2, exchange.matrix_pad(1)))],
         (ep_normal.dispatch_kernel,
-         {**dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "slot_numel",
-                                              "meta_slot", "local_world_size", "splits")},
+         {"x_ptr": "*i32", "meta_ptr": "*i32", "positions_ptr": "*i32", "order_ptr": "*i32", "routed_ptr": "*i32",
+          "staging": ep_normal.DispatchStaging(rows="*i32", meta="*i32", counts="*i32", arrivals="*i64",
+                                               progress="*i64", claims="*i32", calls="*i64", slot_numel="i32",
+                                               meta_slot="i32"),
+          "recv": ep_normal.Received(x="*i32", idx="*i64", weights="*fp32", src="*i32", layout="*i32",
+                                     per_expert="*i64"),
+          **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "local_world_size",
+                                 "splits")},
           "W_PAD": "constexpr", "E_PAD": "constexpr", "K_PAD": "constexpr", "BLOCK_R": "constexpr",
           "BLOCK_W": "constexpr", "CHUNK": "constexpr"},
-         {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks, "CHUNK": expert_parallel.CHUNK}, {"num_warps": 8}),
+         {"W_PAD": w_pad, "E_PAD": e_pad, "K_PAD": 32, **blocks, "CHUNK": ep_normal.CHUNK}, {"num_warps": 8}),
         (ep_normal.combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "positions_ptr": "*i32",
           "staging_ptr": "*bf16", "progress_ptr": "*i64", "claims_ptr": "*i32", "calls_ptr": "*i64",
           "out_ptr": "*bf16",
           **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "slot_numel", "local_world_size", "splits")},
           "WORLD": "constexpr", "BLOCK_R": "constexpr", "BLOCK_W": "constexpr", "CHUNK": "constexpr"},
-         {"WORLD": 8, "BLOCK_R": expert_parallel.BLOCK_R, "BLOCK_W": expert_parallel.TILE // expert_parallel.BLOCK_R,
-          "CHUNK": expert_parallel.CHUNK},
+         {"WORLD": 8, "BLOCK_R": ep_staging.BLOCK_R, "BLOCK_W": ep_staging.TILE // ep_staging.BLOCK_R,
+          "CHUNK": ep_normal.CHUNK},
          {"num_warps": 8}),
         (ep_low_latency.ll_dispatch_kernel,
-         {**ll_dispatch, **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk",
-                                                 "slot_numel", "meta_slot", "local_world_size", "splits")},
+         {"x_ptr": "*i32", "idx_ptr": "*i64", "positions_ptr": "*i32", "routed_ptr": "*i32", "pair_ids_ptr": "*i32",
+          "staging": ep_low_latency.DispatchStaging(rows="*i32", meta="*i32", counts="*i32", arrivals="*i64",
+                                                    calls="*i64", slot_numel="i32", meta_slot="i32"),
+          "recv": ep_low_latency.Received(x="*i32", src="*i32", count="*i32", layout="*i32"),
+          **{k: i32[k] for k in ("tokens", "width", "max_tokens", "experts_local", "topk", "local_world_size",
+                                 "splits")},
           "SEND": "constexpr", "RECEIVE": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr",
           "BLOCK_R": "constexpr", "BLOCK_W": "constexpr"},
          {"SEND": True, "RECEIVE": True, "W_PAD": w_pad, "E_PAD": e_pad, **blocks}, {"num_warps": 8}),
         (ep_low_latency.ll_combine_kernel,
          {"y_ptr": "*bf16", "recv_src_ptr": "*i32", "recv_layout_ptr": "*i32", "idx_ptr": "*i64",
-          "weights_ptr": "*fp32", "positions_ptr": "*i32", "staging_ptr": "*bf16", "arrivals_ptr": "*i64",
-          "calls_ptr": "*i64", "out_ptr": "*bf16",
-          **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "experts_local", "slot_numel",
-                                 "local_world_size", "splits")},
+          "weights_ptr": "*fp32", "positions_ptr": "*i32",
+          "staging": ep_low_latency.CombineStaging(rows="*bf16", arrivals="*i64", calls="*i64", slot_numel="i32"),
+          "out_ptr": "*bf16",
+          **{k: i32[k] for k in ("tokens", "hidden", "max_tokens", "experts_local", "local_world_size", "splits")},
           "TOPK": "constexpr", "W_PAD": "constexpr", "E_PAD": "constexpr", "BLOCK_R": "constexpr",
           "BLOCK_W": "constexpr"},
-         {"TOPK": 8, "W_PAD": w_pad, "E_PAD": e_pad, "BLOCK_R": 1, "BLOCK_W": expert_parallel.TILE},
+         {"TOPK": 8, "W_PAD": w_pad, "E_PAD": e_pad, "BLOCK_R": 1, "BLOCK_W": ep_staging.TILE},
          {"num_warps": 8}),
     ]
 

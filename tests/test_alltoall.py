@@ -163,7 +163,7 @@ def _wide_rows(w):
     """Rows of 1024 elements in bf16 and int8 (copies of 512 elements a step, 8 and 16 a thread) with
     1 to 4 experts a rank, every layout, there and back exact. Triton 3.6 failed to compile the kernel
     for sm_90 at such widths where the count matrix was narrower than a thread's elements (a stress
-    call on an H100, 2026-11-26: `exchange.matrix_pad`)."""
+    call on an H100, 2026-11-26: `_exchange.matrix_pad`)."""
     for dtype in (torch.bfloat16, torch.int8):
         for experts in (1, 3, 4):
             bits = _bits(w.rank, 1024, dtype)

@@ -14,7 +14,8 @@ import tridist
 from tridist import ops
 from tridist.ops import checks, instances
 from tridist.bench import ep as ep_bench
-from tridist.ops.moe import exchange, expert_parallel
+from tridist.ops.moe import _exchange
+from tridist.ops.moe.expert_parallel import low_latency
 from tridist.stress.alltoall import e4m3_error
 
 from .harness import backend
@@ -175,7 +176,7 @@ def test_dispatch_combine(world):
 
 def _many_tokens(w):
     """150 tokens a rank, random top-2 routing, checked exactly by the benchmark's check: each peer's
-    rows in several chunks, each with its progress word (the normal dispatch and combine, `ep_normal`)."""
+    rows in several chunks, each with its progress word (the normal dispatch and combine, `expert_parallel.normal`)."""
     assert ep_bench.ep_rows(ep_bench.parse_layers(f"normal:150x64x2x{4 * w.world_size}"), timed=False) == []
 
 
@@ -269,7 +270,7 @@ def _fp8(w):
         rows = call.low_latency(expert)
         assert int(recv_count[expert]) == len(rows)
         if rows:
-            got = values[expert, :len(rows)].float().unflatten(-1, (-1, expert_parallel.FP8_GROUP))
+            got = values[expert, :len(rows)].float().unflatten(-1, (-1, low_latency.FP8_GROUP))
             got = (got * scales[expert, :len(rows), :, None]).flatten(-2)
             x = torch.stack(rows)
             wrong = (got.cpu() - x.float()).abs() > e4m3_error(x) * (1 + 2.0 ** -20)
@@ -396,12 +397,12 @@ def _placement_kernel(counts_ptr, stage_ptr, out_ptr, world, experts_local, max_
     """The low-latency receive's placement alone, no communication: program p copies source p's rows
     of staging [expert, source, place] into out [expert, world * max_tokens]."""
     peer = tl.program_id(0)
-    _, _, mine, mine_at = exchange.expert_blocks(counts_ptr, peer, world, experts_local, W_PAD, E_PAD)
+    _, _, mine, mine_at = low_latency.expert_blocks(counts_ptr, peer, world, experts_local, W_PAD, E_PAD)
     total = tl.sum(mine, 0)
     for at in range(0, total, BLOCK_R):
         rows = at + tl.arange(0, BLOCK_R)
-        source_rows, target = exchange.block_rows(rows, mine, mine_at, peer, world, max_tokens)
-        exchange.copy_rows(stage_ptr, source_rows, out_ptr, target, rows < total, width, BLOCK_W)
+        source_rows, target = low_latency.block_rows(rows, mine, mine_at, peer, world, max_tokens)
+        _exchange.copy_rows(stage_ptr, source_rows, out_ptr, target, rows < total, width, BLOCK_W)
 
 
 def _placement(w, sources, w_pad):
@@ -434,7 +435,7 @@ def _placement(w, sources, w_pad):
 # On H100s, with a count matrix of 2 rows the receive wrote only the first 16 bytes of the second
 # source's rows (2026-11-25 and -26), and this placement alone, with no communication, put rows of
 # expert 2 wrong at W_PAD 2 (one H100, 2026-11-26): Triton 3.6 miscompiles the scan over an axis of
-# 2 (benchmarks/NOTES.md). The ops pad the matrix to `exchange.matrix_pad(world)` rows, at least 16;
+# 2 (benchmarks/NOTES.md). The ops pad the matrix to `_exchange.matrix_pad(world)` rows, at least 16;
 # if a Triton release makes the W_PAD 2 case pass on GPUs, that padding can shrink.
 _MISCOMPILED = pytest.mark.xfail(backend() == "nvshmem", strict=False,
                                  reason="Triton 3.6 miscompiles the count matrix's scan at 2 rows on sm_90")
@@ -443,5 +444,5 @@ _MISCOMPILED = pytest.mark.xfail(backend() == "nvshmem", strict=False,
 @pytest.mark.worlds("1")
 @pytest.mark.parametrize("sources, w_pad", [pytest.param(2, 2, marks=_MISCOMPILED), (2, 4), (3, 4), (4, 4)])
 def test_low_latency_placement(world, sources, w_pad):
-    assert exchange.matrix_pad(sources) >= max(4, sources)
+    assert _exchange.matrix_pad(sources) >= max(4, sources)
     world.run(_placement, sources=sources, w_pad=w_pad)

@@ -1,4 +1,4 @@
-"""The routing's stable counting sort (`tridist.ops.moe.sort`) against a sort on the host: pairs
+"""The routing's stable counting sort (`tridist.ops.moe._sort`) against a sort on the host: pairs
 over many experts and tokens over ranks, several blocks each, ids of -1 and out of range, the
 clamped ids of the tensor-parallel routing, no items; each group's items in place order; and
 `count`, which adds the totals alone."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import triton
 
-from tridist.ops.moe import sort
+from tridist.ops.moe import _sort as sort
 
 
 def _expected(idx: torch.Tensor, groups: int, per_group: int, clamp: bool):

@@ -10,7 +10,8 @@ import tridist
 from tridist import ops
 from tridist.bench.results import relative_error
 from tridist.ops import checks
-from tridist.ops.moe import MoEHandle, tp_routing
+from tridist.ops.moe import MoEHandle, policy
+from tridist.ops.moe.tensor_parallel import routing
 
 from .test_language import load_example
 
@@ -193,11 +194,11 @@ def _bad_input(w):
 
 
 def _tile_orders(w):
-    choose = tp_routing.choose_tile_order
+    choose = policy.choose_tile_order
     mixtral, deepseek = (8 * 1024, 8), (32 * 128, 32)  # (pairs, experts) of the bench's layers
     if w.world_size == 1:  # one walk
         return [choose(order, *mixtral, rows) for order in ("expert", "auto") for rows in (None, 256)]
-    return [choose("auto", *mixtral, tp_routing.AG_MOE_SOURCE_ROWS), choose("auto", *deepseek, 256),
+    return [choose("auto", *mixtral, policy.AG_MOE_SOURCE_ROWS), choose("auto", *deepseek, 256),
             choose("auto", *mixtral, None), choose("source", *deepseek, None), choose("expert", *mixtral, 256)]
 
 
@@ -375,14 +376,14 @@ def _gemm_counts(w, config_index, one_program, flatten):
 
     from tridist.ops.sizing import programs_for
     from tridist.ops.gemm import grouped
-    from tridist.ops.moe import moe_reduce
+    from tridist.ops.moe.tensor_parallel import moe_rs
 
     tokens, topk, experts, k, n, dtype = 18, 2, 2, 48, 1256, torch.bfloat16
     configs = grouped.configs(w.device, dtype)
     if config_index >= len(configs):
         return f"{len(configs)} configs here"
     config, world = {**configs[config_index], "FLATTEN": flatten}, w.world_size
-    router = tp_routing.Router(tokens, topk, experts)
+    router = routing.Router(tokens, topk, experts)
     g = _generator(7 + w.rank)
     handle = router(_routing("random", tokens, topk, experts, 7 + w.rank).to(w.device))
     h = torch.randn(world * tokens * topk, n, generator=g).to(dtype).to(w.device)
@@ -399,7 +400,7 @@ def _gemm_counts(w, config_index, one_program, flatten):
     grid = 1 if one_program else max(1, min(sum(tiles), programs_for(w.device)))
     h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
     for call in (1, 2):
-        moe_reduce.moe_rs_gemm_kernel[(grid,)](
+        moe_rs.moe_rs_gemm_kernel[(grid,)](
             h_desc, grouped.weight_descriptor(weights, config), products, handle.padded_counts, handle.padded_base,
             done, calls, k, n, COUNT=True, W_PAD=triton.next_power_of_2(world), E_PAD=handle.e_pad,
             BY_EXPERT=False, ZERO_TAIL=grouped.zero_tail(w.device), **config)

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 import tridist
 from tridist import ops
-from tridist.ops.moe.expert_parallel import FP8_GROUP
+from tridist.ops.moe.expert_parallel.low_latency import FP8_GROUP
 
 from . import shared_gpu
 from .results import relative_error, save, table

@@ -23,7 +23,7 @@ against the grouped GEMM alone and the sequential path (torch._grouped_mm, the t
 NCCL reduce-scatter). Target on one GPU at one rank: within 1.05x of the grouped GEMM alone. The op
 and the grouped GEMM alone are timed in turns (`timing.interleaved_us`), so that a drift of the
 clocks within the run moves both alike.
-`--tile-orders source,expert` times both walks of the MoE ops' tiles (`tp_routing`) in one run.
+`--tile-orders source,expert` times both walks of the MoE ops' tiles (`tensor_parallel.routing`) in one run.
 With TRIDIST_RANKS_PER_GPU > 1 (ranks sharing a GPU) only the checks run.
 """
 import argparse
@@ -35,7 +35,7 @@ import torch.distributed as dist
 import tridist
 from tridist import ops
 from tridist.ops.gemm import grouped
-from tridist.ops.moe import tp_routing
+from tridist.ops.moe import policy
 
 from .results import relative_error, save, table
 from .timing import interleaved_us, op_us, print_kernels, slowest
@@ -218,8 +218,8 @@ def parse_comm_programs(text: str) -> list[int | None]:
 def parse_tile_orders(text: str) -> list[str]:
     orders = [order.strip() for order in text.split(",")]
     for order in orders:
-        if order not in tp_routing.TILE_ORDERS:
-            raise argparse.ArgumentTypeError(f"--tile-orders {order!r}: one of {', '.join(tp_routing.TILE_ORDERS)}")
+        if order not in policy.TILE_ORDERS:
+            raise argparse.ArgumentTypeError(f"--tile-orders {order!r}: one of {', '.join(policy.TILE_ORDERS)}")
     return orders
 
 

@@ -39,14 +39,15 @@ import torch
 
 from tridist import ops
 from tridist.bench.ep import low_latency_receipt, normal_receipt
-from tridist.ops.moe import alltoall, expert_parallel
+from tridist.ops.moe.all_to_all import op as alltoall
+from tridist.ops.moe.expert_parallel import low_latency
 
 from .cases import (Expected, Invalid, OpCases, Trial, _UNIT_ROUNDOFF, composition, count_with_edges, log_uniform,
                     random_tensor, register, seed_of)
 
 ALIGNS = (1, 4)          # major_align of the "expert" layout
 MAX_EXPERTS_PER_RANK = 4
-MAX_WIDTH = 8192         # elements of an all-to-all row at most (several tiles of alltoall.TILE // BLOCK_R)
+MAX_WIDTH = 8192         # elements of an all-to-all row at most (several tiles of the all-to-all's TILE // BLOCK_R)
 MAX_TOPK = 8
 # In the emulator these ops cost far more a call than a collective does (about 0.2 s for an
 # all_to_all_v, 0.3 s for a dispatch and combine, at 2 ranks on 2 cores, against 0.04 s: their
@@ -275,8 +276,8 @@ def e4m3_error(x: torch.Tensor) -> torch.Tensor:
     and below e4m3's normals (2^-6) values land on multiples of 2^-9: half a step, 2^-10 scale =
     2^-10 / 448 of the group's largest."""
     magnitude = x.double().abs()
-    groups = magnitude.unflatten(-1, (-1, expert_parallel.FP8_GROUP))
-    floor = (groups.amax(-1, keepdim=True) * 2.0 ** -10 / expert_parallel.FP8_MAX).expand_as(groups)
+    groups = magnitude.unflatten(-1, (-1, low_latency.FP8_GROUP))
+    floor = (groups.amax(-1, keepdim=True) * 2.0 ** -10 / low_latency.FP8_MAX).expand_as(groups)
     return 2.0 ** -4 * magnitude + floor.flatten(-2)
 
 
@@ -293,7 +294,7 @@ class EPCases(OpCases):
         gpu = world.device.type == "cuda"
         widest = min(8192 if gpu else EMULATOR_HIDDEN, limits.nbytes // itemsize)
         if fp8:
-            group = expert_parallel.FP8_GROUP
+            group = low_latency.FP8_GROUP
             if widest < group:
                 raise Invalid("ep_dispatch_combine fp8: a token of 128 columns passes the size limit")
             hidden = group * log_uniform(rng, 1, widest // group)
@@ -304,7 +305,7 @@ class EPCases(OpCases):
         tokens = [0 if rng.random() < 0.15 else most if rng.random() < 0.3 else rng.randint(0, most)
                   for _ in range(world.world_size)]
         hook = method == "low_latency" and rng.random() < 0.5
-        return dict(method=method, dtype=expert_parallel.FP8 if fp8 else torch.bfloat16,
+        return dict(method=method, dtype=low_latency.FP8 if fp8 else torch.bfloat16,
                     shape=(hidden, experts, topk, most, *tokens),
                     config={"return_recv_hook": "return_recv_hook"} if hook else None)
 
@@ -321,7 +322,7 @@ class EPTrial(Trial):
     def __init__(self, call, world):
         self.spec, self.world = call, world
         self.hidden, self.experts, self.topk, self.most, *self.tokens = call.shape
-        self.fp8 = call.dtype == expert_parallel.FP8
+        self.fp8 = call.dtype == low_latency.FP8
         self.hook = call.config is not None
         device, mine = world.device, self.tokens[world.rank]
         self.x = torch.empty((mine, self.hidden), dtype=torch.bfloat16, device=device)
@@ -424,7 +425,7 @@ class EPTrial(Trial):
         hook()  # does nothing without return_recv_hook
         if self.fp8:
             values, scales = recv_x
-            group = expert_parallel.FP8_GROUP
+            group = low_latency.FP8_GROUP
             y = (values.float().unflatten(-1, (-1, group)) * scales[..., None]).flatten(-2).to(torch.bfloat16)
         else:
             y = recv_x

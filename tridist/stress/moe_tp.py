@@ -13,7 +13,7 @@ MoE ops built on it (`tridist.ops.moe`, family "moe"): grouped_gemm, ag_moe and 
   h within `gemm_tolerance` (poisoned with NaN first) and its handle (the rows' pairs, the gathered
   routing, the counts, bases and offs) exact. moe_rs: y within `moe_rs_tolerance` (poisoned with
   NaN first), for a random h of every rank and the handle of the call's routing, made by the
-  routing step of ag_moe (`tp_routing.Router`) so that moe_rs is checked apart from ag_moe's GEMM.
+  routing step of ag_moe (`routing.Router`) so that moe_rs is checked apart from ag_moe's GEMM.
 
 Experts that get no rows have NaN weights: a tile that read past the end of its expert's weights
 into the next expert's turns NaN. Every rank makes every rank's inputs and the routing from the
@@ -32,7 +32,8 @@ import torch
 from tridist import ops
 from tridist.ops import gemm
 from tridist.ops.gemm import allgather_gemm, grouped
-from tridist.ops.moe import allgather_moe, tp_routing
+from tridist.ops.moe import policy
+from tridist.ops.moe.tensor_parallel import routing
 
 from .cases import (Expected, OpCases, Trial, _UNIT_ROUNDOFF, composition, count_with_edges, draw_method,
                     gemm_tolerance, log_uniform, poison, random_tensor, register, round_up, seed_of)
@@ -157,7 +158,7 @@ def draw_routing(rng: random.Random, tokens: int, topk: int, experts: int) -> li
 
 
 class Layout:
-    """The layout of h that every rank's routing gives (see `tp_routing`), built for the reference:
+    """The layout of h that every rank's routing gives (see `tensor_parallel.routing`), built for the reference:
     pair p = global token * topk + k; rows sorted stably by expert. Attributes as `MoEHandle`'s,
     int64, and `ends` (offs on the host) and `sizes` (rows per expert)."""
 
@@ -195,7 +196,7 @@ class _MoECases(OpCases):
     family = "moe"
 
     def draw(self, rng, world, limits):
-        dtype = rng.choice(allgather_moe.DTYPES)
+        dtype = rng.choice(routing.DTYPES)
         experts = rng.randint(1, MAX_GROUPS)
         most_topk = min(experts, MAX_TOPK)
         topk = rng.choice((1, rng.randint(1, most_topk), most_topk))
@@ -216,7 +217,7 @@ class AgMoeCases(_MoECases):
 
     def method(self, rng, world):
         comm = draw_method(rng, self.name, allgather_gemm.COMMS, world, ("ce",), "comm")
-        return f"{comm}/{rng.choice(tp_routing.TILE_ORDERS)}"
+        return f"{comm}/{rng.choice(policy.TILE_ORDERS)}"
 
     def trial(self, call, world):
         return AgMoeTrial(call, world)
@@ -227,7 +228,7 @@ class MoeRsCases(_MoECases):
     name = "moe_rs"
 
     def method(self, rng, world):
-        return rng.choice(tp_routing.TILE_ORDERS)
+        return rng.choice(policy.TILE_ORDERS)
 
     def draw(self, rng, world, limits):
         fields = super().draw(rng, world, limits)
@@ -338,9 +339,9 @@ class MoeRsTrial(Trial):
         self.w = torch.empty(experts, n, k, dtype=call.dtype, device=device)
         self.weights = torch.empty(tokens, topk, device=device)
         self.out = torch.empty(tokens, k, dtype=call.dtype, device=device)
-        self.router = tp_routing.Router(tokens, topk, experts)
-        layout = torch.empty(tp_routing.MoEHandle.numel(W, tokens, topk, experts), dtype=torch.int32, device=device)
-        self.handle = tp_routing.MoEHandle(layout, W, tokens, topk, experts)
+        self.router = routing.Router(tokens, topk, experts)
+        layout = torch.empty(routing.MoEHandle.numel(W, tokens, topk, experts), dtype=torch.int32, device=device)
+        self.handle = routing.MoEHandle(layout, W, tokens, topk, experts)
 
     def fill(self, seed):
         W, me, device, dtype = self.world.world_size, self.world.rank, self.world.device, self.spec.dtype

@@ -1,5 +1,6 @@
 """MoE-ReduceScatter: the down projection of a tensor-parallel MoE layer, the grouped GEMM, the
-top-k weighted sum and the reduce-scatter to the tokens' owners overlapped.
+top-k weighted sum and the reduce-scatter to the tokens' owners overlapped: the front
+(`MoEReduceScatter`, `moe_rs`) and its one method (`GemmCombine`).
 
 h is what `ag_moe` returned (P = world_size * T_r * topk rows grouped by expert, after any
 activation, N/world columns), w_shard (E x N/world x K) this rank's rows of every expert's down
@@ -8,20 +9,21 @@ y_shard (T_r x K): for each of its tokens t, sum over k of topk_weights[t, k] * 
 w[expert]), summed over the ranks (each holds a part of the N columns).
 
 Protocol (slots and call epochs as in `protocol.py`)
-- The GEMM (`moe_rs_gemm_kernel`) walks the tiles of h (`tp_routing`'s walks). By source, phase by
+- The GEMM (`moe_rs_gemm_kernel`) walks the tiles of h (`routing`'s walks). By source, phase by
   phase: the rows of rank+1's tokens first, then rank+2's, ..., this rank's own last, as gemm_rs
   orders its tiles. Each tile's rows go to `products` (P x K, local, h's row order), and one tile
   late (so that the tile's stores have drained when the release is made) it adds 1 to done[slot,
   source], the count of finished tiles of that source's rows, which the peers' combine beside it
   waits for. By expert the peers' combine runs after the GEMM on the same stream, so nothing counts
-  (each count is a system-scope release; without them moe_rs at 4 ranks took 199 us at deepseek
-  where it had taken 247, on 4 x H100, 2026-11-26); nor at world size 1, where nothing waits.
+  (each count is a system-scope release, which costs time); nor at world size 1, where nothing
+  waits.
   Program 0 zeroes the other slot's counts for the next call (this call's other kernels have
   finished with it: each call waits for the last).
 - The combine for the peers (`moe_combine_kernel` with OWN=False), by source on a side stream
-  beside the GEMM (a quarter of the SMs: `comm_programs`), by expert after it (every rank's sums
-  are done only near the GEMM's end), with every SM: program 0 first sends this rank's topk weights into row
-  `rank` of every peer's `weights` and raises flag (slot, rank) there to the epoch. Then, for each
+  beside the GEMM (`policy.MOE_RS_COMM_SHARE` of the SMs: `comm_programs`), by expert after it
+  (every rank's sums are done only near the GEMM's end), with every SM: program 0 first sends this
+  rank's topk weights into row `rank` of every peer's weights exchange and raises flag (slot, rank)
+  there to the epoch. Then, for each
   peer s in the GEMM's order, once done[slot, s] has reached the tile count of s's rows (computed
   from `counts`) and s's weights are here, piece after piece (CHUNK of s's tokens by a span of
   the K columns): the weighted sum of the products of their top-k pairs, in fp32, goes to rank
@@ -34,6 +36,7 @@ Nothing waits on a kernel that waits back: the GEMM waits for nothing, the peers
 GEMM and the peers' weights (sent before anything else), the own combine for the peers' combines.
 """
 import contextlib
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,17 +47,38 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import checks, copy_engines, instances, protocol, sizing
-from ..protocol import after_flags, call_epoch, copy_slice, finish_call, push_slice, sync_program
-from ..gemm import grouped, persistent
-from . import allgather_moe, tp_routing
-from .tp_routing import MoEHandle
+from ... import checks, copy_engines, instances, protocol, sizing
+from ...protocol import after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, sync_program
+from ...gemm import grouped, persistent
+from ...method import Method
+from .. import policy
+from . import routing
+from .routing import DTYPES, MoEHandle
 
 # Tokens per piece of the combine, and columns per step; small in the emulator, where tests use a
 # few tokens and want several pieces.
 CHUNK = {"cuda": 16, "cpu": 2}
 BLOCK_C = {"cuda": 256, "cpu": 16}
 WEIGHTS_BLOCK = tl.constexpr(1024)  # weights moved per step of their exchange
+
+
+class Products(NamedTuple):
+    """What the GEMM hands the combines, one tuple argument of `moe_combine_kernel` (unpacked by
+    position there: a kernel compiled from the compile log sees a plain tuple)."""
+    products: torch.Tensor   # [P, K]: h @ w[expert], h's row order
+    done: torch.Tensor       # [2, world]: per slot, the GEMM's finished tiles of each source's rows
+    tiles_n: int             # the GEMM's column tiles (K / its BLOCK_N)
+
+
+class CombineStaging(NamedTuple):
+    """The combines' symmetric buffers and counters, one tuple argument of `moe_combine_kernel`."""
+    partials: torch.Tensor   # [2, slot_numel]: per slot, rank src's sums for this rank at row src
+    send: torch.Tensor       # this rank's sums for peers on other nodes, as partials' rows (else partials)
+    exchange: torch.Tensor   # float32 [2, world, weights_row]: per slot, every rank's topk weights
+    weights_row: int
+    flags: torch.Tensor      # per slot: world x pieces for the partials, then world for the weights
+    calls: torch.Tensor      # the launch's calls counter (`protocol.call_epoch`)
+    slot_numel: int
 
 
 @jit
@@ -66,23 +90,22 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
     count per source rank, two slots, raised with COUNT (by source with peers: the peers' combine
     beside the GEMM waits for them).
     `late` takes the tile's source inside a branch (always taken): flattened by Triton 3.6, a plain
-    assignment there was handed on at the tile's first K step instead of its last, so each count
-    went to the tile's own source; in the branch the fused loop hands it on from the epilogue (the
-    sm_90 TTGIR, read 2026-11-26), and every config counted each tile once flattened on an H100
+    assignment there is handed on at the tile's first K step instead of its last, so each count
+    would go to the tile's own source; in the branch the fused loop hands it on from the epilogue
     (test_moe_rs_gemm_counts_each_tile_once; tests/test_triton_loops.py's "count in a branch")."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     sources = tl.arange(0, W_PAD)
     if tl.program_id(0) == 0:
-        tl.store(done_ptr + ((epoch + 1) % 2) * world + sources, 0, mask=sources < world)
-    done = done_ptr + (epoch % 2) * world
+        tl.store(in_slot(done_ptr, epoch + 1, world) + sources, 0, mask=sources < world)
+    done = in_slot(done_ptr, epoch, world)
     first = (me + 1) % world
-    row_tiles, phase_ends = tp_routing.phases(counts_ptr, first, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
+    row_tiles, phase_ends = routing.phases(counts_ptr, first, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
     tiles_n = tl.cdiv(N, BLOCK_N)
     late = tl.cast(-1, tl.int32)  # the source of the tile stored last, whose count is still to raise
     for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
-        source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
+        source, expert, row, end, tn = routing.moe_tile(tile, row_tiles, phase_ends, first, world, counts_ptr,
                                                            base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
                                                            BY_EXPERT)
         acc = grouped.group_product(h_desc, w_desc, row, end, expert, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -107,9 +130,7 @@ def _weighted_sum(products_ptr, row_of_pair_ptr, weights_ptr, pair0, t0, tokens,
     cols = col + tl.arange(0, BLOCK_C)
     mask = (t < tokens)[:, None] & (cols < K)[None, :]
     acc = tl.zeros((CHUNK, BLOCK_C), dtype=tl.float32)
-    # Unrolled, so that the TOPK gathers, independent of each other, can all be in flight at once
-    # (with a loop of `range` the peers' combine read about 2.5 GB/s per program: 2 and 4 x H100,
-    # 2026-11-26, where moe_rs took 2.6 to 20 times the grouped GEMM alone).
+    # Unrolled, so that the TOPK gathers, independent of each other, can all be in flight at once.
     for k in tl.static_range(TOPK):
         rows = tl.load(row_of_pair_ptr + pair0 + t * TOPK + k, mask=t < tokens, other=0)
         weight = tl.load(weights_ptr + t * TOPK + k, mask=t < tokens, other=0.0)
@@ -125,26 +146,27 @@ def _piece_offsets(col, span, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @jit
-def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, exchange_ptr, partials_ptr, send_ptr,
-                       flags_ptr, done_ptr, calls_ptr, out_ptr, tokens, K, weights_row, slot_numel,
-                       local_world_size, spans, span, gemm_tiles_n, TOPK: tl.constexpr, GEMM_BLOCK_M: tl.constexpr,
-                       OWN: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
-                       CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+def moe_combine_kernel(gemm, row_of_pair_ptr, counts_ptr, weights_ptr, staging, out_ptr, tokens, K, local_world_size,
+                       spans, span, TOPK: tl.constexpr, GEMM_BLOCK_M: tl.constexpr, OWN: tl.constexpr,
+                       W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_C: tl.constexpr):
     """OWN=False: the combine for the peers; OWN=True: of this rank's own tokens (see the module
-    docstring). The work comes in pieces: CHUNK tokens by `span` columns (`spans` of them across K),
-    piece p = chunk * spans + j. exchange: the weights, rows `weights_row` apart; partials: a slot of
-    `slot_numel`, rank src's sums at row src, piece after piece, each CHUNK x span contiguous; flags
-    per slot: world x pieces for the partials, then world for the weights; send: this rank's sums
-    for peers on other nodes, laid out as partials' rows."""
+    docstring). gemm: the GEMM's `Products`; row_of_pair, counts: the call's `MoEHandle`; weights:
+    this rank's topk weights; staging: a `CombineStaging`. The work comes in pieces: CHUNK tokens by
+    `span` columns (`spans` of them across K), piece p = chunk * spans + j. The weights' exchange
+    has rows `weights_row` apart; partials: rank src's sums at row src, piece after piece, each
+    CHUNK x span contiguous; send: this rank's sums for peers on other nodes, laid out as partials'
+    rows."""
+    products_ptr, done_ptr, gemm_tiles_n = gemm
+    partials_ptr, send_ptr, exchange_ptr, weights_row, flags_ptr, calls_ptr, slot_numel = staging
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
     pieces = tl.cdiv(tokens, CHUNK) * spans
-    slot = epoch % 2
-    flags = flags_ptr + slot * (world * pieces + world)
+    flags = in_slot(flags_ptr, epoch, world * pieces + world)
     weights_flags = flags + world * pieces
-    exchange = exchange_ptr + slot * world * weights_row
-    partials = partials_ptr + slot * slot_numel
+    exchange = in_slot(exchange_ptr, epoch, world * weights_row)
+    partials = in_slot(partials_ptr, epoch, slot_numel)
     row = pieces * CHUNK * span  # elements of a row of partials
     if not OWN:
         if tl.program_id(0) == 0:
@@ -154,13 +176,13 @@ def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, e
                 push_slice(exchange + me * weights_row, exchange + me * weights_row, 0, tokens * TOPK,
                            weights_flags + me, epoch, (me + step) % world, local_world_size, WEIGHTS_BLOCK)
         first = (me + 1) % world
-        row_tiles, phase_ends = tp_routing.phases(counts_ptr, first, world, W_PAD, E_PAD, GEMM_BLOCK_M, BY_EXPERT)
+        row_tiles, phase_ends = routing.phases(counts_ptr, first, world, W_PAD, E_PAD, GEMM_BLOCK_M, BY_EXPERT)
         for j in range(world - 1):
             source = (first + j) % world
             if BY_EXPERT:  # launched after the GEMM, on its stream: nothing to wait for
                 products = products_ptr
             else:
-                products = after_flags(products_ptr, done_ptr + slot * world + source, 1,
+                products = after_flags(products_ptr, in_slot(done_ptr, epoch, world) + source, 1,
                                        grouped.pick(row_tiles, j) * gemm_tiles_n)
             weights = after_flags(exchange + source * weights_row, weights_flags + source, 1, epoch)
             same_node = source // local_world_size == me // local_world_size
@@ -205,42 +227,25 @@ def moe_combine_kernel(products_ptr, row_of_pair_ptr, counts_ptr, weights_ptr, e
     finish_call(calls_ptr)
 
 
-class MoEReduceScatter:
-    """`moe_rs` for h of `n` columns (N/world), `experts` x n x k down weights, and `tokens` tokens
-    of `topk` experts per rank, with its buffers allocated once; one instance per stream.
-    `comm_programs`: the programs of the peers' combine, beside the GEMM (default a quarter of the
-    SMs; by expert it runs after the GEMM, on every SM); `config`, `tile_order`: as for
-    `AllGatherMoE`."""
+class GemmCombine(Method):
+    """moe_rs's method for h of `n` columns, `experts` x n x k down weights and `tokens` tokens of
+    `topk` experts per rank: the grouped GEMM (`moe_rs_gemm_kernel`, at `config`, its tiles walked
+    by expert or by source: `by_expert`), the combine for the peers (on `comm_programs` programs
+    beside the GEMM by source, after it by expert) and the combine of the own tokens."""
 
-    def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype,
-                 comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
-        allgather_moe.check_build("moe_rs", tokens, topk, experts, n, k, dtype)
-        if comm_programs is not None:
-            checks.check_programs(comm_programs, "comm_programs", "the programs of the peers' combine")
+    name = "gemm_combine"
+
+    def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype, comm_programs: int,
+                 config: dict, by_expert: bool):
+        super().__init__()
         self.world = w = tridist.world()
-        self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
-        self.pairs = w.world_size * tokens * topk
-        checks.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
-        self.by_expert = tp_routing.choose_tile_order(tile_order, self.pairs, experts, None)
-        # With peers the GEMM counts its tiles (COUNT), `late` assigned in a branch: a plain assignment,
-        # flattened by Triton 3.6, gave every count to the tile's own source on an H100 and the peers'
-        # combine hung (2026-11-26; see moe_rs_gemm_kernel). In the branch every FLATTEN config counted
-        # each tile once at 1 and 2 ranks (test_moe_rs_gemm_counts_each_tile_once, one H100, 2026-11-26).
-        self.config = allgather_moe.moe_config(
-            config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs, self.by_expert),
-            lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c, tile_order)),
-            lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
-            dtype)
-        programs = sizing.programs_for(w.device)
-        # A quarter: of 8, 16, 33 and 66 programs on 2 x H100 (132 SMs), 33 was the fastest at each
-        # layer of `tridist bench moe_rs` (deepseek 492 us, 803 at 8), and on 4 it beat 8 (614 us
-        # against 1207), 2026-11-26.
-        self.comm_programs = comm_programs or max(1, programs // 4)
+        self.tokens, self.n, self.k, self.experts, self.topk = tokens, n, k, experts, topk
+        self.config, self.by_expert, self.comm_programs = config, by_expert, comm_programs
         self.peers = w.world_size > 1  # the peers' tokens get a combine of their own
         # By source it runs beside the GEMM, which counts its tiles for it (COUNT); by expert after it.
-        self.overlap = self.peers and not self.by_expert
-        self.gemm_programs = max(1, programs - self.comm_programs) if self.overlap else programs
-        self.programs = programs
+        self.overlap = self.peers and not by_expert
+        self.programs = programs = sizing.programs_for(w.device)
+        self.gemm_programs = max(1, programs - comm_programs) if self.overlap else programs
         kind = w.device.type
         self.chunk, self.block_c = CHUNK[kind], BLOCK_C[kind]
         chunks = triton.cdiv(tokens, self.chunk)
@@ -250,17 +255,75 @@ class MoEReduceScatter:
         self.span = triton.cdiv(triton.cdiv(k, spans), self.block_c) * self.block_c
         self.spans = triton.cdiv(k, self.span)
         self.pieces = chunks * self.spans
-        self.products = torch.empty((self.pairs, k), dtype=dtype, device=w.device)
         row = self.pieces * self.chunk * self.span
         checks.check_offsets("moe_rs", 2 * w.world_size * row)
-        self.workspace = protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1))
-        self.weights_row = sizing.row_stride(tokens * topk)
-        self.exchange = tridist.symm_empty((2 * w.world_size * self.weights_row,), torch.float32)
-        self.send = tridist.symm_empty((w.world_size * row,), dtype) if w.nnodes > 1 else None
-        self.done = tridist.signals(2 * w.world_size)
+        workspace = self.own(protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1)))
+        weights_row = sizing.row_stride(tokens * topk)
+        exchange = self.own(tridist.symm_empty((2 * w.world_size * weights_row,), torch.float32))
+        send = self.own(tridist.symm_empty((w.world_size * row,), dtype)) if w.nnodes > 1 else workspace.staging
+        self.gemm = Products(products=torch.empty((w.world_size * tokens * topk, k), dtype=dtype, device=w.device),
+                             done=self.own(tridist.signals(2 * w.world_size)),
+                             tiles_n=triton.cdiv(k, config["BLOCK_N"]))
         self.gemm_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-        self.peer_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+        # The two combines share the staging, each launch counting its own calls.
+        self.own_staging = CombineStaging(partials=workspace.staging, send=send, exchange=exchange,
+                                          weights_row=weights_row, flags=workspace.flags, calls=workspace.calls,
+                                          slot_numel=workspace.slot_numel)
+        self.peer_staging = self.own_staging._replace(calls=torch.zeros(1, dtype=torch.int64, device=w.device))
         self.side = copy_engines.SideStream(w.device)
+
+    def launch(self, h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """One call into `out` (tokens x K)."""
+        w, config = self.world, self.config
+        h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
+        bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
+            triton.cdiv(self.k, config["BLOCK_N"])
+        w_pad, e_pad = triton.next_power_of_2(w.world_size), handle.e_pad
+        moe_rs_gemm_kernel[(min(bound, self.gemm_programs),)](
+            h_desc=h_desc, w_desc=grouped.weight_descriptor(w_shard, config), products_ptr=self.gemm.products,
+            counts_ptr=handle.padded_counts, base_ptr=handle.padded_base, done_ptr=self.gemm.done,
+            calls_ptr=self.gemm_calls, N=self.k, K=self.n, COUNT=self.overlap, W_PAD=w_pad, E_PAD=e_pad,
+            BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), **config)
+        args = dict(gemm=self.gemm, row_of_pair_ptr=handle.row_of_pair, counts_ptr=handle.padded_counts,
+                    weights_ptr=topk_weights_shard, out_ptr=out, tokens=self.tokens, K=self.k,
+                    local_world_size=w.local_world_size, spans=self.spans, span=self.span, TOPK=self.topk,
+                    GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad, BY_EXPERT=self.by_expert,
+                    CHUNK=self.chunk, BLOCK_C=self.block_c)
+        if self.peers:
+            programs = self.comm_programs if self.overlap else self.programs
+            with self.side.fork() if self.overlap else contextlib.nullcontext():
+                moe_combine_kernel[(min(programs, self.pieces),)](staging=self.peer_staging, OWN=False, **args)
+        moe_combine_kernel[(min(self.programs, self.pieces),)](staging=self.own_staging, OWN=True, **args)
+        if self.overlap:
+            self.side.join()
+
+
+class MoEReduceScatter:
+    """`moe_rs` for h of `n` columns (N/world), `experts` x n x k down weights, and `tokens` tokens
+    of `topk` experts per rank, with its buffers allocated once; one instance per stream.
+    `comm_programs`: the programs of the peers' combine, beside the GEMM (default
+    `policy.MOE_RS_COMM_SHARE`'s part of the SMs; by expert it runs after the GEMM, on every SM);
+    `config`, `tile_order`: as for `AllGatherMoE`."""
+
+    def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype,
+                 comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
+        routing.check_build("moe_rs", tokens, topk, experts, n, k, dtype)
+        if comm_programs is not None:
+            checks.check_programs(comm_programs, "comm_programs", "the programs of the peers' combine")
+        self.world = w = tridist.world()
+        self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
+        self.pairs = w.world_size * tokens * topk
+        checks.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
+        self.by_expert = policy.choose_tile_order(tile_order, self.pairs, experts, policy.MOE_RS_SOURCE_ROWS)
+        self.config = routing.moe_config(
+            config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs, self.by_expert),
+            lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c, tile_order)),
+            lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
+            dtype)
+        self.comm_programs = policy.moe_rs_comm_programs(comm_programs, sizing.programs_for(w.device))
+        self.method = GemmCombine(tokens, n, k, experts, topk, dtype, self.comm_programs, self.config,
+                                  self.by_expert)
 
     def __call__(self, h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -269,9 +332,8 @@ class MoEReduceScatter:
         w = self.world
 
         def check() -> None:
-            allgather_moe.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk,
-                                        torch.float32)
-            allgather_moe.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
+            routing.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk, torch.float32)
+            routing.check_weights(w_shard, "w_shard", self.experts, self.n, self.k, self.dtype)
             check_handle(handle, w.world_size, self.tokens, self.topk, self.experts, w.device)
             checks.check_input(h, "h", (self.dtype,))
             if tuple(h.shape) != (self.pairs, self.n):
@@ -287,38 +349,12 @@ class MoEReduceScatter:
         checks.agree("moe_rs", check, {"shape and dtype of h": checks.shape_of(h)})
         if out is None:
             out = torch.empty((self.tokens, self.k), dtype=self.dtype, device=h.device)
-        config = self.config
-        h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
-        bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
-            triton.cdiv(self.k, config["BLOCK_N"])
-        w_pad, e_pad = triton.next_power_of_2(w.world_size), handle.e_pad
-        moe_rs_gemm_kernel[(min(bound, self.gemm_programs),)](
-            h_desc, grouped.weight_descriptor(w_shard, config), self.products, handle.padded_counts,
-            handle.padded_base, self.done, self.gemm_calls, self.k, self.n, COUNT=self.overlap, W_PAD=w_pad,
-            E_PAD=e_pad, BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), **config)
-        ws = self.workspace
-        args = (self.products, handle.row_of_pair, handle.padded_counts, topk_weights_shard, self.exchange, ws.staging,
-                self.send if self.send is not None else ws.staging, ws.flags, self.done)
-        sizes = (out, self.tokens, self.k, self.weights_row, ws.slot_numel, w.local_world_size, self.spans,
-                 self.span, triton.cdiv(self.k, config["BLOCK_N"]))
-        blocks = dict(TOPK=self.topk, GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad,
-                      BY_EXPERT=self.by_expert, CHUNK=self.chunk, BLOCK_C=self.block_c)
-        if self.peers:
-            programs = self.comm_programs if self.overlap else self.programs
-            with self.side.fork() if self.overlap else contextlib.nullcontext():
-                moe_combine_kernel[(min(programs, self.pieces),)](*args, self.peer_calls, *sizes, OWN=False, **blocks)
-        moe_combine_kernel[(min(self.programs, self.pieces),)](*args, ws.calls, *sizes, OWN=True, **blocks)
-        if self.overlap:
-            self.side.join()
+        self.method.launch(h, w_shard, handle, topk_weights_shard, out)
         return out
 
     def free(self) -> None:
         """Give the symmetric buffers back (collective: every rank, in the same order)."""
-        self.workspace.free()
-        tridist.symm_free(self.exchange)
-        if self.send is not None:
-            tridist.symm_free(self.send)
-        tridist.symm_free(self.done)
+        self.method.free()
 
 
 class _Tuning:
@@ -330,8 +366,8 @@ class _Tuning:
 
     @staticmethod
     def inputs(tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype, device: torch.device):
-        router = tp_routing.Router(tokens, topk, experts)
-        handle = router(allgather_moe.random_routing(tokens, topk, experts, device))
+        router = routing.Router(tokens, topk, experts)
+        handle = router(routing.random_routing(tokens, topk, experts, device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         tridist.barrier_all()
@@ -377,7 +413,7 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
         tile_order: "source" (the tiles of each rank's tokens in turn, their sums sent while the
             GEMM goes on; each expert's weights read once per rank), "expert" (each expert's rows of
             every rank together, its weights read once; the sums sent after the GEMM), or "auto"
-            (with peers by expert, the faster at every layer measured: `tp_routing`).
+            (with peers by expert, the faster at every layer measured: `policy.MOE_RS_SOURCE_ROWS`).
 
     Returns:
         y_shard, T_r x K: for each of this rank's tokens, sum over k of topk_weights[t, k] *
@@ -388,9 +424,9 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
     ValueError before launching anything for shapes, dtypes, layouts or a handle it does not take.
     """
     def check() -> None:
-        checks.check_input(h, "h", allgather_moe.DTYPES)
+        checks.check_input(h, "h", DTYPES)
         checks.check_input(topk_weights_shard, "topk_weights_shard", (torch.float32,))
-        grouped.check_weights(w_shard, "w_shard", allgather_moe.DTYPES)
+        grouped.check_weights(w_shard, "w_shard", DTYPES)
         if h.dim() != 2 or topk_weights_shard.dim() != 2:
             raise ValueError(f"h and topk_weights_shard must be matrices; got shapes {tuple(h.shape)} and "
                              f"{tuple(topk_weights_shard.shape)}")

@@ -1,5 +1,6 @@
 """Routing of the tensor-parallel MoE ops (`ag_moe`, `moe_rs`): which row of h holds which (token,
-expert) pair, computed on the device by every rank alike, and how their GEMMs walk those rows.
+expert) pair, computed on the device by every rank alike, and how their GEMMs walk those rows:
+what both ops share.
 
 Layout. Rank s holds tokens t < T_r, global token g = s * T_r + t; pair p = g * topk + k is token g
 routed to expert topk_idx[g, k]. h has a row per pair, the pairs sorted stably by expert: expert
@@ -8,7 +9,7 @@ expert e that rank s's tokens send, starts at row base[s, e] and holds counts[s,
 (the cumulative row ends per expert) is what `grouped_gemm` takes, so h can also go through it.
 
 Protocol (`route_kernel`, one program per rank and call; epochs and slots as in `protocol.py`):
-1. The rank sorts its own pairs by expert (`sort`, two launches before `route_kernel`'s) and
+1. The rank sorts its own pairs by expert (`_sort`, two launches before `route_kernel`'s) and
    writes them into row `rank` of this call's slot of the symmetric `exchange` buffer: each pair's
    expert, its position among this rank's pairs of that expert, and the count per expert.
 2. It sends that row to every peer (stores through symm_at on this node, an NVSHMEM put with the
@@ -38,11 +39,12 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import checks, protocol, sizing
-from ..protocol import after_flags, call_epoch, finish_call, push_slice, sync_program
-from ..gemm import grouped, persistent
-from . import sort
+from ... import checks, protocol, sizing
+from ...protocol import after_flags, call_epoch, finish_call, in_slot, push_slice, sync_program
+from ...gemm import grouped, persistent
+from .. import _sort
 
+DTYPES = (torch.bfloat16, torch.float16)
 PUSH_BLOCK = tl.constexpr(1024)  # int32 words a step of the exchange moves
 
 
@@ -50,18 +52,18 @@ PUSH_BLOCK = tl.constexpr(1024)  # int32 words a step of the exchange moves
 def route_kernel(idx_ptr, sorted_ptr, exchange_ptr, flags_ptr, calls_ptr, layout_ptr, pairs, E, row, slot_numel,
                  local_world_size, E_PAD: tl.constexpr):
     """One program. `pairs` = T_r * topk per rank; `sorted_ptr`: this rank's pairs sorted by
-    `sort` (a position each, then the count per expert); exchange rows `row` int32 apart (2 pairs +
+    `_sort` (a position each, then the count per expert); exchange rows `row` int32 apart (2 pairs +
     E_PAD used); `layout_ptr`: the call's `MoEHandle.layout` (see there)."""
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
-    stage = exchange_ptr + (epoch % 2) * slot_numel
-    flags = flags_ptr + (epoch % 2) * world
+    stage = in_slot(exchange_ptr, epoch, slot_numel)
+    flags = in_slot(flags_ptr, epoch, world)
     own = stage + me * row
     for start in range(0, pairs, PUSH_BLOCK):
         p = start + tl.arange(0, PUSH_BLOCK)
         mask = p < pairs
-        # Clamped as `sort` clamped them (ids the host could not check must not index out of bounds).
+        # Clamped as `_sort` clamped them (ids the host could not check must not index out of bounds).
         expert = tl.minimum(tl.maximum(tl.load(idx_ptr + p, mask=mask, other=0), 0), E - 1).to(tl.int32)
         tl.store(own + p, expert, mask=mask)
         tl.store(own + pairs + p, tl.load(sorted_ptr + p, mask=mask), mask=mask)
@@ -199,39 +201,16 @@ class Router:
                              device=w.device)
         ws = self.workspace
         own = torch.empty(self.pairs + self.experts, dtype=torch.int32, device=w.device)
-        sort.sort(topk_idx.view(-1), own[:self.pairs], own[self.pairs:], self.experts, 1, one_group=True, clamp=True)
-        route_kernel[(1,)](topk_idx, own, ws.staging, ws.flags, ws.calls, layout, self.pairs, self.experts, self.row,
-                           ws.slot_numel, w.local_world_size, E_PAD=self.e_pad, num_warps=8)
+        _sort.sort(topk_idx.view(-1), own[:self.pairs], own[self.pairs:], self.experts, 1, one_group=True,
+                   clamp=True)
+        route_kernel[(1,)](idx_ptr=topk_idx, sorted_ptr=own, exchange_ptr=ws.staging, flags_ptr=ws.flags,
+                           calls_ptr=ws.calls, layout_ptr=layout, pairs=self.pairs, E=self.experts, row=self.row,
+                           slot_numel=ws.slot_numel, local_world_size=w.local_world_size, E_PAD=self.e_pad,
+                           num_warps=8)
         return MoEHandle(layout, w.world_size, self.tokens, self.topk, self.experts)
 
     def free(self) -> None:
         self.workspace.free()
-
-
-TILE_ORDERS = ("auto", "source", "expert")
-# ag_moe's "auto" walks by source where the (source, expert) segments average at least this many
-# rows. A segment's tiles read each weight once per about 2 x rows flops, and an H100 did about 250
-# flops per byte of HBM read (the grouped GEMM at 760 TFLOP/s, 2026-11-24; flash_decode's kernel
-# reading 3.06 TB/s at 64x8192, 2026-11-26): below that the GEMM waits on the weights, which the
-# walk by source reads once per rank. On 2 x H100 (2026-11-26) ag_moe by source
-# / by expert took 805 / 885 us at mixtral (512 rows a segment), 373 / 235 at deepseek (64) and
-# 334 / 186 at decode (8). moe_rs's "auto" always walks by expert: by source its peers' combine
-# holds a quarter of the SMs through the GEMM, and by expert was the faster at all three layers
-# there (833 / 1033, 303 / 501, 201 / 373 us).
-AG_MOE_SOURCE_ROWS = 256
-
-
-def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: int | None) -> bool:
-    """Whether an op of `pairs` rows of h over `experts` walks its tiles by expert: with several
-    ranks, where `tile_order` is "expert", or "auto" and the segments average fewer than
-    `source_rows` rows (None: any number). At one rank both walks are one. Raises ValueError for
-    another order."""
-    if tile_order not in TILE_ORDERS:
-        raise ValueError(f"tile_order must be one of {', '.join(map(repr, TILE_ORDERS))}; got {tile_order!r}")
-    world_size = tridist.world().world_size
-    if world_size == 1 or tile_order == "source":
-        return False
-    return tile_order == "expert" or source_rows is None or pairs < source_rows * world_size * experts
 
 
 def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
@@ -243,6 +222,47 @@ def check_experts(topk_idx: torch.Tensor, experts: int) -> None:
     if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= experts):
         raise ValueError(f"topk_idx holds expert ids from {int(topk_idx.min())} to {int(topk_idx.max())}; there are "
                          f"{experts} experts (ids 0 to {experts - 1})")
+
+
+def check_weights(w_shard: torch.Tensor, name: str, experts: int, k: int, n: int, dtype: torch.dtype) -> None:
+    """w_shard is what an op built for `experts` x k x n weights of `dtype` takes."""
+    grouped.check_weights(w_shard, name, DTYPES)
+    if tuple(w_shard.shape) != (experts, k, n) or w_shard.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} of shape {(experts, k, n)}; got {w_shard.dtype} of shape "
+                         f"{tuple(w_shard.shape)}")
+
+
+def check_routing(tensor: torch.Tensor, name: str, tokens: int, topk: int, dtype: torch.dtype) -> None:
+    checks.check_input(tensor, name, (dtype,))
+    if tuple(tensor.shape) != (tokens, topk):
+        raise ValueError(f"{name} must be {dtype} of shape {(tokens, topk)} (tokens x topk); got shape "
+                         f"{tuple(tensor.shape)}")
+
+
+def check_build(op: str, tokens: int, topk: int, experts: int, k: int, n: int, dtype: torch.dtype) -> None:
+    for what, value in (("tokens", tokens), ("topk", topk), ("experts", experts)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{op} needs a positive int {what}, got {value!r}")
+    if topk > experts:
+        raise ValueError(f"{op}: topk = {topk} is more than the {experts} experts")
+    if dtype not in DTYPES:
+        raise ValueError(f"{op} takes {', '.join(map(str, DTYPES))}; got {dtype}")
+    persistent.check_sizes(op, dtype, k, n)
+
+
+def moe_config(config, name: str, key, make_op, make_inputs, device: torch.device, pairs: int, experts: int, n: int,
+               dtype: torch.dtype) -> dict:
+    """The GEMM config of an MoE op over `pairs` rows of h in world_size x experts segments (see
+    `persistent.resolve_config`; candidates `grouped.configs`)."""
+    segments = tridist.world().world_size * experts
+    return persistent.resolve_config(config, name, key, make_op, make_inputs, device, pairs, n, dtype=dtype,
+                                     candidates=grouped.configs(device, dtype),
+                                     default=grouped.default_config(device, pairs, segments, n, dtype))
+
+
+def random_routing(tokens: int, topk: int, experts: int, device: torch.device) -> torch.Tensor:
+    """Distinct random experts for each token, for tuning."""
+    return torch.rand(tokens, experts, device=device).argsort(dim=1)[:, :topk].contiguous()
 
 
 @triton.jit

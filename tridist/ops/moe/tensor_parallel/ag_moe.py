@@ -1,19 +1,20 @@
 """AllGather-MoE: the up projection of a tensor-parallel MoE layer, the all-gather of the tokens
-hidden behind the grouped GEMM.
+hidden behind the grouped GEMM: the front (`AllGatherMoE`, `ag_moe`) and its one method
+(`GatherGemm`).
 
 Rank r holds x_shard (its T_r tokens, T_r x K: sequence parallel), their routing topk_idx_shard
 (T_r x topk, int64) and every expert's weights split by columns, w_shard (E x K x N/world). h has a
 row for every (token, k) pair of every rank's tokens: x[token] @ w_shard[topk_idx[token, k]], rows
-grouped by expert (the layout: `tp_routing`).
+grouped by expert (the layout: `routing`).
 
 Protocol
 1. The transfer of the tokens is queued first, as ag_gemm's A (`ShardGather`): the copy engines
    write x_shard into every peer's `gathered` (comm="ce", one node), or a few SMs on a side stream
    push it with stores and NVSHMEM puts (comm="sm", any topology); shard s at rows s * T_r, with
    flags.
-2. The routing (`tp_routing.Router`): a one-program kernel sorts this rank's pairs by expert,
+2. The routing (`routing.Router`): a one-program kernel sorts this rank's pairs by expert,
    exchanges them with every peer and lays out h, on the device.
-3. The GEMM (`ag_moe_kernel`), one persistent kernel over the tiles of h (`tp_routing`'s walks).
+3. The GEMM (`ag_moe_kernel`), one persistent kernel over the tiles of h (`routing`'s walks).
    By source: first the rows of this rank's own tokens, then of rank+1, rank+2, ...: the order in
    which the tokens arrive; before its first tile of rank s's rows a program waits for s's flags.
    By expert: before its first tile a program waits for every peer's flags. A tile's rows of A
@@ -21,6 +22,8 @@ Protocol
    (not by TMA, which reads blocks of consecutive rows); w_shard[expert] comes through a TMA
    descriptor.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,14 +32,31 @@ import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from .. import checks, instances
-from ..protocol import after_flags, call_epoch, finish_call
-from ..gemm import grouped, persistent
-from ..gemm.allgather_gemm import COMMS, ShardGather
-from . import tp_routing
-from .tp_routing import MoEHandle
+from ... import checks, instances
+from ...protocol import after_flags, call_epoch, finish_call
+from ...gemm import grouped, persistent
+from ...gemm import policy as gemm_policy
+from ...gemm.shard_gather import COMMS, ShardGather
+from ...method import Method
+from .. import policy
+from . import routing
+from .routing import DTYPES, MoEHandle
 
-DTYPES = (torch.bfloat16, torch.float16)
+
+class Gathered(NamedTuple):
+    """The gathered tokens as `ag_moe_kernel` takes them, one tuple argument (unpacked by position
+    there: a kernel compiled from the compile log sees a plain tuple)."""
+    rows: torch.Tensor       # `ShardGather.gathered`: slots of `slot_rows` rows of K, shard s at row s * T_r
+    flags: torch.Tensor      # `ShardGather.flags`
+    calls: torch.Tensor      # the op's calls counter (`protocol.call_epoch`)
+    slot_rows: int
+
+
+class Segments(NamedTuple):
+    """The call's layout of h (its `MoEHandle`) as `ag_moe_kernel` takes it, one tuple argument."""
+    pair_of_row: torch.Tensor  # [P]: the pair each row of h holds
+    counts: torch.Tensor       # [world, E_PAD]: rows of h per (source rank, expert)
+    base: torch.Tensor         # [world, E_PAD]: the first of those rows
 
 
 @triton.jit
@@ -46,7 +66,7 @@ def gathered_product(a_rows, row_mask, w_desc, expert, col, K, BLOCK_M: tl.const
     `row_mask` read as zeros)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Made 2-D before the loop: broadcast inside it, Triton 3.6 did not pipeline these loads (the
-    # flattened tile loop then kept A in registers, 2026-11-25).
+    # flattened tile loop then kept A in registers).
     starts = a_rows[:, None]
     rows = row_mask[:, None]
     columns = tl.arange(0, BLOCK_K)
@@ -58,14 +78,15 @@ def gathered_product(a_rows, row_mask, w_desc, expert, col, K, BLOCK_M: tl.const
 
 
 @jit
-def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, base_ptr, flags_ptr, calls_ptr, tokens,
-                  N, K, slot_rows, TOPK: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                  FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BY_EXPERT: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  FLATTEN: tl.constexpr):
-    """x_ptr: this rank's tokens; gathered_ptr: `ShardGather.gathered` (slots of `slot_rows` rows
-    of K); out_ptr: h; pair_ptr, counts_ptr, base_ptr: the call's `MoEHandle`. Flags as ag_gemm's
-    (EPOCH_FLAGS: raised to the call epoch in slot epoch % 2; else slot 0's, raised to 1)."""
+def ag_moe_kernel(x_ptr, gathered, w_desc, out_ptr, segments, tokens, N, K, TOPK: tl.constexpr, W_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr,
+                  BY_EXPERT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    """x_ptr: this rank's tokens; gathered: a `Gathered`, flags as ag_gemm's (EPOCH_FLAGS: raised to
+    the call epoch in slot epoch % 2; else slot 0's, raised to 1); out_ptr: h; segments: the call's
+    `Segments`."""
+    gathered_ptr, flags_ptr, calls_ptr, slot_rows = gathered
+    pair_ptr, counts_ptr, base_ptr = segments
     epoch = call_epoch(calls_ptr)
     me = dl.rank()
     world = dl.num_ranks()
@@ -74,7 +95,7 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
     if EPOCH_FLAGS:
         slot = epoch % 2
         expected = epoch
-    row_tiles, phase_ends = tp_routing.phases(counts_ptr, me, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
+    row_tiles, phase_ends = routing.phases(counts_ptr, me, world, W_PAD, E_PAD, BLOCK_M, BY_EXPERT)
     tiles_n = tl.cdiv(N, BLOCK_N)
     # Own tokens are read where they are; a peer's from its rows of this call's slot of `gathered`.
     own = x_ptr - me * tokens * K
@@ -83,18 +104,17 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
     ready = me * 0  # a zero that the rows' addresses take in, to keep their loads after the waits
     if BY_EXPERT:
         # Nearly every tile reads every rank's tokens: wait for them all before the first. (Waited
-        # inside the tile loop, Triton 3.6 no longer pipelined the flattened loop's loads of A, and
-        # ag_moe by expert took 2.4x the grouped GEMM alone at mixtral on 2 x H100, 2026-11-26.)
+        # inside the tile loop, Triton 3.6 no longer pipelined the flattened loop's loads of A.)
         for step in range(1, world):
             ready = after_flags(ready, flags + ((me + step) % world) * FLAGS_PER_SHARD, FLAGS_PER_SHARD, expected)
     arrived = me  # the last source whose flags this program has seen
     rows = tl.arange(0, BLOCK_M)
     for tile in tl.range(tl.program_id(0), tl.sum(row_tiles, 0) * tiles_n, tl.num_programs(0), flatten=FLATTEN):
-        source, expert, row, end, tn = tp_routing.moe_tile(tile, row_tiles, phase_ends, me, world, counts_ptr,
+        source, expert, row, end, tn = routing.moe_tile(tile, row_tiles, phase_ends, me, world, counts_ptr,
                                                            base_ptr, tiles_n, W_PAD, E_PAD, BLOCK_M, GROUP_M,
                                                            BY_EXPERT)
         # The wait's token goes into an offset, not a pointer: a pointer chosen after a wait stopped
-        # Triton from pipelining the loads computed from it (2026-11-25, tests/gpu_compile.py).
+        # Triton from pipelining the loads computed from it (tests/gpu_compile.py's `unpipelined`).
         offset = ready
         if source != arrived:  # by source only: by expert every tile's phase is this rank's
             offset = after_flags(offset, flags + source * FLAGS_PER_SHARD, FLAGS_PER_SHARD, expected)
@@ -107,45 +127,42 @@ def ag_moe_kernel(x_ptr, gathered_ptr, w_desc, out_ptr, pair_ptr, counts_ptr, ba
     finish_call(calls_ptr)
 
 
-def check_weights(w_shard: torch.Tensor, name: str, experts: int, k: int, n: int, dtype: torch.dtype) -> None:
-    """w_shard is what an op built for `experts` x k x n weights of `dtype` takes."""
-    grouped.check_weights(w_shard, name, DTYPES)
-    if tuple(w_shard.shape) != (experts, k, n) or w_shard.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype} of shape {(experts, k, n)}; got {w_shard.dtype} of shape "
-                         f"{tuple(w_shard.shape)}")
+class GatherGemm(Method):
+    """ag_moe's method for `tokens` tokens of k features per rank, `topk` of `experts` experts each,
+    and weights of n columns per rank: the tokens gathered by `ShardGather` (`comm` "ce" or "sm",
+    `comm_programs`) behind one persistent grouped GEMM over the routed rows, its tiles walked by
+    expert or by source (`by_expert`) at `config`."""
 
+    name = "gather_gemm"
 
-def check_routing(tensor: torch.Tensor, name: str, tokens: int, topk: int, dtype: torch.dtype) -> None:
-    checks.check_input(tensor, name, (dtype,))
-    if tuple(tensor.shape) != (tokens, topk):
-        raise ValueError(f"{name} must be {dtype} of shape {(tokens, topk)} (tokens x topk); got shape "
-                         f"{tuple(tensor.shape)}")
+    def __init__(self, tokens: int, k: int, n: int, experts: int, topk: int, dtype: torch.dtype, comm: str,
+                 comm_programs: int | None, config: dict, by_expert: bool):
+        super().__init__()
+        self.world = w = tridist.world()
+        self.tokens, self.k, self.n, self.experts, self.topk = tokens, k, n, experts, topk
+        self.config, self.by_expert = config, by_expert
+        self.router = self.own(routing.Router(tokens, topk, experts))
+        self.gather = self.own(ShardGather(tokens, k, dtype, comm, comm_programs))
+        self.gathered = Gathered(rows=self.gather.gathered, flags=self.gather.flags,
+                                 calls=torch.zeros(1, dtype=torch.int64, device=w.device),
+                                 slot_rows=self.gather.slot_rows)
 
-
-def check_build(op: str, tokens: int, topk: int, experts: int, k: int, n: int, dtype: torch.dtype) -> None:
-    for what, value in (("tokens", tokens), ("topk", topk), ("experts", experts)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{op} needs a positive int {what}, got {value!r}")
-    if topk > experts:
-        raise ValueError(f"{op}: topk = {topk} is more than the {experts} experts")
-    if dtype not in DTYPES:
-        raise ValueError(f"{op} takes {', '.join(map(str, DTYPES))}; got {dtype}")
-    persistent.check_sizes(op, dtype, k, n)
-
-
-def moe_config(config, name: str, key, make_op, make_inputs, device: torch.device, pairs: int, experts: int, n: int,
-               dtype: torch.dtype) -> dict:
-    """The GEMM config of an MoE op over `pairs` rows of h in world_size x experts segments (see
-    `persistent.resolve_config`; candidates `grouped.configs`)."""
-    segments = tridist.world().world_size * experts
-    return persistent.resolve_config(config, name, key, make_op, make_inputs, device, pairs, n, dtype=dtype,
-                                     candidates=grouped.configs(device, dtype),
-                                     default=grouped.default_config(device, pairs, segments, n, dtype))
-
-
-def random_routing(tokens: int, topk: int, experts: int, device: torch.device) -> torch.Tensor:
-    """Distinct random experts for each token, for tuning."""
-    return torch.rand(tokens, experts, device=device).argsort(dim=1)[:, :topk].contiguous()
+    def launch(self, x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor,
+               out: torch.Tensor) -> MoEHandle:
+        """One call into `out` (h); returns the call's `MoEHandle`."""
+        w, config, gather = self.world, self.config, self.gather
+        gather.start(x_shard)
+        handle = self.router(topk_idx_shard)
+        bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
+            triton.cdiv(self.n, config["BLOCK_N"])
+        ag_moe_kernel[(min(bound, gather.gemm_programs),)](
+            x_ptr=x_shard, gathered=self.gathered, w_desc=grouped.weight_descriptor(w_shard, config), out_ptr=out,
+            segments=Segments(pair_of_row=handle.pair_of_row, counts=handle.padded_counts, base=handle.padded_base),
+            tokens=self.tokens, N=self.n, K=self.k, TOPK=self.topk, W_PAD=triton.next_power_of_2(w.world_size),
+            E_PAD=handle.e_pad, FLAGS_PER_SHARD=gather.flags_per_shard, EPOCH_FLAGS=gather.epoch_flags,
+            BY_EXPERT=self.by_expert, **config)
+        gather.finish()
+        return handle
 
 
 class AllGatherMoE:
@@ -153,34 +170,33 @@ class AllGatherMoE:
     weights split to n columns per rank, with its buffers allocated once; one instance per stream.
     `comm`: "ce", "sm" or "auto" as for `AllGatherGEMM`; `config`: a dict of
     `tridist.ops.gemm.grouped.configs`, None for the default, or "tune" (a collective);
-    `tile_order`: "source", "expert" or "auto" (`tp_routing.choose_tile_order`): how the GEMM walks
-    its tiles (`tp_routing`'s docstring)."""
+    `tile_order`: "source", "expert" or "auto" (`policy.choose_tile_order`): how the GEMM walks
+    its tiles (`routing`'s docstring)."""
 
     def __init__(self, tokens: int, k: int, n: int, experts: int, topk: int, dtype: torch.dtype, comm: str = "auto",
                  comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
         if comm not in COMMS:
             raise checks.method_error("ag_moe comm", comm, COMMS)
-        check_build("ag_moe", tokens, topk, experts, k, n, dtype)
+        routing.check_build("ag_moe", tokens, topk, experts, k, n, dtype)
         if comm_programs is not None:
             checks.check_programs(comm_programs, "comm_programs", "the programs that push the tokens with comm='sm'")
         self.world = w = tridist.world()
-        self.comm = ("ce" if w.nnodes == 1 else "sm") if comm == "auto" else comm
+        self.comm = gemm_policy.choose_ag_gemm_comm(w) if comm == "auto" else comm
         if self.comm == "ce":
             checks.require_one_node("ag_moe comm='ce'", "comm='sm'")
         self.tokens, self.k, self.n, self.experts, self.topk, self.dtype = tokens, k, n, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
         checks.check_offsets("ag_moe", max(self.pairs * n, 2 * w.world_size * tokens * k))
-        self.by_expert = tp_routing.choose_tile_order(tile_order, self.pairs, experts, tp_routing.AG_MOE_SOURCE_ROWS)
-        self.config = moe_config(
+        self.by_expert = policy.choose_tile_order(tile_order, self.pairs, experts, policy.AG_MOE_SOURCE_ROWS)
+        self.config = routing.moe_config(
             config, "ag_moe", (tokens, k, n, experts, topk, str(dtype), self.comm, comm_programs, self.by_expert),
             lambda c: AllGatherMoE(tokens, k, n, experts, topk, dtype, self.comm, comm_programs, c, tile_order),
             lambda: (torch.randn(tokens, k, device=w.device).to(dtype),
-                     random_routing(tokens, topk, experts, w.device),
+                     routing.random_routing(tokens, topk, experts, w.device),
                      torch.randn(experts, k, n, device=w.device).to(dtype)),
             w.device, self.pairs, experts, n, dtype)
-        self.router = tp_routing.Router(tokens, topk, experts)
-        self.gather = ShardGather(tokens, k, dtype, self.comm, comm_programs)
-        self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+        self.method = GatherGemm(tokens, k, n, experts, topk, dtype, self.comm, comm_programs, self.config,
+                                 self.by_expert)
 
     def __call__(self, x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEHandle]:
@@ -192,34 +208,20 @@ class AllGatherMoE:
             if tuple(x_shard.shape) != (self.tokens, self.k):
                 raise ValueError(f"this ag_moe takes x_shard {self.dtype} of shape {(self.tokens, self.k)}; got "
                                  f"shape {tuple(x_shard.shape)}: build another instance, or call tridist.ops.ag_moe")
-            check_routing(topk_idx_shard, "topk_idx_shard", self.tokens, self.topk, torch.int64)
-            check_weights(w_shard, "w_shard", self.experts, self.k, self.n, self.dtype)
-            tp_routing.check_experts(topk_idx_shard, self.experts)
+            routing.check_routing(topk_idx_shard, "topk_idx_shard", self.tokens, self.topk, torch.int64)
+            routing.check_weights(w_shard, "w_shard", self.experts, self.k, self.n, self.dtype)
+            routing.check_experts(topk_idx_shard, self.experts)
             if out is not None:
                 checks.check_output(out, (self.pairs, self.n), self.dtype)
 
         checks.agree("ag_moe", check, {"shape and dtype of x_shard": checks.shape_of(x_shard)})
         if out is None:
             out = torch.empty((self.pairs, self.n), dtype=self.dtype, device=x_shard.device)
-        config = self.config
-        self.gather.start(x_shard)
-        handle = self.router(topk_idx_shard)
-        w = self.world
-        bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
-            triton.cdiv(self.n, config["BLOCK_N"])
-        ag_moe_kernel[(min(bound, self.gather.gemm_programs),)](
-            x_shard, self.gather.gathered, grouped.weight_descriptor(w_shard, config), out, handle.pair_of_row,
-            handle.padded_counts, handle.padded_base, self.gather.flags, self.calls, self.tokens, self.n, self.k,
-            self.gather.slot_rows, TOPK=self.topk, W_PAD=triton.next_power_of_2(w.world_size), E_PAD=handle.e_pad,
-            FLAGS_PER_SHARD=self.gather.flags_per_shard, EPOCH_FLAGS=self.gather.epoch_flags, BY_EXPERT=self.by_expert,
-            **config)
-        self.gather.finish()
-        return out, handle
+        return out, self.method.launch(x_shard, topk_idx_shard, w_shard, out)
 
     def free(self) -> None:
         """Give the symmetric buffers back (collective: every rank, in the same order)."""
-        self.router.free()
-        self.gather.free()
+        self.method.free()
 
 
 def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor, out: torch.Tensor | None = None,
@@ -241,7 +243,7 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
             all-gather hidden, each expert's weights read once per rank), "expert" (each expert's
             rows of every rank together: its weights read once, the all-gather waited for before the
             first tile), or "auto": by expert where the (rank, expert) segments are small enough
-            for the weights' reads to be what the GEMM waits on (`tp_routing.AG_MOE_SOURCE_ROWS`).
+            for the weights' reads to be what the GEMM waits on (`policy.AG_MOE_SOURCE_ROWS`).
 
     Returns:
         (h, handle): h is (world_size * T_r * topk) x N/world, a row for every (token, k) pair of

@@ -1,21 +1,18 @@
-"""Expert parallelism, normal mode (prefill, training): the kernels of `EPBuffer.dispatch` and
-`EPBuffer.combine` (`expert_parallel.py` is the host side). A token goes once to every rank that
-holds one of its experts.
+"""Expert parallelism, normal mode (prefill, training): `EPBuffer.dispatch` and `EPBuffer.combine`,
+their kernels, staging and launches. A token goes once to every rank that holds one of its experts.
 
 Both kernels overlap the local pass over what arrives (the dispatch's copy out of the staging, the
 combine's sums) with the sends: the senders set a progress word per part as rows land, and the
 work on arrived rows goes in blocks that every program claims from a counter of this rank
-(`exchange.claim`) in the order the rows arrive. This rank's own programs, which send nothing,
-start on them at once, the others when they have sent. On 2 x H100 at 4096 tokens a rank (DeepSeek's
-shape), the dispatch took 222 us where copying out after all the sends took 254, the combine 212
-where summing after them took 236 (4 ranks: 504 against 575). Copying out between the same
-programs' sends was slower: a program's stores are already held back by the link while it sends.
+(`claim`) in the order the rows arrive. This rank's own programs, which send nothing, start on
+them at once, the others when they have sent (what this gains: benchmarks/NOTES.md, "Moved from
+the code's docstrings (issue 41)", "tridist/ops/moe/expert_parallel/normal.py").
 
-Routing (`sort`, before the dispatch) gives each token its place among the tokens for each rank,
-and each rank's tokens in place order. `dispatch_kernel` then runs the family's protocol
-(`exchange.py`):
+Routing (`_routing.tokens_to_ranks`, before the dispatch) gives each token its place among the
+tokens for each rank, and each rank's tokens in place order. `dispatch_kernel` then runs the
+family's protocol (`moe/_exchange.py`):
 1. Counts. Program (p, s) writes the count and the pairs per expert of p into row `rank` of p's
-   counts, and adds 1 to p's arrival counter for this rank (`exchange.arrive`).
+   counts, and adds 1 to p's arrival counter for this rank (`_exchange.arrive`).
 2. Rows. For p != rank it puts part s of the places of the tokens for p (`split_rows` of their
    count) into region `rank` of p's staging, in place order (rows of x, and a meta row: the
    token's expert ids, weights and index), and after every CHUNK steps sets its progress word
@@ -28,7 +25,7 @@ and each rank's tokens in place order. `dispatch_kernel` then runs the family's 
 
 `combine_kernel` runs the way back: each received token's output goes to row (rank, token) of its
 source's combine staging, and each token sums what every rank that got it sent, in rank order
-(`exchange.sum_parts`; its own experts' outputs read where they are, in y). A rank's token indices
+(`_staging.sum_parts`; its own experts' outputs read where they are, in y). A rank's token indices
 are cut in `splits` parts; program (p, s) sends the outputs of p's tokens of part s, in token
 order (it finds them by counting recv_src), sets its progress word (rank, s) on p to epoch x
 PROGRESS_EPOCH + the next token index after every CHUNK steps and to the part's end at the end,
@@ -36,29 +33,78 @@ then waits for p's word of part s here (so that every call hears from every peer
 staging slots enough). The claimed blocks are blocks of tokens, each waiting for its part's word
 of every peer.
 """
+from typing import NamedTuple
+
+import torch
 import triton
 import triton.language as tl
 
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ..protocol import finish_call
-from ..gemm.grouped import pick
-from .exchange import (arrive, await_counts, claim, copy_rows, exchange_program, raise_flag, reset_claims, send_rows,
-                       send_values, split_rows, sum_parts)
+from ... import checks
+from ...protocol import finish_call, in_slot
+from ...gemm.grouped import pick
+from .._exchange import (arrive, await_counts, copy_rows, exchange_program, raise_flag, send_rows, send_values,
+                         split_rows)
+from ._routing import tokens_to_ranks
+from ._staging import BLOCK_R, Exchange, Layer, block_w, combine_blocks, nonempty, sum_parts, token_words
 
 # A progress word holds epoch x PROGRESS_EPOCH + a row's index (a token's, or a place's among the
 # tokens sent to a rank): it only grows, from call to call too, so a receiver waits for at least a
 # value, never for equality (max_tokens_per_rank is below).
 PROGRESS_EPOCH = tl.constexpr(1 << 24)
+CHUNK = 4         # steps of the sends between two progress words
+
+
+class DispatchStaging(NamedTuple):
+    """The dispatch's symmetric buffers and counters, one tuple argument of `dispatch_kernel`
+    (unpacked by position there: a kernel compiled from the compile log sees a plain tuple)."""
+    rows: torch.Tensor       # int32 [2, slot_numel]: per slot, [world, max_tokens] rows of x's words
+    meta: torch.Tensor       # int32 [2, meta_slot]: per slot, [world, max_tokens] rows of 2 * topk + 1
+    counts: torch.Tensor     # int32 [2, W_PAD * 2 * E_PAD]: per slot, a row of 2 * E_PAD per source
+    arrivals: torch.Tensor   # an arrival counter per source (`_exchange.arrive`)
+    progress: torch.Tensor   # a progress word per (source, part)
+    claims: torch.Tensor     # int32 [2]: this rank's counters of claimed blocks, one per slot (`claim`)
+    calls: torch.Tensor      # the calls counter (`protocol.call_epoch`)
+    slot_numel: int
+    meta_slot: int
+
+
+class Received(NamedTuple):
+    """What a dispatch receives (room for world x max_tokens tokens), one tuple argument of
+    `dispatch_kernel` (unpacked by position there)."""
+    x: torch.Tensor          # [R, hidden] (the kernel takes its words)
+    idx: torch.Tensor        # int64 [R, topk]: expert ids made local, -1 for other ranks' experts
+    weights: torch.Tensor    # float32 [R, topk]
+    src: torch.Tensor        # int32 [R]: source_rank * max_tokens + token
+    layout: torch.Tensor     # int32 [2, world]: tokens received from each rank, and their first row
+    per_expert: torch.Tensor  # int64 [E_local]: received (token, local expert) pairs per expert
 
 
 @triton.jit
-def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
-                    recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD: tl.constexpr, BLOCK_W: tl.constexpr):
+def claim(claims_ptr, epoch):
+    """The index of the next block of this call's shared work, for the calling program: blocks go to
+    whichever program asks first (relaxed: each index is handed out once, which is all it takes).
+    claims: this rank's two counters, one per slot (`reset_claims`)."""
+    return dl.atomic_add(in_slot(claims_ptr, epoch, 1), 1, scope="gpu", semantic="relaxed")
+
+
+@triton.jit
+def reset_claims(claims_ptr, epoch):
+    """Zero the next call's counter (one program of the launch): every program of the last call to
+    use it, the one before this, has ended."""
+    tl.store(in_slot(claims_ptr, epoch + 1, 1), 0)
+
+
+@triton.jit
+def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv, width, max_tokens, experts_local, topk,
+                    K_PAD: tl.constexpr, BLOCK_W: tl.constexpr):
     """Normal mode's receive of `source`'s tokens: x and meta rows `rows` (in its staging region, or
-    the source's own x and meta where the source is this rank) to recv rows `out_rows`, with the
-    expert ids made local (-1 for other ranks' experts), the weights and the token's origin."""
+    the source's own x and meta where the source is this rank) to rows `out_rows` of `recv` (a
+    `Received`), with the expert ids made local (-1 for other ranks' experts), the weights and the
+    token's origin."""
+    recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, _, _ = recv
     me = dl.rank()
     meta_width = 2 * topk + 1
     copy_rows(x_ptr, rows, recv_x_ptr, out_rows, inside, width, BLOCK_W)
@@ -76,22 +122,21 @@ def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv_x_ptr,
 
 
 @jit
-def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, staging_ptr, meta_staging_ptr, counts_ptr,
-                    arrivals_ptr, progress_ptr, claims_ptr, calls_ptr, recv_x_ptr, recv_idx_ptr, recv_weights_ptr,
-                    recv_src_ptr, recv_layout_ptr, recv_per_expert_ptr, tokens, width, max_tokens, experts_local, topk,
-                    slot_numel, meta_slot, local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
+def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, staging, recv, tokens, width, max_tokens,
+                    experts_local, topk, local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
                     K_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
     """Normal mode. Grid (world, splits). x: T rows of `width` words; meta: T rows of 2 * topk + 1
     int32 (expert ids, weight bits, token index); positions: [T, world] from routing (-1: not for
     that rank), order its inverse ([world, T]: the tokens for each rank in place order); routed:
-    tokens per rank [world], then pairs per expert [world * E_local]. Per slot, staging is [world,
-    max_tokens] rows and counts a row of 2 * E_PAD int32 per source: word 0 the tokens it sent
-    here, word E_PAD + e its pairs for local expert e; progress: a word per (source, part); claims:
-    this rank's two counters of claimed blocks."""
+    tokens per rank [world], then pairs per expert [world * E_local]. staging: a `DispatchStaging`,
+    whose counts hold per source word 0 the tokens it sent here and word E_PAD + e its pairs for
+    local expert e; recv: a `Received`."""
+    (staging_ptr, meta_staging_ptr, counts_ptr, arrivals_ptr, progress_ptr, claims_ptr, calls_ptr, slot_numel,
+     meta_slot) = staging
     epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
     meta_width = 2 * topk + 1
-    meta_stage = meta_staging_ptr + (epoch % 2) * meta_slot
-    counts = counts_ptr + (epoch % 2) * W_PAD * 2 * E_PAD
+    meta_stage = in_slot(meta_staging_ptr, epoch, meta_slot)
+    counts = in_slot(counts_ptr, epoch, W_PAD * 2 * E_PAD)
     sources = tl.arange(0, W_PAD)
     experts = tl.arange(0, E_PAD)
     local = experts < experts_local
@@ -128,8 +173,8 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
         for token in range(first, stop, BLOCK_R):
             rows = token + tl.arange(0, BLOCK_R)
             place = tl.load(positions_ptr + rows.to(tl.int64) * world + me, mask=rows < stop, other=-1)
-            _receive_tokens(x_ptr, meta_ptr, rows, start + place, place >= 0, me, recv_x_ptr, recv_idx_ptr,
-                            recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
+            _receive_tokens(x_ptr, meta_ptr, rows, start + place, place >= 0, me, recv, width, max_tokens,
+                            experts_local, topk, K_PAD, BLOCK_W)
 
     # The peers' rows, by blocks of BLOCK_R places that every program claims in the order they
     # arrive: block c is block c // ((world - 1) x splits) of part (c // (world - 1)) % splits of the
@@ -153,10 +198,11 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
             rows = first + tl.arange(0, BLOCK_R)
             _receive_tokens(dl.consume_token(stage + source * max_tokens * width, here),
                             dl.consume_token(meta_stage + source * max_tokens * meta_width, here), rows,
-                            pick(before, source) + rows, rows < stop, source, recv_x_ptr, recv_idx_ptr,
-                            recv_weights_ptr, recv_src_ptr, width, max_tokens, experts_local, topk, K_PAD, BLOCK_W)
+                            pick(before, source) + rows, rows < stop, source, recv, width, max_tokens, experts_local,
+                            topk, K_PAD, BLOCK_W)
         block = claim(claims_ptr, epoch)
     if first_program:
+        _, _, _, _, recv_layout_ptr, recv_per_expert_ptr = recv
         pairs = tl.load(counts + sources[:, None] * 2 * E_PAD + E_PAD + experts[None, :],
                         mask=(sources < world)[:, None] & local[None, :], other=0)
         tl.store(recv_per_expert_ptr + experts, tl.sum(pairs, 0).to(tl.int64), mask=local)
@@ -235,3 +281,84 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
                       recv_layout_ptr + world + me, positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W)
         block = claim(claims_ptr, epoch)
     finish_call(calls_ptr)
+
+
+class NormalDispatch(Exchange):
+    """`EPBuffer.dispatch` for tokens of `topk` experts: per slot, staging for world x max_tokens
+    rows of tokens (as words) and of their meta rows, and a row of counts per source."""
+
+    name = "normal_dispatch"
+
+    def __init__(self, layer: Layer, topk: int):
+        super().__init__(layer, "dispatch")
+        w = self.world
+        rows, width, meta_width = w.world_size * layer.max_tokens, layer.hidden // 2, 2 * topk + 1
+        checks.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
+        self.staging = DispatchStaging(
+            rows=self.symmetric("staging", (2, rows * width), torch.int32),
+            meta=self.symmetric("meta", (2, rows * meta_width), torch.int32),
+            counts=self.symmetric("counts", (2, layer.w_pad * 2 * layer.e_pad), torch.int32),
+            arrivals=self.signals("arrivals", w.world_size),
+            progress=self.signals("progress", w.world_size * self.splits),  # `fit` only lowers the splits
+            claims=torch.zeros(2, dtype=torch.int32, device=w.device),
+            calls=torch.zeros(1, dtype=torch.int64, device=w.device),
+            slot_numel=rows * width, meta_slot=rows * meta_width)
+
+    def launch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """Send each token of x ([T, hidden]) once to every rank holding one of its experts
+        (`topk_idx`, ids out of range already made -1). Returns (a `Received`, with room for
+        world x max_tokens tokens; positions, int32 [T, world]: each token's row among those sent to
+        each rank, -1 where not sent, which the combine takes)."""
+        layer, w = self.layer, self.world
+        tokens, topk = topk_idx.shape
+        order = torch.empty((w.world_size, max(tokens, 1)), dtype=torch.int32, device=w.device)
+        positions, routed = tokens_to_ranks(topk_idx, layer.num_experts, order=order)
+        capacity = w.world_size * layer.max_tokens
+        token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
+        meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
+        recv = Received(x=torch.empty((capacity, layer.hidden), dtype=layer.dtype, device=w.device),
+                        idx=torch.full((capacity, topk), -1, dtype=torch.int64, device=w.device),
+                        weights=torch.zeros((capacity, topk), dtype=torch.float32, device=w.device),
+                        src=torch.empty(capacity, dtype=torch.int32, device=w.device),
+                        layout=torch.empty((2, w.world_size), dtype=torch.int32, device=w.device),
+                        per_expert=torch.empty(layer.experts_local, dtype=torch.int64, device=w.device))
+        width = layer.hidden // 2
+        self.start(dispatch_kernel, x_ptr=nonempty(token_words(x)), meta_ptr=nonempty(meta),
+                   positions_ptr=nonempty(positions), order_ptr=order, routed_ptr=routed, staging=self.staging,
+                   recv=recv._replace(x=token_words(recv.x)), tokens=tokens, width=width, max_tokens=layer.max_tokens,
+                   experts_local=layer.experts_local, topk=topk, local_world_size=w.local_world_size,
+                   W_PAD=layer.w_pad, E_PAD=layer.e_pad, K_PAD=triton.next_power_of_2(2 * topk + 1), BLOCK_R=BLOCK_R,
+                   BLOCK_W=block_w(width), CHUNK=CHUNK, num_warps=8)
+        return recv, positions
+
+
+class NormalCombine(Exchange):
+    """`EPBuffer.combine`: per slot, staging for world x max_tokens rows of outputs (row (q, t):
+    rank q's output for this rank's token t)."""
+
+    name = "normal_combine"
+
+    def __init__(self, layer: Layer):
+        super().__init__(layer, "combine")
+        w = self.world
+        rows = w.world_size * layer.max_tokens
+        checks.check_offsets("EPBuffer", 2 * rows * layer.hidden)
+        self.slot_numel = rows * layer.hidden
+        self.staging = self.symmetric("staging", (2, self.slot_numel), layer.dtype)
+        self.progress = self.signals("progress", w.world_size * self.splits)  # `fit` only lowers the splits
+        self.claims = torch.zeros(2, dtype=torch.int32, device=w.device)
+        self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+
+    def launch(self, y: torch.Tensor, tokens: int, recv_src: torch.Tensor, recv_layout: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Send each received token's output (y, rows as the dispatch's `Received`) back to its rank;
+        returns [tokens, hidden]: per token of this rank, the sum of what every rank that got it sent,
+        in rank order (fp32). recv_src, recv_layout, positions: the dispatch's."""
+        layer, w = self.layer, self.world
+        out = torch.empty((max(tokens, 1), layer.hidden), dtype=layer.dtype, device=w.device)
+        self.start(combine_kernel, y_ptr=y, recv_src_ptr=recv_src, recv_layout_ptr=recv_layout,
+                   positions_ptr=nonempty(positions), staging_ptr=self.staging, progress_ptr=self.progress,
+                   claims_ptr=self.claims, calls_ptr=self.calls, out_ptr=out, tokens=tokens, hidden=layer.hidden,
+                   max_tokens=layer.max_tokens, slot_numel=self.slot_numel, local_world_size=w.local_world_size,
+                   WORLD=w.world_size, CHUNK=CHUNK, **combine_blocks(layer))
+        return out[:tokens]

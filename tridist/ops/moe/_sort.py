@@ -2,8 +2,8 @@
 (tokens, or (token, expert) pairs) each belong to one or more groups (ranks, or experts), and every
 item gets its place among its group's items in item order; every group gets its item count.
 Expert parallelism places tokens among those sent to each rank and pairs among those of each
-expert (`exchange`); the tensor-parallel ops place a rank's pairs among those of each expert
-(`tp_routing`).
+expert (`expert_parallel`); the tensor-parallel ops place a rank's pairs among those of each
+expert (`tensor_parallel.routing`).
 
 Two launches, each over (blocks of items, chunks of groups), so that no program walks more than
 one block (`count`, for the totals alone, is the first with the blocks' counts added up):
@@ -11,11 +11,9 @@ one block (`count`, for the totals alone, is the first with the blocks' counts a
 2. `positions_kernel`: block b's items go after those of the blocks before it (the sum of their
    counts, which every program loads at once) and after the earlier items of block b itself (a
    cumulative sum over the block); the last block's programs also write the totals. Items of one
-   block need no counts of other blocks: one launch. Blocks are short: 1024 pairs over 256 experts
-   sorted as one block of four steps took 11.7 us on an H100 (2026-11-26), as two blocks of two
-   steps 6.8 + 1.9 us (the two launches) on an H100, as four of one 3.8 + 1.4 us on an H200.
-Where one program per chunk of groups walked every item in turn, the two routings of a normal-mode
-dispatch (4096 tokens, top-8 of 256 experts, 2 ranks) took 386 us on an H100 (2026-11-26).
+   block need no counts of other blocks: one launch. Blocks are short (`sort_shape`): a program
+   that walks many items in turn is slow, however few the groups (benchmarks/NOTES.md, "Moved
+   from the code's docstrings (issue 41)", "tridist/ops/moe/_sort.py").
 """
 import torch
 import triton
@@ -102,8 +100,7 @@ def positions_kernel(idx_ptr, block_counts_ptr, positions_ptr, order_ptr, counts
 def sort_shape(items: int, groups: int, one_group: bool) -> tuple[int, int, int, int]:
     """(GROUPS, STEP, items per block, blocks) for `items` over `groups`: chunks of 16 groups a
     program for pairs (experts may be hundreds), of up to 64 for tokens (ranks); steps of at most
-    MAX_STEP items (a step of 4096 tokens in one program, the whole routing of a rank at world 1
-    or 2, took tens of microseconds on an H100, 2026-11-26); blocks of whole steps, as few steps a
+    MAX_STEP items; blocks of whole steps, as few steps a
     block as keeps the blocks within the SORT_IDS // GROUPS that `positions_kernel` sums at once."""
     chunk = min(triton.next_power_of_2(groups), 16 if one_group else 64)
     step = min(MAX_STEP, SORT_IDS // chunk)
@@ -128,11 +125,13 @@ def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, c
     block_counts = counts  # not read with one block
     if blocks > 1:
         block_counts = torch.empty((blocks, groups), dtype=torch.int32, device=idx.device)
-        block_counts_kernel[grid](idx, block_counts, items, topk, groups, per_group, per_block, CLAMP=clamp,
-                                  ADD=False, GROUPS=chunk, STEP=step, num_warps=4)
-    positions_kernel[grid](idx, block_counts, positions, positions if order is None else order, counts, items, topk,
-                           groups, per_group, per_block, blocks, ONE_GROUP=one_group, ORDER=order is not None,
-                           CLAMP=clamp, GROUPS=chunk, STEP=step,
+        block_counts_kernel[grid](idx_ptr=idx, block_counts_ptr=block_counts, items=items, topk=topk, groups=groups,
+                                  per_group=per_group, per_block=per_block, CLAMP=clamp, ADD=False, GROUPS=chunk,
+                                  STEP=step, num_warps=4)
+    positions_kernel[grid](idx_ptr=idx, block_counts_ptr=block_counts, positions_ptr=positions,
+                           order_ptr=positions if order is None else order, counts_ptr=counts, items=items, topk=topk,
+                           groups=groups, per_group=per_group, per_block=per_block, blocks=blocks,
+                           ONE_GROUP=one_group, ORDER=order is not None, CLAMP=clamp, GROUPS=chunk, STEP=step,
                            BLOCKS=triton.next_power_of_2(blocks), num_warps=4)
 
 
@@ -143,9 +142,9 @@ def count(idx, counts, groups: int, per_group: int) -> None:
     if items == 0:
         return
     chunk, step, per_block, blocks = sort_shape(items, groups, True)
-    block_counts_kernel[(blocks, triton.cdiv(groups, chunk))](idx, counts, items, 1, groups, per_group, per_block,
-                                                               CLAMP=False, ADD=True, GROUPS=chunk, STEP=step,
-                                                               num_warps=4)
+    block_counts_kernel[(blocks, triton.cdiv(groups, chunk))](
+        idx_ptr=idx, block_counts_ptr=counts, items=items, topk=1, groups=groups, per_group=per_group,
+        per_block=per_block, CLAMP=False, ADD=True, GROUPS=chunk, STEP=step, num_warps=4)
 
 
 @jit
@@ -167,5 +166,6 @@ def drop_ids(idx: torch.Tensor, limit: int, dropped: torch.Tensor) -> torch.Tens
     kept = torch.empty_like(idx)
     if idx.numel():
         block = min(1024, triton.next_power_of_2(idx.numel()))
-        drop_ids_kernel[(triton.cdiv(idx.numel(), block),)](idx, kept, dropped, idx.numel(), limit, BLOCK=block)
+        drop_ids_kernel[(triton.cdiv(idx.numel(), block),)](idx_ptr=idx, kept_ptr=kept, dropped_ptr=dropped,
+                                                             items=idx.numel(), limit=limit, BLOCK=block)
     return kept
