@@ -10,7 +10,9 @@ import tridist
 from tridist.runtime import config
 from tridist.runtime.backend import is_emulator
 from tridist.runtime.tensors import check_tensor
-from tridist.runtime.world import heap, transport
+from tridist.runtime.world import heap
+
+from .ranks import ranks_of
 
 
 SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
@@ -60,7 +62,7 @@ def host_reads(t: torch.Tensor) -> bool:
 _agreed: set = set()  # the (op, values) whose first call every rank checked together
 
 
-def agree(op: str, local=None, same: dict | None = None):
+def agree(op: str, local=None, same: dict | None = None, group=None):
     """The checks of one call of the collective `op`, with an outcome every rank shares: the one
     way the ops check their arguments, so that a bad argument on one rank never leaves the others
     waiting for it.
@@ -75,7 +77,11 @@ def agree(op: str, local=None, same: dict | None = None):
     the first call with each new `same` (the call that builds an instance and allocates collectively
     anyway), so that later calls cost no host round trip. Never while a CUDA graph is captured (a
     host collective would end the capture): there, and on later GPU calls, a local error is raised
-    on this rank alone. Returns what `local()` returned."""
+    on this rank alone. Returns what `local()` returned.
+
+    With `group` (a process group or `tridist.Group`: the op's `group=`), the members gather among
+    themselves, and their group is one of the values that must be the same; errors name world ranks.
+    A rank outside the group gets its ValueError alone, before anything is gathered."""
     same = same or {}
     error = result = None
     try:
@@ -83,14 +89,16 @@ def agree(op: str, local=None, same: dict | None = None):
             result = local()
     except (ValueError, TypeError) as raised:
         error = raised
+    ranks = ranks_of(group)  # raises on a rank outside the group: it has nobody to gather with
+    same = {**same, "group (world ranks)": ranks.ranks}
     key = (op, tuple(same.items()))
     if capturing() or not (config.debug() or is_emulator() or key not in _agreed):
         if error is not None:
             raise error
         return result
     mine = (None if error is None else (type(error).__name__, str(error)), tuple(same.values()))
-    everyone = transport().allgather_objects(mine)
-    failed = [(rank, outcome) for rank, (outcome, _) in enumerate(everyone) if outcome is not None]
+    everyone = ranks.allgather_objects(mine)
+    failed = [(ranks.ranks[rank], outcome) for rank, (outcome, _) in enumerate(everyone) if outcome is not None]
     if failed:
         kinds = {kind for _, (kind, _) in failed}
         kind = TypeError if kinds == {"TypeError"} else ValueError
@@ -101,7 +109,7 @@ def agree(op: str, local=None, same: dict | None = None):
     for index, what in enumerate(same):
         values = [values[index] for _, values in everyone]
         if len(set(values)) > 1:
-            listed = ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+            listed = ", ".join(f"rank {ranks.ranks[rank]}: {value}" for rank, value in enumerate(values))
             raise ValueError(f"{op}: ranks passed different {what} ({listed}); every rank must pass the same")
     _agreed.add(key)
     return result
@@ -150,12 +158,14 @@ def method_error(op: str, method: str, methods) -> ValueError:
     return ValueError(f"{op}: unknown method {method!r}; choose one of {', '.join(methods)}")
 
 
-def require_one_node(what: str, instead: str) -> None:
+def require_one_node(what: str, instead: str, ranks=None) -> None:
     """`what` (e.g. "all_gather method 'll'") reaches its peers through `symm_at` or the copy
-    engines, which reach the ranks of this node only."""
-    nnodes = tridist.world().nnodes
+    engines, which reach the ranks of this node only; `ranks` (an `ops.ranks.Ranks`, default the
+    world) are the ranks it would run among."""
+    nnodes = (ranks or tridist.world()).nnodes
     if nnodes > 1:
-        raise ValueError(f"{what} works within one node; this world has {nnodes} nodes: use {instead}")
+        where = "this world has" if ranks is None or ranks.group is None else "this group spans"
+        raise ValueError(f"{what} works within one node; {where} {nnodes} nodes: use {instead}")
 
 
 def check_programs(programs, name: str = "programs", meaning: str = "the most blocks a call launches") -> None:

@@ -69,6 +69,18 @@ def ranks_of(group=None) -> Ranks:
     """
     w = tridist.world()
     g = groups.resolve(group)
+    key = (id(w), w.rank, w.world_size, w.nnodes, g)
+    cached = _cache.get(key)
+    if cached is not None:
+        return cached
+    _cache[key] = ranks = _ranks(w, g)
+    return ranks
+
+
+_cache: dict = {}  # (the world, the group) -> Ranks: ops ask at every call
+
+
+def _ranks(w, g) -> Ranks:
     if g is None:
         return Ranks(w.rank, w.world_size, w.nnodes, w.local_world_size, w.device, None, ("world",),
                      tuple(range(w.world_size)))
