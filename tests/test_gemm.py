@@ -1,5 +1,6 @@
 """The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) and the GEMM they share: random data,
-poisoned outputs, back-to-back calls with no host synchronisation, bad input refused before launch."""
+poisoned outputs, back-to-back calls with no host synchronisation, bad input refused before launch;
+the overlapped GEMMs within process groups (`group=`), several at once."""
 import json
 import os
 
@@ -504,9 +505,9 @@ def _group_beside_other_work(w, folder):
         # Tuned within the group: its members time the configs together, cached under its size.
         op = ops.GemmReduceScatter(32, 16, 16, torch.float16, config="tune", group=pair)
         assert op.config in gemm.configs(w.device)
+        tridist.group(pair).barrier()  # the member that writes the cache has written it
         with open(os.path.join(folder, "tune.json")) as f:
             assert any("gemm_rs" in key and "group_size=2 nnodes=1" in key for key in json.load(f))
-        tridist.group(pair).barrier()
         op.free()
     tridist.barrier_all()
 
