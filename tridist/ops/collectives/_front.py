@@ -50,7 +50,8 @@ def check_held(t: torch.Tensor | None, name: str, ranks: Ranks, built: str) -> N
     if t is None or not tridist.is_symmetric(t):
         raise ValueError(f"{built}{name} must be a symmetric tensor (tridist.symm_empty), the same on every rank")
     owner = heap().group_at(heap().offset_of(t))
-    if owner is not None and not set(ranks.ranks) <= set(owner.ranks):
-        raise ValueError(f"{built}{name} was allocated by the group of ranks {list(owner.ranks)}, which ranks "
-                         f"{sorted(set(ranks.ranks) - set(owner.ranks))} of this op's are not in: allocate it "
-                         "with this op's group= (or for the world)")
+    missing = sorted(set(ranks.ranks) - set(owner.ranks)) if owner is not None else []
+    if missing:
+        raise ValueError(f"{built}{name} was allocated by the group of ranks {list(owner.ranks)}, without ranks "
+                         f"{missing} of this op's {list(ranks.ranks)}: allocate it with this op's group= (or for "
+                         "the world)")
