@@ -99,7 +99,7 @@ def _symm_mem_all_reduce(x, reference, nbytes: int, failures: list, process_grou
     import torch.distributed._symmetric_memory as symm_mem
 
     try:
-        group = (process_group or dist.group.WORLD).group_name
+        group = (dist.group.WORLD if process_group is None else process_group).group_name
         buffer = symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
         symm_mem.rendezvous(buffer, group)
         out = torch.empty_like(buffer)
