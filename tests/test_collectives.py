@@ -692,9 +692,11 @@ def _collectives_in_mesh_groups(w):
         assert torch.equal(ops.all_reduce(x, group=pg).cpu(), sum(_group_payload(4, r, 0, 64) for r in members))
     # A symmetric x of the tp group's is not mapped on the dp peer: refused on both dp ranks.
     held = tridist.symm_zeros((64,), torch.float32, group=tp, name="tp's x")
+    op = ops.AllReduce(64, torch.float32, "two_shot", symmetric_in_place=True, group=dp)
     with pytest.raises(ValueError, match=r"the group of ranks \[\d, \d\], without ranks \[\d\] of this op's"):
-        ops.AllReduce(64, torch.float32, "two_shot", symmetric_in_place=True, group=dp)(held, held)
+        op(held, held)
     tridist.barrier_all()
+    op.free()
     tridist.symm_free(held)
 
 
