@@ -385,12 +385,34 @@ def _attention_cases():
     return cases
 
 
+# The collectives' kernels, which the ops launch with a group argument under `group=`.
+_COLLECTIVES = (
+    allgather.push.all_gather_push_kernel, allgather.two_d.all_gather_2d_kernel, allgather.ring.all_gather_ring_kernel,
+    allgather.pull.all_gather_pull_kernel, allgather.ll.all_gather_ll_kernel, _copy_engine.all_gather_ce_kernel,
+    _copy_engine.reduce_ce_kernel, _packets.reduce_ll_kernel, reducescatter.one_shot.reduce_scatter_kernel,
+    reducescatter.ring.reduce_scatter_ring_kernel, reducescatter.two_d.reduce_scatter_2d_kernel,
+    allreduce.one_shot.all_reduce_one_shot_kernel, allreduce.two_shot.all_reduce_two_shot_kernel,
+    allreduce.two_shot_symmetric.all_reduce_symmetric_kernel)
+
+
+def _within_groups(world_cases, kernels) -> list:
+    """The first of `world_cases` of each of `kernels` again, within a process group: its `group`
+    argument a `tridist.Group`, which passes as a pointer to the group's int32 table (the world
+    cases leave `group` out: None, which compiles as the kernel did before groups). Appended after
+    the world cases, so that those keep their names (`case_names`)."""
+    first = {}
+    for kernel, signature, *rest in world_cases:
+        if kernel in kernels and kernel not in first:
+            first[kernel] = (kernel, {**signature, "group": "*i32"}, *rest)
+    return list(first.values())
+
+
 @functools.cache
 def cases():
     """(kernel, signature, constexprs[, compile options]). Built once: `main`'s forked workers
     inherit the list and pick cases from it by index."""
     CE = sizing.CE_STEP_BYTES  # noqa: N806 - the kernels waiting on copy-engine flags step in these
-    return [
+    world = [
         *_gemm_cases(),
         *_attention_cases(),
         *_grouped_cases(),
@@ -517,6 +539,7 @@ def cases():
         *_group_cases(),
         *_gemm_group_cases(),
     ]
+    return [*world, *_within_groups(world, _COLLECTIVES)]
 
 
 def argument_types(signature: dict) -> list[tuple[tuple[int, ...], str]]:

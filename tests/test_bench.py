@@ -159,6 +159,29 @@ def test_collective_bench_arguments(capsys):
     with pytest.raises(SystemExit):
         collectives.main(["allgather", "--programs", "many"])
     assert "--programs takes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        collectives.main(["allreduce", "--group-size", "0"])
+    assert "--group-size takes a positive number of ranks" in capsys.readouterr().err
+
+
+def _collective_bench_in_groups(w):
+    """`tridist bench allreduce -n 4 --group-size 2 --sizes 4K` (and the all-gather into a symmetric
+    out of each pair's own), checks only: both pairs run every method at once on data of their own,
+    each checked against torch.distributed within its pair."""
+    from tridist.bench import collectives
+
+    for argv in (["allreduce"], ["allgather", "--symmetric", "--method", "ce"]):
+        args = collectives.parse_args([*argv, "--group-size", "2", "--sizes", "4K", "--dtype", "float32"])
+        methods = [args.method] if args.method else list(collectives.METHODS[args.op])
+        assert collectives.run(args.op, collectives.sizes_between(args.sizes), methods, torch.float32, args.variants,
+                               args.symmetric, group_size=args.group_size, timed=False) == ([], [])
+    with pytest.raises(SystemExit, match="--group-size 3 does not divide the 4 ranks"):
+        collectives.my_group(3)
+
+
+@pytest.mark.worlds("4")
+def test_collective_bench_in_groups(world):
+    world.run(_collective_bench_in_groups)
 
 
 def test_bench_help_and_bad_rank_counts(capsys, monkeypatch):

@@ -1,14 +1,16 @@
 """all_gather, reduce_scatter and all_reduce: every method, several dtypes and shapes, random data,
-poisoned outputs, back-to-back calls with no host synchronisation in between."""
+poisoned outputs, back-to-back calls with no host synchronisation in between; within process groups
+(`group=`), several at once."""
 import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tridist
 from tridist import ops
 from tridist.ops import sizing
-from tridist.ops.collectives import policy
+from tridist.ops.collectives import allgather, allreduce, policy, reducescatter
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}  # relative, vs an fp64 sum
@@ -615,3 +617,112 @@ def test_auto_crossovers_symmetric(op, nbytes, nodes, method):
 
     choose = {"all_gather": policy.choose_all_gather, "all_reduce": policy.choose_all_reduce}[op]
     assert choose(nbytes, SimpleNamespace(world_size=2, nnodes=nodes), True) == method
+
+
+# ---- within process groups (`group=`) ------------------------------------------------------------------
+
+
+def _group_payload(group_id: int, rank: int, call: int, n: int) -> torch.Tensor:
+    """World rank `rank`'s input to call `call` within group `group_id`: integers that say which
+    group, rank, call and element, in fp32 below 2^24, so that a group's sums are exact (tolerance
+    0) and a row from another rank, group or call cannot pass."""
+    return ((group_id * 8 + call) * 8 + rank) * 1024 + torch.arange(n, dtype=torch.float32) % 1024
+
+
+def _collectives_in(pg, group_id: int, n: int, every_method: bool = True) -> None:
+    """With `every_method`, every method of the three ops within `pg` (the one-node ones where it
+    spans one node, else their refusal), two calls each; then the symmetric paths on the group's own
+    allocations and the functions' `auto`. Results compared exactly with the sums and rows of the
+    group's payloads."""
+    w = tridist.world()
+    g = tridist.group(pg)
+
+    def mine(call, numel):
+        return _group_payload(group_id, w.rank, call, numel).to(w.device)
+
+    def everyone(call, numel):
+        return [_group_payload(group_id, r, call, numel) for r in g.ranks]
+
+    gathered, total = torch.cat, sum
+    cases = [(ops.AllGather, allgather.CLASSES, n, gathered),
+             (ops.ReduceScatter, reducescatter.CLASSES, g.size * n, lambda e: sum(e).view(g.size, -1)[g.rank]),
+             (ops.AllReduce, allreduce.CLASSES, n, total)]
+    for build, classes, numel, expected in cases if every_method else ():
+        for method, kind in classes.items():
+            if kind.one_node and not g.is_one_node:
+                with pytest.raises(ValueError, match="within one node; this group spans 2 nodes"):
+                    build(numel, torch.float32, method, group=pg)
+                continue
+            with _small_pieces():
+                op = build(numel, torch.float32, method, group=pg)
+            for call in range(2):
+                assert torch.equal(op(mine(call, numel)).cpu(), expected(everyone(call, numel))), \
+                    (build.__name__, method, call)
+            tridist.barrier_all(pg)
+            op.free()
+    out = tridist.symm_empty((g.size * n,), torch.float32, group=pg, name="group test out")
+    x = tridist.symm_empty((n,), torch.float32, group=pg, name="group test x")
+    for call in range(2):  # the copy engines into a symmetric out; the two-shot in place, staged across nodes
+        if g.is_one_node:
+            assert torch.equal(ops.all_gather(mine(call, n), out, method="ce", group=pg).cpu(),
+                               gathered(everyone(call, n)))
+        x.copy_(mine(call, n))
+        assert torch.equal(ops.all_reduce_(x, method="two_shot", group=pg).cpu(), total(everyone(call, n)))
+        assert torch.equal(ops.all_gather(mine(call, n), group=pg).cpu(), gathered(everyone(call, n)))
+        assert torch.equal(ops.reduce_scatter(mine(call, g.size * n), group=pg).cpu(),
+                           sum(everyone(call, g.size * n)).view(g.size, -1)[g.rank])
+    tridist.barrier_all(pg)
+    for t in (x, out):
+        tridist.symm_free(t)
+
+
+def _collectives_in_mesh_groups(w):
+    """A DeviceMesh's groups: "tp" pairs [0, 1] and [2, 3] at once, each on data (and sizes) of its
+    own, then "dp" [0, 2] and [1, 3], strided (across nodes at 2x2): each rank runs in two groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(w.device.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh.get_group("tp"), mesh.get_group("dp")
+    _collectives_in(tp, group_id=w.rank // 2, n=37 + 8 * (w.rank // 2))
+    _collectives_in(dp, group_id=2 + w.rank % 2, n=29 + 8 * (w.rank % 2))
+    # One shape in both groups: the functions keep an instance per group, not one for the shape.
+    x = _group_payload(4, w.rank, 0, 64).to(w.device)
+    for pg in (tp, dp, None):
+        members = tridist.group(pg).ranks
+        assert torch.equal(ops.all_reduce(x, group=pg).cpu(), sum(_group_payload(4, r, 0, 64) for r in members))
+    # A symmetric x of the tp group's is not mapped on the dp peer: refused on both dp ranks.
+    held = tridist.symm_zeros((64,), torch.float32, group=tp, name="tp's x")
+    op = ops.AllReduce(64, torch.float32, "two_shot", symmetric_in_place=True, group=dp)
+    with pytest.raises(ValueError, match=r"the group of ranks \[\d, \d\], without ranks \[\d\] of this op's"):
+        op(held, held)
+    tridist.barrier_all()
+    op.free()
+    tridist.symm_free(held)
+
+
+@pytest.mark.worlds("4", "2x2")
+def test_collectives_in_groups(world):
+    world.run(_collectives_in_mesh_groups)
+
+
+def _collectives_beside_other_work(w):
+    """World 3: ranks 0 and 2 run the ops in their group while rank 1, not a member, runs them
+    alone (a group of one) and is refused the pair's group before anything is launched."""
+    pair, alone = dist.new_group([0, 2]), dist.new_group([1])
+    if w.rank == 1:
+        x = _group_payload(7, 1, 0, 33).to(w.device)
+        assert torch.equal(ops.all_reduce(x, group=alone).cpu(), x.cpu())
+        assert torch.equal(ops.all_gather(x, group=alone).cpu(), x.cpu())
+        for call in (lambda: ops.all_reduce(x, group=pair), lambda: ops.AllGather(33, torch.float32, group=pair)):
+            with pytest.raises(ValueError, match="rank 1 is not a member of this process group"):
+                call()
+    else:
+        _collectives_in(pair, group_id=5, n=45, every_method=False)  # (every method: test_collectives_in_groups)
+        with pytest.raises(ValueError, match="into 2 chunks; make it a multiple of the group size"):
+            ops.reduce_scatter(torch.zeros(3, device=w.device), group=pair)  # checked within the pair only
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("3")
+def test_collectives_beside_a_rank_doing_other_work(world):
+    world.run(_collectives_beside_other_work)

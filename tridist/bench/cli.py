@@ -26,7 +26,8 @@ NAME:
   primitives      put, get, putmem, LL packets and the copy engine between GPU pairs; latency of p, g,
                   atomic_fetch_add, put and get by size; signal round trip (world 1: the local path)
   allgather, reducescatter, allreduce
-                  tridist's methods against NCCL (sizes 4K..256M by default)
+                  tridist's methods against NCCL (sizes 4K..256M by default); --group-size G: groups of G
+                  ranks at once (tensor parallelism), against NCCL on the same subgroups
   gemm            tridist's GEMM alone, every config, against cuBLAS on ag_gemm's local shapes
   ag_gemm, gemm_rs, gemm_ar
                   the overlapped GEMMs against NCCL + cuBLAS one after the other, and against

@@ -45,35 +45,36 @@ def _on_the_host() -> bool:
     return "nccl" not in dist.get_backend()
 
 
-def all_gather(out: torch.Tensor, x: torch.Tensor) -> None:
-    """`dist.all_gather_into_tensor(out, x)`; through the host where the group is gloo (as bytes, so
-    that any dtype goes)."""
+def all_gather(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+    """`dist.all_gather_into_tensor(out, x, group=group)`; through the host where the group is gloo
+    (as bytes, so that any dtype goes)."""
     if not _on_the_host():
-        dist.all_gather_into_tensor(out, x)
+        dist.all_gather_into_tensor(out, x, group=group)
         return
     mine = x.contiguous().view(-1).view(torch.uint8).cpu()
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
     out.copy_(torch.cat(parts).view(out.dtype).view(out.shape))
 
 
-def _host_sum(x: torch.Tensor) -> torch.Tensor:
+def _host_sum(x: torch.Tensor, group) -> torch.Tensor:
     total = x.float().cpu()  # fp32: gloo need not take 16-bit floats, and the sum is a reference
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=group)
     return total
 
 
-def all_reduce(t: torch.Tensor) -> None:
-    """`dist.all_reduce(t)` (sum); through the host, in fp32, where the group is gloo."""
+def all_reduce(t: torch.Tensor, group=None) -> None:
+    """`dist.all_reduce(t, group=group)` (sum); through the host, in fp32, where the group is gloo."""
     if not _on_the_host():
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         return
-    t.copy_(_host_sum(t))
+    t.copy_(_host_sum(t, group))
 
 
-def reduce_scatter(out: torch.Tensor, x: torch.Tensor) -> None:
-    """`dist.reduce_scatter_tensor(out, x)` (sum); through the host, in fp32, where the group is gloo."""
+def reduce_scatter(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
+    """`dist.reduce_scatter_tensor(out, x, group=group)` (sum); through the host, in fp32, where the
+    group is gloo."""
     if not _on_the_host():
-        dist.reduce_scatter_tensor(out, x)
+        dist.reduce_scatter_tensor(out, x, group=group)
         return
-    out.copy_(_host_sum(x).view(dist.get_world_size(), *out.shape)[dist.get_rank()])
+    out.copy_(_host_sum(x, group).view(dist.get_world_size(group), *out.shape)[dist.get_rank(group)])

@@ -11,6 +11,10 @@ Each class's docstring says what its methods do and where they work; each op is 
 (`allgather`, `reducescatter`, `allreduce`) whose modules are its methods, each with its protocol,
 and `policy` holds what `method="auto"` chooses. Common to all three:
 
+- `group=` (classes and functions) runs the op within a process group (`dist.new_group(ranks)`,
+  a DeviceMesh's `mesh.get_group("tp")`, or a `tridist.Group`): only its members call, ranks,
+  sizes and nodes are the group's, and its buffers and call epochs are its own, so several groups
+  run their calls at once without waiting on each other. None (the default) is the world.
 - `programs=` (classes) caps the programs (blocks, so SMs) a call's kernels run; default one
   per SM.
 - Reductions sum in fp32 whatever the input dtype and round once; they take bf16, fp16 and

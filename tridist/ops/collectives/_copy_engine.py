@@ -19,12 +19,12 @@ from ..copy_engines import wait_chunks
 
 @jit
 def all_gather_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, total, row, chunk, chunks,
-                         COPY_OWN: tl.constexpr, splits, BLOCK: tl.constexpr):
+                         COPY_OWN: tl.constexpr, splits, BLOCK: tl.constexpr, group=None):
     """out[p * n:] gets rank p's part (n elements, fewer for the last ranks if `total` is short):
     from x for this rank (if COPY_OWN), for the others from staging row p as its chunks land.
     Program (p, s) copies blocks s, s + splits, ... of part p, so all programs of a row work on a
-    chunk as soon as it is there."""
-    me = dl.rank()
+    chunk as soon as it is there. Ranks are `group`'s, if given."""
+    me = dl.rank(group)
     peer = tl.program_id(0)
     length = tl.minimum(tl.maximum(total - peer * n, 0), n)
     offsets = tl.arange(0, BLOCK)
@@ -44,12 +44,12 @@ def all_gather_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, total, row, 
 
 @jit
 def reduce_ce_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, n, m, row, chunk, chunks, splits,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, group=None):
     """out[:len] = the sum over ranks r of x_r[rank * m:][:len] (len = this rank's part of n, m per
     rank): this rank's term from x, rank r's from staging row r, where r's copy engines write it,
-    block by block as r's chunks land. Summed in rank order, in fp32."""
-    me = dl.rank()
-    world = dl.num_ranks()
+    block by block as r's chunks land. Summed in rank order, in fp32. Ranks are `group`'s, if given."""
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     length = tl.minimum(tl.maximum(n - me * m, 0), m)
     offsets = tl.arange(0, BLOCK)
     stage = staging_ptr

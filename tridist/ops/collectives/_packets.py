@@ -21,21 +21,22 @@ from ..protocol import LL_BLOCK, PacketRows, call_epoch, finish_call, in_slot, p
 
 @jit
 def reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, peer_stride, row, slot_numel, DTYPE: tl.constexpr,
-                     splits, BLOCK: tl.constexpr):
+                     splits, BLOCK: tl.constexpr, group=None):
     """x and out are viewed as int32 words, each one fp32 or two 16-bit floats of DTYPE. Rank p gets
     the sum over ranks of the n words at x + p * peer_stride: peer_stride is 0 for an all-reduce
     (every rank sums all of x) and n for a reduce-scatter (rank p sums chunk p). Program s sends
     its slice of what each peer sums to row `rank` of that peer's packets, then sums its slice over
-    the ranks in rank order (its own words straight from x), so every rank gets the same bits."""
+    the ranks in rank order (its own words straight from x), so every rank gets the same bits.
+    Ranks are `group`'s, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     stage = in_slot(packets_ptr, epoch, slot_numel)
     start, stop = split_bounds(n, tl.program_id(0), splits, BLOCK)
     offsets = tl.arange(0, BLOCK)
     for step in range(1, world):
         peer = (me + step) % world
-        remote = dl.symm_at(stage + me * row, peer)
+        remote = dl.symm_at(stage + me * row, peer, group)
         source = x_ptr + peer * peer_stride
         for offset in range(start, stop, BLOCK):
             mask = offset + offsets < stop
@@ -64,10 +65,12 @@ def reduce_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, peer_stride, row
     finish_call(calls_ptr)
 
 
-def reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, peer_stride: int) -> None:
-    """Launch `reduce_ll_kernel` on `packets`' programs: `out` = the sum over ranks of `packets.words`
-    words of x from `rank * peer_stride`."""
+def reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, peer_stride: int, ranks) -> None:
+    """Launch `reduce_ll_kernel` on `packets`' programs: `out` = the sum over `ranks` (an
+    `ops.ranks.Ranks`, those `packets` were allocated among) of `packets.words` words of x from
+    `rank * peer_stride`."""
     reduce_ll_kernel[(packets.splits,)](
         x_ptr=x.view(-1).view(torch.int32), out_ptr=out.view(-1).view(torch.int32), packets_ptr=packets.staging,
         calls_ptr=packets.calls, n=packets.words, peer_stride=peer_stride, row=packets.row,
-        slot_numel=packets.slot_numel, DTYPE=checks.TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK)
+        slot_numel=packets.slot_numel, DTYPE=checks.TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK,
+        group=ranks.handle)

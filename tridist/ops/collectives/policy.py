@@ -2,7 +2,8 @@
 
 Every threshold is a named constant that says why it sits where it does and where its measurement
 is (H200s joined by NVLink, bf16): docs/performance.md, section "2 x H200 (NV18)", holds the latest
-figure of every size, benchmarks/NOTES.md the runs behind each crossover.
+figure of every size, benchmarks/NOTES.md the runs behind each crossover. An op built with `group=`
+chooses by the group's size and nodes, as for a world of that shape (the measurements are worlds').
 """
 
 LL_MAX_GATHERED_BYTES = 1 << 20
@@ -38,53 +39,52 @@ caller caps the programs: faster from 64 MB, slower below (benchmarks/NOTES.md, 
 symmetric tensors" and "Moved from the code's docstrings (issue 41)")."""
 
 
-def choose_all_gather(total_bytes: int, world, symmetric_out: bool = False) -> str:
-    """The method `"auto"` runs for an all-gather of `total_bytes` (all ranks' shards together) in
-    `world` (its `world_size` and `nnodes`): `"2d"` across nodes (each shard crosses the network
-    once per node, where `"push"` sends it once per rank; not measured across nodes); `"ll"` up to
-    `LL_MAX_GATHERED_BYTES` when every shard is whole 4-byte words; `"ce"` into a symmetric `out`
-    above `CE_SYMMETRIC_MIN_BYTES`; else `"push"`. The copy engines are otherwise left to callers
-    that keep the SMs busy with other work: on their own the SM methods are faster. From 4 ranks,
-    `"ring"` from `RING_MIN_GATHERED_BYTES`."""
-    if world.nnodes > 1:
+def choose_all_gather(total_bytes: int, ranks, symmetric_out: bool = False) -> str:
+    """The method `"auto"` runs for an all-gather of `total_bytes` (all ranks' shards together) among
+    `ranks` (the world or the op's group: its `world_size` and `nnodes`): `"2d"` across nodes (each
+    shard crosses the network once per node, where `"push"` sends it once per rank; not measured
+    across nodes); `"ll"` up to `LL_MAX_GATHERED_BYTES` when every shard is whole 4-byte words;
+    `"ce"` into a symmetric `out` above `CE_SYMMETRIC_MIN_BYTES`; else `"push"`. The copy engines
+    are otherwise left to callers that keep the SMs busy with other work: on their own the SM
+    methods are faster. From 4 ranks, `"ring"` from `RING_MIN_GATHERED_BYTES`."""
+    if ranks.nnodes > 1:
         return "2d"
-    if total_bytes <= LL_MAX_GATHERED_BYTES and total_bytes % (4 * world.world_size) == 0:
+    if total_bytes <= LL_MAX_GATHERED_BYTES and total_bytes % (4 * ranks.world_size) == 0:
         return "ll"
     if symmetric_out and total_bytes > CE_SYMMETRIC_MIN_BYTES:
         return "ce"
-    if world.world_size >= 4 and total_bytes >= RING_MIN_GATHERED_BYTES:
+    if ranks.world_size >= 4 and total_bytes >= RING_MIN_GATHERED_BYTES:
         return "ring"
     return "push"
 
 
-def choose_reduce_scatter(nbytes: int, world) -> str:
-    """The method `"auto"` runs for a reduce-scatter of `nbytes` per rank in `world`: `"2d"` across
-    nodes (it puts each node's sum over the network once; not measured across nodes); `"ll"` while
-    a rank sends ((world-1)/world of x) at most `LL_MAX_SENT_BYTES` and its chunk is whole 4-byte
-    words; else `"one_shot"`. `"ce"` is left to callers that keep the SMs busy with other work: on
-    their own the SM methods are faster (benchmarks/NOTES.md, "Moved from the code's docstrings
-    (issue 41)")."""
-    n = world.world_size
-    if world.nnodes > 1:
+def choose_reduce_scatter(nbytes: int, ranks) -> str:
+    """The method `"auto"` runs for a reduce-scatter of `nbytes` per rank among `ranks` (the world
+    or the op's group): `"2d"` across nodes (it puts each node's sum over the network once; not
+    measured across nodes); `"ll"` while a rank sends ((world-1)/world of x) at most
+    `LL_MAX_SENT_BYTES` and its chunk is whole 4-byte words; else `"one_shot"`. `"ce"` is left to
+    callers that keep the SMs busy with other work: on their own the SM methods are faster
+    (benchmarks/NOTES.md, "Moved from the code's docstrings (issue 41)")."""
+    n = ranks.world_size
+    if ranks.nnodes > 1:
         return "2d"
     if n > 1 and nbytes * (n - 1) // n <= LL_MAX_SENT_BYTES and (nbytes // n) % 4 == 0:
         return "ll"
     return "one_shot"
 
 
-def choose_all_reduce(nbytes: int, world, symmetric_in_place: bool = False) -> str:
-    """The method `"auto"` runs for an all-reduce of `nbytes` per rank in `world`, by what a rank
-    sends (`nbytes * (world_size - 1)`): `"ll"` on one node up to `LL_MAX_SENT_BYTES` of whole 4-byte
-    words, `"one_shot"` up to `ONE_SHOT_MAX_SENT_BYTES` with 2 ranks or across nodes, else
-    `"two_shot"`. In place on a symmetric x on one node the two-shot needs no staging and takes over
-    from `"ll"` directly. `"ce"` is left to
-    callers that keep the SMs busy with other work: on their own the SM methods are faster (same
-    section)."""
-    n = world.world_size
+def choose_all_reduce(nbytes: int, ranks, symmetric_in_place: bool = False) -> str:
+    """The method `"auto"` runs for an all-reduce of `nbytes` per rank among `ranks` (the world or
+    the op's group), by what a rank sends (`nbytes * (world_size - 1)`): `"ll"` on one node up to
+    `LL_MAX_SENT_BYTES` of whole 4-byte words, `"one_shot"` up to `ONE_SHOT_MAX_SENT_BYTES` with 2
+    ranks or across nodes, else `"two_shot"`. In place on a symmetric x on one node the two-shot
+    needs no staging and takes over from `"ll"` directly. `"ce"` is left to callers that keep the
+    SMs busy with other work: on their own the SM methods are faster (same section)."""
+    n = ranks.world_size
     sent = nbytes * (n - 1)
-    if world.nnodes == 1 and sent <= LL_MAX_SENT_BYTES and nbytes % 4 == 0:
+    if ranks.nnodes == 1 and sent <= LL_MAX_SENT_BYTES and nbytes % 4 == 0:
         return "ll"
-    one_node_two_shot = world.nnodes == 1 and (symmetric_in_place or n > 2)
+    one_node_two_shot = ranks.nnodes == 1 and (symmetric_in_place or n > 2)
     if sent <= ONE_SHOT_MAX_SENT_BYTES and not one_node_two_shot:
         return "one_shot"
     return "two_shot"

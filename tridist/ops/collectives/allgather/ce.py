@@ -12,8 +12,6 @@ on its own "push" is faster, so `auto` picks "ce" only into a symmetric `out`
 """
 import torch
 
-import tridist
-
 from ... import sizing
 from ...copy_engines import CopyEnginePush
 from ...method import Method
@@ -21,27 +19,28 @@ from .._copy_engine import all_gather_ce_kernel
 
 
 class CopyEngines(Method):
-    """The copy-engine all-gather through staging, built for shards of `numel` elements of `dtype`;
-    at most `programs` programs copy out (world_size sources share them)."""
+    """The copy-engine all-gather through staging among `ranks` (an `ops.ranks.Ranks`), built for
+    shards of `numel` elements of `dtype`; at most `programs` programs copy out (world_size sources
+    share them)."""
 
     name = "ce"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
         self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
-                                                                  max(1, programs // w.world_size),
+                                                                  max(1, programs // ranks.world_size),
                                                                   sizing.CE_STEP_BYTES)
-        self.transfer = self.own(CopyEnginePush(numel, dtype, name="all_gather ce"))
+        self.transfer = self.own(CopyEnginePush(numel, dtype, name="all_gather ce", ranks=ranks))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        transfer = self.transfer
+        transfer, ranks = self.transfer, self.ranks
         transfer.barrier()
-        transfer.push([x.view(-1)] * self.world.world_size)
-        all_gather_ce_kernel[(self.world.world_size, self.splits)](
+        transfer.push([x.view(-1)] * ranks.world_size)
+        all_gather_ce_kernel[(ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=transfer.staging, flags_ptr=transfer.flags, n=self.numel,
             total=out.numel(), row=transfer.row, chunk=transfer.chunk, chunks=transfer.chunks, COPY_OWN=True,
-            splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=ranks.handle)
         transfer.join()

@@ -22,26 +22,27 @@ from ...method import Method
 
 
 class CopyEnginesIntoOut(Method):
-    """The copy-engine all-gather into a symmetric `out`, built for shards of `numel` elements (any
-    dtype; `programs` unused: no kernel runs)."""
+    """The copy-engine all-gather into a symmetric `out` among `ranks` (an `ops.ranks.Ranks`),
+    built for shards of `numel` elements (any dtype; `programs` unused: no kernel runs)."""
 
     name = "ce"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
-        self.streams = PeerStreams(w)
-        self.barrier = self.own(sync.Barrier())
+        self.streams = PeerStreams(ranks)
+        self.barrier = self.own(sync.Barrier(ranks.group))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        w, n = self.world, self.numel
+        ranks, n = self.ranks, self.numel
+        mine = slice(ranks.rank * n, (ranks.rank + 1) * n)
         self.barrier()  # every peer's out may be written
         for index, peer in enumerate(self.streams.peers):
             with self.streams.side(index):
-                tridist.peer_tensor(out, peer).view(-1)[w.rank * n:(w.rank + 1) * n].copy_(x.view(-1))
-        own = out.view(-1)[w.rank * n:(w.rank + 1) * n]
+                tridist.peer_tensor(out, peer, ranks.group).view(-1)[mine].copy_(x.view(-1))
+        own = out.view(-1)[mine]
         if own.data_ptr() != x.data_ptr():
             own.copy_(x.view(-1))
         self.streams.join()

@@ -11,7 +11,6 @@ receives a packet from every peer. The shard must be whole 4-byte words.
 import torch
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -21,11 +20,11 @@ from ...method import Method
 
 @jit
 def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_numel, splits,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, group=None):
     """x and out are viewed as int32 words; program (p, s) exchanges slice s of the shards with rank
-    p. Staging rows are `row` packets apart."""
+    p (of `group`, if given). Staging rows are `row` packets apart."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
+    me = dl.rank(group)
     peer = tl.program_id(0)
     start, stop = split_bounds(n, tl.program_id(1), splits, BLOCK)
     stage = in_slot(packets_ptr, epoch, slot_numel)
@@ -33,7 +32,7 @@ def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
     if peer == me:
         copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
     else:
-        remote = dl.symm_at(stage + me * row, peer)
+        remote = dl.symm_at(stage + me * row, peer, group)
         for offset in range(start, stop, BLOCK):
             mask = offset + offsets < stop
             dl.ll.send(remote + offset + offsets, tl.load(x_ptr + offset + offsets, mask=mask), epoch, mask)
@@ -45,8 +44,8 @@ def all_gather_ll_kernel(x_ptr, out_ptr, packets_ptr, calls_ptr, n, row, slot_nu
 
 
 class Packets(Method):
-    """The LL exchange, built for shards of `numel` elements of `dtype` (whole 4-byte words), on at
-    most `programs` programs (world_size peers share them).
+    """The LL exchange among `ranks` (an `ops.ranks.Ranks`), built for shards of `numel` elements
+    of `dtype` (whole 4-byte words), on at most `programs` programs (world_size peers share them).
 
     Raises:
         ValueError: the shard is not whole 4-byte words.
@@ -55,13 +54,15 @@ class Packets(Method):
     name = "ll"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
-        self.workspace = self.own(PacketRows("all_gather", numel * dtype.itemsize, max(1, programs // w.world_size)))
+        self.ranks = ranks
+        self.workspace = self.own(PacketRows("all_gather", numel * dtype.itemsize, max(1, programs // ranks.world_size),
+                                             ranks=ranks))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
-        all_gather_ll_kernel[(self.world.world_size, ws.splits)](
+        all_gather_ll_kernel[(self.ranks.world_size, ws.splits)](
             x_ptr=x.view(-1).view(torch.int32), out_ptr=out.view(-1).view(torch.int32), packets_ptr=ws.staging,
-            calls_ptr=ws.calls, n=ws.words, row=ws.row, slot_numel=ws.slot_numel, splits=ws.splits, BLOCK=LL_BLOCK)
+            calls_ptr=ws.calls, n=ws.words, row=ws.row, slot_numel=ws.slot_numel, splits=ws.splits, BLOCK=LL_BLOCK,
+            group=self.ranks.handle)

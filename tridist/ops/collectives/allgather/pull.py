@@ -10,7 +10,6 @@ need no handshake.
 import torch
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -21,11 +20,11 @@ from ...method import Method
 
 @jit
 def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, slot_numel, splits,
-                           BLOCK: tl.constexpr):
-    """Staging holds this rank's shard, one per slot."""
+                           BLOCK: tl.constexpr, group=None):
+    """Staging holds this rank's shard, one per slot. Ranks are `group`'s, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     peer = tl.program_id(0)
     split = tl.program_id(1)
     start, stop = split_bounds(n, split, splits, BLOCK)
@@ -34,30 +33,32 @@ def all_gather_pull_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
     if peer == me:
         copy_slice(x_ptr, stage, start, stop, BLOCK)
         copy_slice(x_ptr, out_ptr + me * n, start, stop, BLOCK)
-        notify_peers(flags + me * splits + split, epoch)
+        notify_peers(flags + me * splits + split, epoch, group)
     else:
-        copy_slice(after_flags(dl.symm_at(stage, peer), flags + peer * splits + split, 1, epoch),
+        copy_slice(after_flags(dl.symm_at(stage, peer, group), flags + peer * splits + split, 1, epoch),
                    out_ptr + peer * n, start, stop, BLOCK)
     finish_call(calls_ptr)
 
 
 class Pull(Method):
-    """The pull, built for shards of `numel` elements of `dtype`, on at most `programs` programs
-    (world_size sources share them)."""
+    """The pull among `ranks` (an `ops.ranks.Ranks`), built for shards of `numel` elements of
+    `dtype`, on at most `programs` programs (world_size sources share them)."""
 
     name = "pull"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
         self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
-                                                                  max(1, programs // w.world_size))
-        self.workspace = self.own(Workspace(numel, dtype, w.world_size * self.splits, "all_gather pull"))
+                                                                  max(1, programs // ranks.world_size))
+        self.workspace = self.own(Workspace(numel, dtype, ranks.world_size * self.splits, name="all_gather pull",
+                                            group=ranks.group))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
-        all_gather_pull_kernel[(self.world.world_size, self.splits)](
+        all_gather_pull_kernel[(self.ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
-            slot_numel=ws.slot_numel, splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+            slot_numel=ws.slot_numel, splits=self.splits, BLOCK=self.block, num_warps=self.warps,
+            group=self.ranks.handle)

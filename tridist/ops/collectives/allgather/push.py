@@ -12,7 +12,6 @@ call epochs (`protocol`) need no handshake.
 import torch
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -24,14 +23,14 @@ from ...method import Method
 
 @jit
 def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
-                           slices, BLOCK: tl.constexpr):
+                           slices, BLOCK: tl.constexpr, group=None):
     """Program (p, s) for a peer p sends slices s, s + splits, ... of this rank's shard into row
     `rank` of p's staging, each followed by flag (rank, slice) there; program (rank, s) copies the
     same slices of this rank's shard into `out`, then of each peer's as its flag arrives. Staging
-    rows are `row` (n rounded up to 64) elements apart."""
+    rows are `row` (n rounded up to 64) elements apart. Ranks are `group`'s, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     peer = tl.program_id(0)
     stage = in_slot(staging_ptr, epoch, slot_numel)
     flags = in_slot(flags_ptr, epoch, world * slices)
@@ -45,31 +44,31 @@ def all_gather_push_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n,
                            out_ptr + source * n, start, stop, BLOCK)
         else:
             push_slice(x_ptr, stage + me * row, start, stop, flags + me * slices + j, epoch, peer, local_world_size,
-                       BLOCK)
+                       BLOCK, group=group)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
 
 class Push(Method):
-    """The sliced push, built for shards of `numel` elements of `dtype`, on at most `programs`
-    programs (world_size destinations share them)."""
+    """The sliced push among `ranks` (an `ops.ranks.Ranks`), built for shards of `numel` elements
+    of `dtype`, on at most `programs` programs (world_size destinations share them)."""
 
     name = "push"
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
         self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
-                                                                  max(1, programs // w.world_size))
+                                                                  max(1, programs // ranks.world_size))
         self.slices = sizing.slices_for(numel, dtype.itemsize, self.splits)
         self.row = row_stride(numel)
-        self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.slices,
-                                            "all_gather push"))
+        self.workspace = self.own(Workspace(ranks.world_size * self.row, dtype, ranks.world_size * self.slices,
+                                            name="all_gather push", group=ranks.group))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        ws = self.workspace
-        all_gather_push_kernel[(self.world.world_size, self.splits)](
+        ws, ranks = self.workspace, self.ranks
+        all_gather_push_kernel[(ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
-            row=self.row, slot_numel=ws.slot_numel, local_world_size=self.world.local_world_size, slices=self.slices,
-            BLOCK=self.block, num_warps=self.warps)
+            row=self.row, slot_numel=ws.slot_numel, local_world_size=ranks.local_world_size, slices=self.slices,
+            BLOCK=self.block, num_warps=self.warps, group=ranks.handle)

@@ -18,7 +18,6 @@ GEMM reads the staging itself.
 import torch
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -30,7 +29,7 @@ from ...method import Method
 
 @jit
 def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
-                         COPY_OUT: tl.constexpr, splits, BLOCK: tl.constexpr, group):
+                         COPY_OUT: tl.constexpr, splits, BLOCK: tl.constexpr, group=None):
     """Program (task, split) moves slice `split`. With L ranks per node and N nodes, the grid's
     L + 2 (N - 1) tasks (`spread_tasks`) spread this rank's shard into row `rank` of every rank's
     staging (rows `row` apart):
@@ -39,7 +38,7 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
     - task = L + N - 1 + j: waits until the shard of the rank with this local index on node
       (node + 1 + j) % N has arrived here, then forwards it to the other ranks of this node.
     With COPY_OUT, task t then copies rows t, t + L + 2 (N - 1), ... into `out` as they arrive.
-    Ranks, nodes and L are of `group` (None: the world)."""
+    Ranks, nodes and `local_world_size` are `group`'s, if given (its members numbered node by node)."""
     epoch = call_epoch(calls_ptr)
     me, world, nodes, node, local = placement(local_world_size, group)
     task = tl.program_id(0)
@@ -70,37 +69,37 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
     finish_call(calls_ptr)
 
 
-def spread_tasks(world) -> int:
-    """Spreading programs per slice in `all_gather_2d_kernel`: one per rank of the node, one put and
-    one forward per other node."""
-    return world.local_world_size + 2 * (world.nnodes - 1)
+def spread_tasks(ranks) -> int:
+    """Spreading programs per slice in `all_gather_2d_kernel` among `ranks` (a `tridist.World` or an
+    `ops.ranks.Ranks`): one per rank of the node, one put and one forward per other node."""
+    return ranks.local_world_size + 2 * (ranks.nnodes - 1)
 
 
 class TwoD(Method):
-    """The two-level all-gather, built for shards of `numel` elements of `dtype`, on at most
-    `programs` programs (`spread_tasks` per slice); fewer splits at the first call if not all of
-    them can be resident."""
+    """The two-level all-gather among `ranks` (an `ops.ranks.Ranks`), built for shards of `numel`
+    elements of `dtype`, on at most `programs` programs (`spread_tasks` per slice); fewer splits at
+    the first call if not all of them can be resident."""
 
     name = "2d"
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
-        self.tasks = spread_tasks(w)
+        self.tasks = spread_tasks(ranks)
         self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
                                                                   max(1, programs // self.tasks))
         self.row = row_stride(numel)
-        self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
-                                            "all_gather 2d"))
+        self.workspace = self.own(Workspace(ranks.world_size * self.row, dtype, ranks.world_size * self.splits,
+                                            name="all_gather 2d", group=ranks.group))
         self.fitted = False  # `splits` is fitted to what can be resident at the first call
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
         arguments = dict(x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls,
                     n=self.numel, row=self.row, slot_numel=ws.slot_numel,
-                    local_world_size=self.world.local_world_size, COPY_OUT=True, BLOCK=self.block,
-                    num_warps=self.warps, group=None)
+                    local_world_size=self.ranks.local_world_size, COPY_OUT=True, BLOCK=self.block,
+                    num_warps=self.warps, group=self.ranks.handle)
         if not self.fitted:  # fewer splits use fewer of the workspace's flags
             self.splits = sizing.fit_coresident(all_gather_2d_kernel, self.splits, self.tasks,
                                                    splits=self.splits, **arguments)

@@ -18,8 +18,6 @@ all of this rank's x that it needed.
 import torch
 import triton
 
-import tridist
-
 from ... import sizing
 from ...copy_engines import CopyEnginePush
 from ...method import Method
@@ -27,38 +25,39 @@ from .._copy_engine import all_gather_ce_kernel, reduce_ce_kernel
 
 
 class CopyEngines(Method):
-    """The copy-engine all-reduce, built for `numel` elements of `dtype` per rank; at most
-    `programs` programs sum and copy out (world_size sources share them)."""
+    """The copy-engine all-reduce among `ranks` (an `ops.ranks.Ranks`), built for `numel` elements
+    of `dtype` per rank; at most `programs` programs sum and copy out (world_size sources share
+    them)."""
 
     name = "ce"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
-        self.chunk = triton.cdiv(numel, w.world_size)
+        self.chunk = triton.cdiv(numel, ranks.world_size)
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
-                                                                  max(1, programs // w.world_size),
+                                                                  max(1, programs // ranks.world_size),
                                                                   sizing.CE_STEP_BYTES)
-        self.scatter = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce scatter"))
-        self.gather = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce gather"))
+        self.scatter = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce scatter", ranks=ranks))
+        self.gather = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce gather", ranks=ranks))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        w, m, n = self.world, self.chunk, self.numel
+        ranks, m, n = self.ranks, self.chunk, self.numel
         scatter, gather = self.scatter, self.gather
         source, target = x.view(-1), out.view(-1)
-        mine = target[min(w.rank * m, n):min((w.rank + 1) * m, n)]
+        mine = target[min(ranks.rank * m, n):min((ranks.rank + 1) * m, n)]
         scatter.barrier()  # every peer is done with the last call, with both stagings
-        scatter.push([source[min(p * m, n):min((p + 1) * m, n)] for p in range(w.world_size)])
+        scatter.push([source[min(p * m, n):min((p + 1) * m, n)] for p in range(ranks.world_size)])
         reduce_ce_kernel[(self.splits,)](
             x_ptr=source, out_ptr=mine, staging_ptr=scatter.staging, flags_ptr=scatter.flags, n=n, m=m,
             row=scatter.row, chunk=scatter.chunk, chunks=scatter.chunks, splits=self.splits, BLOCK=self.block,
-            num_warps=self.warps)
-        gather.push([mine] * w.world_size)
-        all_gather_ce_kernel[(w.world_size, self.splits)](
+            num_warps=self.warps, group=ranks.handle)
+        gather.push([mine] * ranks.world_size)
+        all_gather_ce_kernel[(ranks.world_size, self.splits)](
             x_ptr=target, out_ptr=target, staging_ptr=gather.staging, flags_ptr=gather.flags, n=m, total=n,
             row=gather.row, chunk=gather.chunk, chunks=gather.chunks, COPY_OWN=False, splits=self.splits,
-            BLOCK=self.block, num_warps=self.warps)
+            BLOCK=self.block, num_warps=self.warps, group=ranks.handle)
         scatter.join()
         gather.join()

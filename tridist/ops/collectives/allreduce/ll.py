@@ -11,8 +11,8 @@ from .._packets import reduce_packets
 
 
 class Packets(Method):
-    """The LL all-reduce, built for `numel` elements of `dtype` per rank (whole 4-byte words), on at
-    most `programs` programs.
+    """The LL all-reduce among `ranks` (an `ops.ranks.Ranks`), built for `numel` elements of
+    `dtype` per rank (whole 4-byte words), on at most `programs` programs.
 
     Raises:
         ValueError: x is not whole 4-byte words.
@@ -21,9 +21,10 @@ class Packets(Method):
     name = "ll"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.workspace = self.own(PacketRows("all_reduce", numel * dtype.itemsize, programs))
+        self.ranks = ranks
+        self.workspace = self.own(PacketRows("all_reduce", numel * dtype.itemsize, programs, ranks=ranks))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        reduce_packets(self.workspace, x, out, peer_stride=0)
+        reduce_packets(self.workspace, x, out, 0, self.ranks)

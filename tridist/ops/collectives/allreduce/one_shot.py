@@ -10,7 +10,6 @@ world_size * splits flags; two slots and call epochs (`protocol`) need no handsh
 import torch
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -23,10 +22,11 @@ from .._sums import sum_rows
 
 @jit
 def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel,
-                               local_world_size, splits, BLOCK: tl.constexpr):
+                               local_world_size, splits, BLOCK: tl.constexpr, group=None):
+    """Program s sends slice s of x to every rank, then sums it over the ranks (of `group`, if given)."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     stage = in_slot(staging_ptr, epoch, slot_numel)
     flags = in_slot(flags_ptr, epoch, world * splits)
     split = tl.program_id(0)
@@ -34,7 +34,7 @@ def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
     for step in range(world):
         peer = (me + step) % world
         push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
-                   BLOCK)
+                   BLOCK, group=group)
     for peer in range(world):
         stage = after_flags(stage, flags + peer * splits + split, 1, epoch)
     sum_rows(stage, row, world, out_ptr, start, stop, BLOCK)
@@ -43,23 +43,23 @@ def all_reduce_one_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
 
 
 class OneShot(Method):
-    """The one-shot all-reduce, built for `numel` elements of `dtype` per rank, on at most `programs`
-    programs."""
+    """The one-shot all-reduce among `ranks` (an `ops.ranks.Ranks`), built for `numel` elements of
+    `dtype` per rank, on at most `programs` programs."""
 
     name = "one_shot"
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
         self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize, programs)
         self.row = row_stride(numel)
-        self.workspace = self.own(Workspace(w.world_size * self.row, dtype, w.world_size * self.splits,
-                                            "all_reduce one_shot"))
+        self.workspace = self.own(Workspace(ranks.world_size * self.row, dtype, ranks.world_size * self.splits,
+                                            name="all_reduce one_shot", group=ranks.group))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
         all_reduce_one_shot_kernel[(self.splits,)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
-            row=self.row, slot_numel=ws.slot_numel, local_world_size=self.world.local_world_size,
-            splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+            row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,
+            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)

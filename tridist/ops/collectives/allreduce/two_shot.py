@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -34,15 +33,16 @@ from .._sums import send_chunks, sum_slice
 
 @jit
 def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
-                               local_world_size, slices, BLOCK: tl.constexpr):
+                               local_world_size, slices, BLOCK: tl.constexpr, group=None):
     """x and out have world_size * m elements (padded by the host). The slot holds world rows
     (`row` apart) for the reduce-scatter, then world rows for the gather of reduced chunks, each
     with a flag per slice. Program (rank, s) sums slices s, s + splits, ... of this rank's chunk into
     `out` and sends each to every peer; program (p, s) for a peer p sends p its chunk of x
-    (`send_chunks`), then copies p's reduced slices into `out` as they arrive."""
+    (`send_chunks`), then copies p's reduced slices into `out` as they arrive. Ranks are
+    `group`'s, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     peer = tl.program_id(0)
     stage = in_slot(staging_ptr, epoch, slot_numel)
     flags = in_slot(flags_ptr, epoch, 2 * world * slices)
@@ -51,13 +51,14 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
     if peer == me:
         for j in range(tl.program_id(1), slices, tl.num_programs(1)):
             start, stop = split_bounds(m, j, slices, BLOCK)
-            sum_slice(x_ptr + me * m, stage, row, flags, epoch, slices, j, out_ptr + me * m, start, stop, BLOCK)
+            sum_slice(x_ptr + me * m, stage, row, flags, epoch, slices, j, out_ptr + me * m, start, stop, BLOCK,
+                      group)
             sync_program()
             for step in range(1, world):
                 push_slice(out_ptr + me * m, gathered + me * row, start, stop, gather_flags + me * slices + j, epoch,
-                           (me + step) % world, local_world_size, BLOCK)
+                           (me + step) % world, local_world_size, BLOCK, group=group)
     else:
-        send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK, WIDE=True)
+        send_chunks(x_ptr, stage, flags, epoch, m, row, slices, local_world_size, BLOCK, WIDE=True, group=group)
         for j in range(tl.program_id(1), slices, tl.num_programs(1)):
             start, stop = split_bounds(m, j, slices, BLOCK)
             copy_slice(after_flags(gathered + peer * row, gather_flags + peer * slices + j, 1, epoch),
@@ -67,25 +68,27 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
 
 
 class TwoShot(Method):
-    """The sliced two-shot all-reduce through staging, built for `numel` elements of `dtype` per
-    rank, on at most `programs` programs (world_size chunks share them)."""
+    """The sliced two-shot all-reduce through staging among `ranks` (an `ops.ranks.Ranks`), built
+    for `numel` elements of `dtype` per rank, on at most `programs` programs (world_size chunks
+    share them)."""
 
     name = "two_shot"
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
-        self.chunk = triton.cdiv(numel, w.world_size)
+        self.chunk = triton.cdiv(numel, ranks.world_size)
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
-                                                                  max(1, programs // w.world_size))
+                                                                  max(1, programs // ranks.world_size))
         self.slices = sizing.slices_for(self.chunk, dtype.itemsize, self.splits)
         self.row = row_stride(self.chunk)
-        self.workspace = self.own(Workspace(2 * w.world_size * self.row, dtype, 2 * w.world_size * self.slices,
-                                            "all_reduce two_shot"))
+        self.workspace = self.own(Workspace(2 * ranks.world_size * self.row, dtype,
+                                            2 * ranks.world_size * self.slices, name="all_reduce two_shot",
+                                            group=ranks.group))
         # x and out padded to world_size whole chunks (a regular tensor), where they are not already
-        self.padded = None if self.chunk * w.world_size == numel else torch.zeros(
-            2, self.chunk * w.world_size, dtype=dtype, device=w.device)
+        self.padded = None if self.chunk * ranks.world_size == numel else torch.zeros(
+            2, self.chunk * ranks.world_size, dtype=dtype, device=ranks.device)
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
@@ -93,9 +96,9 @@ class TwoShot(Method):
         if self.padded is not None:
             self.padded[0, :self.numel].copy_(x.view(-1))
             source, target = self.padded[0], self.padded[1]
-        all_reduce_two_shot_kernel[(self.world.world_size, self.splits)](
+        all_reduce_two_shot_kernel[(self.ranks.world_size, self.splits)](
             x_ptr=source, out_ptr=target, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls,
-            m=self.chunk, row=self.row, slot_numel=ws.slot_numel, local_world_size=self.world.local_world_size,
-            slices=self.slices, BLOCK=self.block, num_warps=self.warps)
+            m=self.chunk, row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,
+            slices=self.slices, BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)
         if self.padded is not None:
             out.view(-1).copy_(target[:self.numel])

@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -28,21 +27,21 @@ from ...method import Method
 
 
 @jit
-def all_reduce_symmetric_kernel(x_ptr, flags_ptr, calls_ptr, n, m, slices, BLOCK: tl.constexpr):
+def all_reduce_symmetric_kernel(x_ptr, flags_ptr, calls_ptr, n, m, slices, BLOCK: tl.constexpr, group=None):
     """x (n elements) is symmetric and becomes the sum on every rank. Rank r owns chunk r (elements
     r*m to (r+1)*m, fewer for the last ranks); program s sums slices s, s + splits, ... of this
     rank's chunk over every rank's x and stores the sums into every rank's x, then raises flag
     (rank, s) on every peer and waits for flag (p, s) from every peer p: the same program's sums
-    stored here."""
+    stored here. Ranks are `group`'s, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     split = tl.program_id(0)
     splits = tl.num_programs(0)
     flags = in_slot(flags_ptr, epoch, world * (splits + 1))
     ready = flags + world * splits
     if split == 0:
-        notify_peers(ready + me, epoch)
+        notify_peers(ready + me, epoch, group)
     chunk = x_ptr + me * m
     for step in range(1, world):
         chunk = after_flags(chunk, ready + (me + step) % world, 1, epoch)
@@ -54,35 +53,37 @@ def all_reduce_symmetric_kernel(x_ptr, flags_ptr, calls_ptr, n, m, slices, BLOCK
             mask = offset + offsets < stop
             total = tl.zeros([BLOCK], tl.float32)
             for step in range(world):
-                total += tl.load(dl.symm_at(chunk, (me + step) % world) + offset + offsets, mask=mask).to(tl.float32)
+                total += tl.load(dl.symm_at(chunk, (me + step) % world, group) + offset + offsets,
+                                 mask=mask).to(tl.float32)
             total = total.to(x_ptr.dtype.element_ty)
             for step in range(world):
-                tl.store(dl.symm_at(chunk, (me + step) % world) + offset + offsets, total, mask=mask)
-    notify_peers(flags + me * splits + split, epoch)
+                tl.store(dl.symm_at(chunk, (me + step) % world, group) + offset + offsets, total, mask=mask)
+    notify_peers(flags + me * splits + split, epoch, group)
     for step in range(1, world):
         dl.wait(flags + ((me + step) % world) * splits + split, 1, scope="sys", semantic="acquire", waitValue=epoch)
     finish_call(calls_ptr)
 
 
 class SymmetricTwoShot(Method):
-    """The two-shot all-reduce in place on a symmetric x, built for `numel` elements of `dtype` per
-    rank, on at most `programs` programs (each takes slices of this rank's chunk)."""
+    """The two-shot all-reduce in place on a symmetric x among `ranks` (an `ops.ranks.Ranks`),
+    built for `numel` elements of `dtype` per rank, on at most `programs` programs (each takes
+    slices of this rank's chunk)."""
 
     name = "two_shot"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
-        self.chunk = triton.cdiv(numel, w.world_size)
+        self.chunk = triton.cdiv(numel, ranks.world_size)
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize, programs)
         self.slices = sizing.slices_for(self.chunk, dtype.itemsize, self.splits)
-        self.workspace = self.own(Workspace(0, dtype, w.world_size * (self.splits + 1),
-                                            "all_reduce symmetric two_shot"))
+        self.workspace = self.own(Workspace(0, dtype, ranks.world_size * (self.splits + 1),
+                                            name="all_reduce symmetric two_shot", group=ranks.group))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
         all_reduce_symmetric_kernel[(self.splits,)](
             x_ptr=x, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel, m=self.chunk, slices=self.slices,
-            BLOCK=self.block, num_warps=self.warps)
+            BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)

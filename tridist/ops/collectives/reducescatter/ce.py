@@ -10,8 +10,6 @@ does not pick it (`policy.choose_reduce_scatter`).
 """
 import torch
 
-import tridist
-
 from ... import sizing
 from ...copy_engines import CopyEnginePush
 from ...method import Method
@@ -19,28 +17,28 @@ from .._copy_engine import reduce_ce_kernel
 
 
 class CopyEngines(Method):
-    """The copy-engine reduce-scatter, built for `numel` elements of `dtype` per rank; at most
-    `programs` programs sum (world_size sources share them)."""
+    """The copy-engine reduce-scatter among `ranks` (an `ops.ranks.Ranks`), built for `numel`
+    elements of `dtype` per rank; at most `programs` programs sum (world_size sources share them)."""
 
     name = "ce"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = ranks
         self.numel = numel
-        self.chunk = numel // w.world_size
+        self.chunk = numel // ranks.world_size
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
-                                                                  max(1, programs // w.world_size),
+                                                                  max(1, programs // ranks.world_size),
                                                                   sizing.CE_STEP_BYTES)
-        self.transfer = self.own(CopyEnginePush(self.chunk, dtype, name="reduce_scatter ce"))
+        self.transfer = self.own(CopyEnginePush(self.chunk, dtype, name="reduce_scatter ce", ranks=ranks))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         transfer = self.transfer
         transfer.barrier()
-        transfer.push(x.view(self.world.world_size, -1))
+        transfer.push(x.view(self.ranks.world_size, -1))
         reduce_ce_kernel[(self.splits,)](
             x_ptr=x, out_ptr=out, staging_ptr=transfer.staging, flags_ptr=transfer.flags, n=self.numel, m=self.chunk,
             row=transfer.row, chunk=transfer.chunk, chunks=transfer.chunks, splits=self.splits, BLOCK=self.block,
-            num_warps=self.warps)
+            num_warps=self.warps, group=self.ranks.handle)
         transfer.join()

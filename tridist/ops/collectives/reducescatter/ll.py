@@ -5,16 +5,14 @@ be whole 4-byte words.
 """
 import torch
 
-import tridist
-
 from ...protocol import PacketRows
 from ...method import Method
 from .._packets import reduce_packets
 
 
 class Packets(Method):
-    """The LL reduce-scatter, built for `numel` elements of `dtype` per rank (chunks of whole
-    4-byte words), on at most `programs` programs.
+    """The LL reduce-scatter among `ranks` (an `ops.ranks.Ranks`), built for `numel` elements of
+    `dtype` per rank (chunks of whole 4-byte words), on at most `programs` programs.
 
     Raises:
         ValueError: the chunks are not whole 4-byte words.
@@ -23,10 +21,11 @@ class Packets(Method):
     name = "ll"
     one_node = True
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        chunk = numel // tridist.world().world_size
-        self.workspace = self.own(PacketRows("reduce_scatter", chunk * dtype.itemsize, programs))
+        self.ranks = ranks
+        chunk = numel // ranks.world_size
+        self.workspace = self.own(PacketRows("reduce_scatter", chunk * dtype.itemsize, programs, ranks=ranks))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        reduce_packets(self.workspace, x, out, peer_stride=self.workspace.words)
+        reduce_packets(self.workspace, x, out, self.workspace.words, self.ranks)

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -39,12 +38,13 @@ def _add_slice(x_ptr, partial_ptr, with_partial, dst_ptr, start, stop, BLOCK: tl
 
 @jit
 def reduce_scatter_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
-                               local_world_size, splits, BLOCK: tl.constexpr):
+                               local_world_size, splits, BLOCK: tl.constexpr, group=None):
     """A slot of `staging` (fp32) holds world-1 received partials, then the world-1 this rank
-    sends, `row` apart; flag (step, split) says received partial `step` is here."""
+    sends, `row` apart; flag (step, split) says received partial `step` is here. Ranks are
+    `group`'s, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     successor = (me + 1) % world
     split = tl.program_id(0)
     start, stop = split_bounds(m, split, splits, BLOCK)
@@ -60,7 +60,7 @@ def reduce_scatter_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
             _add_slice(x_ptr + chunk * m, partial, step > 0, sent + step * row, start, stop, BLOCK)
             sync_program()
             push_slice(sent + step * row, received + step * row, start, stop, flags + step * splits + split, epoch,
-                       successor, local_world_size, BLOCK)
+                       successor, local_world_size, BLOCK, group=group)
         else:  # the partial of this rank's chunk has been through every other rank
             _add_slice(x_ptr + me * m, partial, step > 0, out_ptr, start, stop, BLOCK)
     dl.shmem.quiet()
@@ -68,24 +68,25 @@ def reduce_scatter_ring_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr
 
 
 class Ring(Method):
-    """The ring reduce-scatter, built for `numel` elements of `dtype` per rank, on at most `programs`
-    programs (one per slice)."""
+    """The ring reduce-scatter among `ranks` (an `ops.ranks.Ranks`), built for `numel` elements of
+    `dtype` per rank, on at most `programs` programs (one per slice)."""
 
     name = "ring"
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
-        self.chunk = numel // w.world_size
+        self.ranks = ranks
+        self.chunk = numel // ranks.world_size
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize, programs)
         self.row = row_stride(self.chunk)
         # fp32 partials: world-1 received and world-1 sent rows
-        self.workspace = self.own(Workspace(2 * max(1, w.world_size - 1) * self.row, torch.float32,
-                                            w.world_size * self.splits, "reduce_scatter ring"))
+        self.workspace = self.own(Workspace(2 * max(1, ranks.world_size - 1) * self.row, torch.float32,
+                                            ranks.world_size * self.splits, name="reduce_scatter ring",
+                                            group=ranks.group))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
         reduce_scatter_ring_kernel[(self.splits,)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, m=self.chunk,
-            row=self.row, slot_numel=ws.slot_numel, local_world_size=self.world.local_world_size,
-            splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+            row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,
+            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)

@@ -31,13 +31,14 @@ from .._sums import sum_rows
 
 @jit
 def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, calls_ptr, m, row, slot_numel,
-                             local_world_size, splits, BLOCK: tl.constexpr):
+                             local_world_size, splits, BLOCK: tl.constexpr, group=None):
     """A slot of `staging` (x's dtype) holds world rows (n, j), a slot of `sums` (fp32) the N node
     sums of this rank's chunk, then N rows from which this rank puts its node's sums to the other
     nodes. Rows are `row` apart. Flags per slot: (split, n, j) for the rows, then (split, n) for
-    the node sums."""
+    the node sums. Ranks, nodes and `local_world_size` are `group`'s, if given (its members
+    numbered node by node)."""
     epoch = call_epoch(calls_ptr)
-    me, world, nodes, node, local = placement(local_world_size)
+    me, world, nodes, node, local = placement(local_world_size, group)
     split = tl.program_id(0)
     start, stop = split_bounds(m, split, splits, BLOCK)
     gathered = in_slot(staging_ptr, epoch, slot_numel)
@@ -51,7 +52,7 @@ def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, c
         for n in range(nodes):
             push_slice(x_ptr + (n * local_world_size + j) * m, gathered + (n * local_world_size + local) * row, start,
                        stop, gathered_flags + n * local_world_size + local, epoch, node * local_world_size + j,
-                       local_world_size, BLOCK)
+                       local_world_size, BLOCK, group=group)
     for step in range(nodes):  # the other nodes first, so that their puts are on their way early
         n = (node + 1 + step) % nodes
         rows = after_flags(gathered + n * local_world_size * row, gathered_flags + n * local_world_size,
@@ -62,7 +63,7 @@ def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, c
             sum_rows(rows, row, local_world_size, outgoing + n * row, start, stop, BLOCK)
             sync_program()
             push_slice(outgoing + n * row, node_sums + node * row, start, stop, sum_flags + node, epoch,
-                       n * local_world_size + local, local_world_size, BLOCK)
+                       n * local_world_size + local, local_world_size, BLOCK, group=group)
     for n in range(nodes):
         if n != node:
             node_sums = after_flags(node_sums, sum_flags + n, 1, epoch)
@@ -73,25 +74,27 @@ def reduce_scatter_2d_kernel(x_ptr, out_ptr, staging_ptr, sums_ptr, flags_ptr, c
 
 
 class TwoD(Method):
-    """The two-level reduce-scatter, built for `numel` elements of `dtype` per rank, on at most
-    `programs` programs (one per slice)."""
+    """The two-level reduce-scatter among `ranks` (an `ops.ranks.Ranks`), built for `numel`
+    elements of `dtype` per rank, on at most `programs` programs (one per slice)."""
 
     name = "2d"
 
-    def __init__(self, numel: int, dtype: torch.dtype, programs: int):
+    def __init__(self, numel: int, dtype: torch.dtype, programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
-        self.chunk = numel // w.world_size
+        self.ranks = ranks
+        self.chunk = numel // ranks.world_size
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize, programs)
         self.row = row = row_stride(self.chunk)
         # flags for the rows, then for the node sums
-        self.workspace = self.own(Workspace(w.world_size * row, dtype, (w.world_size + w.nnodes) * self.splits,
-                                            "reduce_scatter 2d"))
-        self.sums = self.own(tridist.symm_empty((2, 2 * w.nnodes * row), torch.float32))
+        self.workspace = self.own(Workspace(ranks.world_size * row, dtype,
+                                            (ranks.world_size + ranks.nnodes) * self.splits,
+                                            name="reduce_scatter 2d", group=ranks.group))
+        self.sums = self.own(tridist.symm_empty((2, 2 * ranks.nnodes * row), torch.float32, ranks.group,
+                                                name="reduce_scatter 2d sums"))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
         reduce_scatter_2d_kernel[(self.splits,)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, sums_ptr=self.sums, flags_ptr=ws.flags, calls_ptr=ws.calls,
-            m=self.chunk, row=self.row, slot_numel=ws.slot_numel, local_world_size=self.world.local_world_size,
-            splits=self.splits, BLOCK=self.block, num_warps=self.warps)
+            m=self.chunk, row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,
+            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)
