@@ -82,6 +82,8 @@ def _gemm_cases():
             if not fp8:  # no scales: the kernels specialise on None
                 config.update(scale_a_ptr=None, scale_b_ptr=None)
             blocks = {name: "constexpr" for name in config if name.isupper()}
+            world = {"group": "constexpr"}  # the overlapped GEMMs' kernels, for the world (group None)
+            collective = {**config, "group": None}
             ag_flags = (("*i32", 1, False), ("*i64", 4, True))
             cases += [
                 (gemm.matmul_kernel, {**operands, "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", **blocks},
@@ -89,25 +91,39 @@ def _gemm_cases():
                 *[(allgather_gemm.ag_gemm_kernel, {"own_desc": a, **operands, "out_ptr": "*bf16", "flags_ptr": flags,
                                                    "calls_ptr": "*i64", "m_shard": "i32", "N": "i32", "K": "i32",
                                                    "slot_rows": "i32", "FLAGS_PER_SHARD": "constexpr",
-                                                   "EPOCH_FLAGS": "constexpr", **blocks},
-                   {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **config}, options)
+                                                   "EPOCH_FLAGS": "constexpr", **blocks, **world},
+                   {"FLAGS_PER_SHARD": per_shard, "EPOCH_FLAGS": epochs, **collective}, options)
                   for flags, per_shard, epochs in ag_flags],
                 *[(kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16", "flags_ptr": "*i64",
                             "calls_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "local_world_size": "i32",
-                            **blocks}, config, options)
+                            **blocks, **world}, collective, options)
                   for kernel in ((gemm_rs_one_shot.gemm_rs_kernel,) if flat else
                                  (gemm_rs_one_shot.gemm_rs_kernel, gemm_ar_one_shot.gemm_ar_kernel))],
                 *[(gemm_ar_ll.gemm_ar_ll_kernel, {**operands, "out_ptr": "*i32", "own_ptr": "*bf16",
                                                   "packets_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
                                                   "K": "i32", "row": "i32", "slot_numel": "i32",
-                                                  "DTYPE": "constexpr", "STEP": "constexpr", **blocks},
-                   {"DTYPE": tl.bfloat16, "STEP": 2048, **config}, options) for _ in (() if flat else (1,))],
+                                                  "DTYPE": "constexpr", "STEP": "constexpr", **blocks, **world},
+                   {"DTYPE": tl.bfloat16, "STEP": 2048, **collective}, options) for _ in (() if flat else (1,))],
                 *[(gemm_rs_two_d.gemm_rs_2d_kernel, {**operands, "out_ptr": "*bf16", "tiles_ptr": "*bf16",
                                                      "flags_ptr": "*i64", "calls_ptr": "*i64", "M": "i32", "N": "i32",
-                                                     "K": "i32", "local_world_size": "i32", **blocks}, config, options)
+                                                     "K": "i32", "local_world_size": "i32", **blocks, **world},
+                   collective, options)
                   for _ in (() if flat else (1,))],
             ]
     return cases
+
+
+def _gemm_group_cases():
+    """The overlapped GEMMs' kernels within a group (`group` a `tridist.Group`, a pointer to its
+    int32 table): each kernel's first case of the world's (bf16, FLATTEN where it takes it), its
+    `group` a pointer instead of None."""
+    firsts = {}
+    for kernel, signature, constexprs, options in _gemm_cases():
+        if "group" in signature:
+            firsts.setdefault(kernel, (kernel, {**signature, "group": "*i32"},
+                                       {name: value for name, value in constexprs.items() if name != "group"},
+                                       options))
+    return list(firsts.values())
 
 
 def _tutorial_cases():
@@ -413,8 +429,8 @@ def cases():
         *[(allgather.two_d.all_gather_2d_kernel,
            {"x_ptr": "*bf16", "out_ptr": "*bf16", "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64",
             "n": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32", "COPY_OUT": "constexpr",
-            "splits": "i32", "BLOCK": "constexpr"},
-           {"COPY_OUT": copy_out, "BLOCK": block}, {"num_warps": warps})
+            "splits": "i32", "BLOCK": "constexpr", "group": "constexpr"},
+           {"COPY_OUT": copy_out, "BLOCK": block, "group": None}, {"num_warps": warps})
           for copy_out, block, warps in ((True, _largest_step("*bf16"), _step_options("*bf16")["num_warps"]),
                                          (False, shard_gather.PUSH_BLOCK, 8))],
         (allgather.ring.all_gather_ring_kernel,
@@ -523,6 +539,7 @@ def cases():
          {"BLOCK": 128}),
         *_tutorial_cases(),
         *_group_cases(),
+        *_gemm_group_cases(),
         *_attention_stencil_sync_group_cases(),
     ]
 

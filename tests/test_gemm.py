@@ -1,9 +1,12 @@
 """The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) and the GEMM they share: random data,
-poisoned outputs, back-to-back calls with no host synchronisation, bad input refused before launch."""
+poisoned outputs, back-to-back calls with no host synchronisation, bad input refused before launch;
+the overlapped GEMMs within process groups (`group=`), several at once."""
+import json
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tridist
 from tridist import ops
@@ -409,3 +412,106 @@ def test_gemm_ar_auto(m, nodes, method):
     from tridist.ops.gemm import policy
 
     assert policy.choose_gemm_ar(m, SimpleNamespace(nnodes=nodes)) == method
+
+
+# ---- within process groups (`group=`) -------------------------------------------------------------
+# Operands of small integers in fp16, and b a permutation (b[k, (k + shift) % N] = 1): every output is
+# one element of A, or a sum of one element per member, all exact in fp16 and fp32, so results are
+# compared exactly. An element says whose it is: its group, its world rank, its call and its index.
+
+GROUP_LAYOUTS = {"pairs": ((0, 1), (2, 3)), "strided": ((0, 2), (1, 3))}
+
+
+def _group_payload(group_id: int, rank: int, call: int, rows: int, span: int) -> torch.Tensor:
+    """rows x 16 of ((group_id * 4 + rank) * 2 + call) * span + index % span: below 32 * span."""
+    index = torch.arange(rows * 16).view(rows, 16)
+    return (((group_id * 4 + rank) * 2 + call) * span + index % span).to(torch.float16)
+
+
+def _permutation(rank: int) -> torch.Tensor:
+    """16 x 16 b whose product moves column k of A to column (k + rank + 1) % 16."""
+    b = torch.zeros(16, 16)
+    b[torch.arange(16), (torch.arange(16) + rank + 1) % 16] = 1
+    return b.to(torch.float16)
+
+
+def _gemms_in(w, pg, group_id: int) -> None:
+    """ag_gemm (both comms), gemm_rs and gemm_ar (both methods) within the process group `pg`, two
+    calls of each back to back, shapes differing by group; the methods that reach peers through
+    pointers only are refused where the group spans nodes."""
+    g = tridist.group(pg)
+    across = not g.is_one_node
+    dev = w.device
+    b, bs = _permutation(w.rank).to(dev), [_permutation(r).float() for r in g.ranks]
+    rows = 8 + 8 * group_id  # per member
+    for comm in ("sm", "ce"):
+        if comm == "ce" and across:
+            with pytest.raises(ValueError, match="this group spans 2 nodes"):
+                ops.ag_gemm(_group_payload(group_id, w.rank, 0, rows, 64).to(dev), b, comm=comm, group=pg)
+            continue
+        outs = [ops.ag_gemm(_group_payload(group_id, w.rank, call, rows, 64).to(dev), b, comm=comm, group=pg)
+                for call in range(2)]
+        for call, out in enumerate(outs):
+            gathered = torch.cat([_group_payload(group_id, r, call, rows, 64) for r in g.ranks]).float()
+            assert torch.equal(out.float().cpu(), gathered @ bs[g.rank]), (comm, call, out)
+    every = [[_group_payload(group_id, r, call, rows * g.size, 16) for r in g.ranks] for call in range(2)]
+    outs = [ops.gemm_rs(every[call][g.rank].to(dev), b, group=pg) for call in range(2)]
+    for call, out in enumerate(outs):
+        total = sum(a.float() @ p for a, p in zip(every[call], bs))
+        assert torch.equal(out.float().cpu(), total[g.rank * rows:(g.rank + 1) * rows]), ("gemm_rs", call, out)
+    for method in ("one_shot", "ll"):
+        a = [_group_payload(group_id, w.rank, call, rows // 2, 16).to(dev) for call in range(2)]
+        if method == "ll" and across:
+            with pytest.raises(ValueError, match="this group spans 2 nodes"):
+                ops.gemm_ar(a[0], b, method=method, group=pg)
+            continue
+        outs = [ops.gemm_ar(a[call], b, method=method, group=pg) for call in range(2)]
+        for call, out in enumerate(outs):
+            total = sum(_group_payload(group_id, r, call, rows // 2, 16).float() @ p for r, p in zip(g.ranks, bs))
+            assert torch.equal(out.float().cpu(), total), (method, call, out)
+    g.barrier()  # the last calls' peers are done with this rank's buffers
+
+
+def _groups_at_once(w, layout):
+    made = [dist.new_group(list(ranks)) for ranks in GROUP_LAYOUTS[layout]]  # every rank makes every group
+    group_id = next(i for i, ranks in enumerate(GROUP_LAYOUTS[layout]) if w.rank in ranks)
+    # Each group its own shapes and data, and no world call until the end: a group whose kernels
+    # waited on the other's ranks would stop here.
+    _gemms_in(w, made[group_id], group_id)
+    tridist.barrier_all()
+
+
+@pytest.mark.parametrize("layout", GROUP_LAYOUTS)
+@pytest.mark.worlds("4", "2x2")
+def test_groups_at_once(world, layout):
+    """Two groups at once: pairs of neighbours, and strided pairs (at 2x2 those span the nodes)."""
+    world.run(_groups_at_once, layout=layout)
+
+
+def _group_beside_other_work(w, folder):
+    os.environ["TRIDIST_TUNE_CACHE"] = folder
+    pair, alone = dist.new_group([0, 2]), dist.new_group([1])
+    if w.rank == 1:
+        # Not a member: refused before anything is allocated or launched, then its own work alone.
+        x = _group_payload(0, 1, 0, 8, 16).to(w.device)
+        for call in (lambda: ops.ag_gemm(x, x[:, :16].t().contiguous(), group=pair),
+                     lambda: ops.gemm_rs(x, x[:, :16].t().contiguous(), group=pair),
+                     lambda: ops.GemmAllReduce(8, 16, 16, torch.float16, group=pair)):
+            with pytest.raises(ValueError, match="rank 1 is not a member of this process group"):
+                call()
+        _gemms_in(w, alone, group_id=2)
+    else:
+        _gemms_in(w, pair, group_id=0)
+        # Tuned within the group: its members time the configs together, cached under its size.
+        op = ops.GemmReduceScatter(32, 16, 16, torch.float16, config="tune", group=pair)
+        assert op.config in gemm.configs(w.device)
+        tridist.group(pair).barrier()  # the member that writes the cache has written it
+        with open(os.path.join(folder, "tune.json")) as f:
+            assert any("gemm_rs" in key and "group_size=2 nnodes=1" in key for key in json.load(f))
+        op.free()
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("3")
+def test_group_beside_a_rank_doing_other_work(world, tmp_path):
+    world.run(_group_beside_other_work, folder=str(tmp_path))

@@ -1,10 +1,13 @@
 """The kernel library, grouped by family: [`collectives`][tridist.ops.collectives] (all-gather,
 reduce-scatter, all-reduce), [`gemm`][tridist.ops.gemm] (the persistent GEMM and the GEMMs
 overlapped with communication, and the grouped GEMM of MoE layers), [`moe`][tridist.ops.moe]
-(expert-parallel all-to-alls and dispatch/combine, tensor-parallel MoE layers), [`attention`][tridist.ops.attention] (flash decoding over a KV
-cache split across ranks) and [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo
-exchange runs inside its kernels). Each op's module holds its host wrapper next to its kernels;
-`protocol` and `sync` are what the families share.
+(expert-parallel all-to-alls and dispatch/combine, tensor-parallel MoE layers),
+[`attention`][tridist.ops.attention] (flash decoding over a KV cache split across ranks) and
+[`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo exchange runs inside its kernels).
+Each family is a folder: a thin front per op (check, choose, method), a `policy` module, a module
+per method; what the families share sits beside them (`protocol`, `checks`, `instances`, `sizing`,
+`copy_engines`, `sync`, `method`, `ranks`). The [architecture](../guide/architecture.md) page walks
+through it.
 
 What holds for every op:
 

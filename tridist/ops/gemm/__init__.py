@@ -22,6 +22,15 @@ Operands of all four:
   under CUDA-graph replay.
 - Sums over ranks accumulate in fp32; partial tiles travel in the output dtype.
 
+Groups: the three overlapped GEMMs and their classes take `group=`, a `torch.distributed`
+process group (`dist.new_group(ranks)`, a DeviceMesh's `mesh.get_group("tp")`), a
+`tridist.Group`, or None for the world. The op then runs among the group's members only, while
+the other ranks do something else: the shards, rows and sums above are the group's (rank r of
+the group, world_size its size), its buffers are allocated among its members, and the methods
+that work within one node ("ce", "ll") need a group within one node, whatever the world spans.
+Every member calls with the same group; a rank outside it gets a ValueError before anything is
+allocated or launched. `config="tune"` times the configs among the members.
+
 Modules, one per method of each op: `persistent` (the GEMM itself, its configs and checks) and
 `grouped` (the grouped GEMM), local; `allgather_gemm` (ag_gemm's GEMM) with `shard_gather` (its
 two feeders, comm "ce" and "sm", which ag_moe shares); `gemm_reduce_scatter/` (`one_shot`,

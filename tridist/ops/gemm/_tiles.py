@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 
 from .. import sizing
 from ..protocol import Workspace, after_flags, in_slot, sync_program
 from ..method import Method
+from ..ranks import Ranks
 from . import persistent
 
 
@@ -42,20 +42,21 @@ def tile_offsets(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def send_tile(values, tile_ptr, staging_ptr, flag_ptr, epoch, peer, local_world_size, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, group):
     """Write `values` to `peer`'s copy of the tile at `tile_ptr` and raise its flag to `epoch`;
     across nodes through `staging_ptr`, a symmetric tile of this rank's that the put reads (the
-    caller's `dl.shmem.quiet` completes it)."""
+    caller's `dl.shmem.quiet` completes it). `peer` and `local_world_size` are of `group` (None:
+    the world)."""
     offsets = tile_offsets(BLOCK_M, BLOCK_N)
-    if peer // local_world_size == dl.rank() // local_world_size:
-        tl.store(dl.symm_at(tile_ptr, peer) + offsets, values)
-        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set")
+    if peer // local_world_size == dl.rank(group) // local_world_size:
+        tl.store(dl.symm_at(tile_ptr, peer, group) + offsets, values)
+        dl.notify(flag_ptr, peer, signal=epoch, sig_op="set", group=group)
     else:
         sync_program()  # the staging tile may have just been read by other threads of the block
         tl.store(staging_ptr + offsets, values)
         sync_program()  # the whole block reads the tile it stored
         nbytes = BLOCK_M * BLOCK_N * (tile_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        dl.shmem.putmem_signal_block(tile_ptr, staging_ptr, nbytes, flag_ptr, epoch, dl.shmem.SIGNAL_SET, peer)
+        dl.shmem.putmem_signal_block(tile_ptr, staging_ptr, nbytes, flag_ptr, epoch, dl.shmem.SIGNAL_SET, peer, group)
 
 
 @triton.jit
@@ -75,7 +76,8 @@ class TileMethod(Method):
     with `coresident`, on what can be resident at once, asked at the first call and kept (the grid
     counts the call epochs: `sizing.fit_coresident`).
 
-    Built for an m x k by k x n product of `dtype` with `config`; `launch(a, b, out, scale_a,
+    Built for an m x k by k x n product of `dtype` with `config`, among `ranks` (an
+    `ops.ranks.Ranks`: the world or a group, whose size is world_size); `launch(a, b, out, scale_a,
     scale_b)` writes this rank's result (m / world_size rows with `scatter`, else m) into `out`.
     Each subclass names its kernel, which takes the arguments `launch` passes, and its plan.
     """
@@ -85,9 +87,9 @@ class TileMethod(Method):
     scatter = False
     coresident = False
 
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict):
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict, ranks: Ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = w = ranks
         self.m, self.k, self.n, self.config = m, k, n, config
         shards = w.world_size if self.scatter else 1
         tiles = shards * triton.cdiv(m // shards, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
@@ -95,7 +97,7 @@ class TileMethod(Method):
         self.fitted = not self.coresident
         slot_tiles = self.regions * w.world_size * (tiles // shards)
         self.workspace = self.own(Workspace(slot_tiles * config["BLOCK_M"] * config["BLOCK_N"],
-                                            persistent.out_dtype(dtype), slot_tiles))
+                                            persistent.out_dtype(dtype), slot_tiles, group=w.group))
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, scale_a: torch.Tensor | None,
                scale_b: torch.Tensor | None) -> None:
@@ -103,7 +105,7 @@ class TileMethod(Method):
         ws = self.workspace
         args = dict(a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out,
                     tiles_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
-                    local_world_size=self.world.local_world_size, **self.config)
+                    local_world_size=self.ranks.local_world_size, group=self.ranks.handle, **self.config)
         if not self.fitted:
             self.programs = sizing.fit_coresident(self.kernel, self.programs, 1, **args)
             self.fitted = True

@@ -1,7 +1,8 @@
 """AllGather-GEMM: out = all_gather(a_shard) @ b, with the gather hidden behind the GEMM.
 
 Shapes: a_shard is m_shard x K on every rank (M = world_size * m_shard rows in all), b is K x N
-(this rank's columns of the weight), out is M x N, rank r's rows of A at r * m_shard. dtypes and
+(this rank's columns of the weight), out is M x N, rank r's rows of A at r * m_shard. With
+`group=`, world_size and r are the group's: the shards of its members are gathered. dtypes and
 layouts as in `gemm`; with fp8, scale_a scales all of A, so every rank passes the same value.
 
 One method with two feeders: this module's kernel is the GEMM of every comm, and a comm is the way
@@ -31,6 +32,7 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from .. import checks
+from ..ranks import ranks_of
 from . import persistent, policy
 from ..protocol import after_flags, call_epoch, finish_call
 from .shard_gather import COMMS, FEEDERS, ShardGather
@@ -39,14 +41,15 @@ from .shard_gather import COMMS, FEEDERS, ShardGather
 @jit
 def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, flags_ptr, calls_ptr, m_shard, N, K,
                    slot_rows, FLAGS_PER_SHARD: tl.constexpr, EPOCH_FLAGS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+                   group):
     """own_desc covers a_shard (m_shard x K), a_desc `gathered` as (slots * M) x K. With EPOCH_FLAGS
     the flags of shard s in slot e % 2 are raised to the call epoch e; without, slot 0's are raised
-    to 1 (and zeroed by the host)."""
+    to 1 (and zeroed by the host). Shards are numbered by the ranks of `group` (None: the world)."""
     epoch = call_epoch(calls_ptr)
     scale = persistent.load_scale(scale_a_ptr, scale_b_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     slot = 0
     expected = 1
     if EPOCH_FLAGS:
@@ -89,8 +92,9 @@ class AllGatherGEMM:
     the order they arrive (rank+1, rank+2, ...); before its first tile of a peer's shard a
     program waits for that shard's flags, so the transfer hides behind the GEMM of the own shard.
 
-    Build it on every rank at once; call it back to back on one stream, also in CUDA graphs;
-    `free()` it on every rank. `tridist.ops.ag_gemm` keeps one per shape and stream.
+    Build it on every rank (of `group`) at once; call it back to back on one stream, also in CUDA
+    graphs; `free()` it on every rank (of `group`). `tridist.ops.ag_gemm` keeps one per shape,
+    group and stream.
 
     | comm | how | where |
     | --- | --- | --- |
@@ -108,15 +112,20 @@ class AllGatherGEMM:
             of the SMs).
         config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
             `"tune"`.
+        group: a `torch.distributed` process group (`dist.new_group`, a DeviceMesh's
+            `mesh.get_group("tp")`), a `tridist.Group`, or None for the world: the ranks whose
+            shards are gathered, world_size being the group's size and rank r its r-th member
+            (the comms' "one node" is then the group's nodes). Build it on every member (only).
 
     Raises:
         ValueError: an unknown comm, a dtype it does not take, K or N not a multiple of 8 (16
             for fp8), `m_shard` or `comm_programs` not a positive int, `comm="ce"` on several
-            nodes, buffers past 2^31 elements.
+            nodes (a group that spans several), buffers past 2^31 elements, this rank not a member
+            of `group`.
     """
 
     def __init__(self, m_shard: int, k: int, n: int, dtype: torch.dtype, comm: str = "auto",
-                 comm_programs: int | None = None, config: dict | str | None = None):
+                 comm_programs: int | None = None, config: dict | str | None = None, group=None):
         if comm not in COMMS:
             raise checks.method_error("ag_gemm comm", comm, COMMS)
         persistent.check_sizes("ag_gemm", dtype, k, n)
@@ -124,19 +133,19 @@ class AllGatherGEMM:
             raise ValueError(f"ag_gemm needs a positive int m_shard (rows of A per rank), got {m_shard!r}")
         if comm_programs is not None:
             checks.check_programs(comm_programs, "comm_programs", "the programs that push the shard with comm='sm'")
-        self.world = w = tridist.world()
+        self.ranks = w = ranks_of(group)
         self.comm = policy.choose_ag_gemm_comm(w) if comm == "auto" else comm
         if FEEDERS[self.comm].one_node:
-            checks.require_one_node(f"ag_gemm comm='{self.comm}'", "comm='sm'")
+            checks.require_one_node(f"ag_gemm comm='{self.comm}'", "comm='sm'", w)
         self.m_shard, self.k, self.n, self.dtype = m_shard, k, n, dtype
         self.m = w.world_size * m_shard
         self.config = persistent.resolve_config(
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
-            lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c),
+            lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c, group),
             lambda: persistent.random_operands(m_shard, k, n, dtype, w.device), w.device, self.m, n, shards=w.world_size,
-            dtype=dtype)
+            dtype=dtype, group=w.group)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
-        self.gather = ShardGather(m_shard, k, dtype, self.comm, comm_programs)
+        self.gather = ShardGather(m_shard, k, dtype, self.comm, comm_programs, ranks=w)
         self.a_desc = TensorDescriptor.from_tensor(self.gather.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
 
     def __call__(self, a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -146,8 +155,8 @@ class AllGatherGEMM:
         Args:
             a_shard: m_shard x k of `dtype` (as built), row-major, on this rank's device.
             b: k x n of `dtype` (column-major for fp8).
-            out: `world_size * m_shard` x n of the output dtype (bf16 for fp8); a new tensor if
-                None.
+            out: `world_size * m_shard` x n (world_size: the group's size, with a group) of the
+                output dtype (bf16 for fp8); a new tensor if None.
             scale_a: fp8 only: a one-element float32 tensor, the same on every rank.
             scale_b: fp8 only: this rank's scale of b.
 
@@ -158,17 +167,18 @@ class AllGatherGEMM:
             ValueError: operands, scales or `out` not what this instance was built for.
         """
         out = persistent.check_call(a_shard, b, scale_a, scale_b, out, self.m, "a_shard",
-                                    built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype))
+                                    built=("ag_gemm", (self.m_shard, self.k), (self.k, self.n), self.dtype),
+                                    group=self.ranks.group)
         own_desc, b_desc = persistent.descriptors(a_shard, b, self.config)
         gather = self.gather
         gather.start(a_shard)
-        tiles = self.world.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
+        tiles = self.ranks.world_size * triton.cdiv(self.m_shard, self.config["BLOCK_M"]) * \
             triton.cdiv(self.n, self.config["BLOCK_N"])
         ag_gemm_kernel[(min(tiles, gather.gemm_programs),)](
             own_desc=own_desc, a_desc=self.a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b,
             out_ptr=out, flags_ptr=gather.flags, calls_ptr=self.calls, m_shard=self.m_shard, N=self.n, K=self.k,
             slot_rows=gather.slot_rows, FLAGS_PER_SHARD=gather.flags_per_shard, EPOCH_FLAGS=gather.epoch_flags,
-            **self.config)
+            group=self.ranks.handle, **self.config)
         gather.finish()
         return out
 
@@ -179,31 +189,35 @@ class AllGatherGEMM:
 
 def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, comm: str = "auto",
             config: dict | str | None = None, scale_a: torch.Tensor | None = None,
-            scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """`all_gather(a_shard) @ b`, the gather overlapped with the GEMM: the column-parallel layer
-    of tensor parallelism, with tokens split over the ranks by rows.
+            scale_b: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """`all_gather(a_shard) @ b`, the gather (among `group`'s ranks, if given) overlapped with the
+    GEMM: the column-parallel layer of tensor parallelism, with tokens split over the ranks by
+    rows.
 
-    A collective: every rank calls it with the same shapes. Keeps one
-    [`AllGatherGEMM`][tridist.ops.AllGatherGEMM] per shape, dtype, comm, config and stream.
+    A collective: every rank (every member of `group`) calls it with the same shapes. Keeps one
+    [`AllGatherGEMM`][tridist.ops.AllGatherGEMM] per shape, dtype, comm, config, group and
+    stream.
 
     Args:
         a_shard: this rank's rows of A, m_shard x K, row-major; bf16, fp16 or fp8.
         b: this rank's K x N weight (column-major for fp8).
-        out: `world_size * m_shard` x N; a new tensor if None.
+        out: `world_size * m_shard` x N (world_size: the group's size); a new tensor if None.
         comm: `"auto"`, `"ce"` (copy engines, one node) or `"sm"` (any topology).
         config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
             `"tune"`.
         scale_a: fp8 only: A's scale, the same on every rank.
         scale_b: fp8 only: b's scale.
+        group: a `torch.distributed` process group, a `tridist.Group`, or None for the world: the
+            ranks whose shards are gathered (rank r of the group's at rows `r * m_shard`).
 
     Returns:
         `out`, all the rows of A times b.
 
     Raises:
         ValueError: before any launch, for operands, scales, `out`, comm or config it does not
-            take (see `AllGatherGEMM`).
+            take (see `AllGatherGEMM`), or on a rank that is not a member of `group`.
     """
-    op = persistent.cached(AllGatherGEMM, a_shard, b, config, "a_shard", comm=comm)
+    op = persistent.cached(AllGatherGEMM, a_shard, b, config, "a_shard", group=group, comm=comm)
     return op(a_shard, b, out, scale_a, scale_b)
 
 

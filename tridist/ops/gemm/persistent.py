@@ -26,6 +26,7 @@ from ...runtime.tune import tune
 from .. import checks
 from ..checks import check_input, check_output, shape_of
 from ..instances import instance
+from ..ranks import ranks_of
 from ..sizing import programs_for
 from . import policy
 
@@ -115,11 +116,12 @@ def refuse_flatten(config, what: str) -> None:
 
 def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.device, m: int, n: int,
                    flatten: bool = True, shards: int = 1, dtype: torch.dtype = torch.bfloat16,
-                   candidates: list[dict] | None = None, default: dict | None = None) -> dict:
+                   candidates: list[dict] | None = None, default: dict | None = None, group=None) -> dict:
     """`config` as given; the default for an m x n product (in `shards` row shards) if None; with
     "tune", the config of `configs` under which `make_op(config)(*make_inputs())` is fastest on the
-    slowest rank (`tridist.tune`, cached on disk). A collective when tuning. `candidates` and
-    `default` replace `configs` and `default_config` (for the grouped GEMMs)."""
+    slowest rank (`tridist.tune`, cached on disk). A collective when tuning, of `group`'s members
+    (the op's: a `tridist.Group`, or None for the world). `candidates` and `default` replace
+    `configs` and `default_config` (for the grouped GEMMs)."""
     if config is None:
         return default if default is not None else default_config(device, m, n, flatten, shards, dtype)
     if config != "tune":
@@ -138,7 +140,8 @@ def resolve_config(config, name: str, key, make_op, make_inputs, device: torch.d
         return lambda: built[-1](*inputs)
 
     try:
-        return tune(name, key, candidates if candidates is not None else configs(device, flatten, dtype), make_run)
+        return tune(name, key, candidates if candidates is not None else configs(device, flatten, dtype), make_run,
+                    group=group)
     finally:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # nothing may still use the buffers that are given back
@@ -255,10 +258,11 @@ def check_scales(dtype: torch.dtype, scale_a, scale_b, device: torch.device) -> 
 
 
 def check_call(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out: torch.Tensor | None, out_rows: int,
-               a_name: str = "a", built: tuple | None = None) -> torch.Tensor:
+               a_name: str = "a", built: tuple | None = None, group=None) -> torch.Tensor:
     """Checks the operands, scales and `out` (out_rows x N, of `out_dtype`) of a GEMM call; returns
     `out`, a new tensor if None. `built`: (op name, a's shape, b's shape, dtype) of the collective op
-    instance called, which takes nothing else; its ranks then check together (`checks.agree`)."""
+    instance called, which takes nothing else; its ranks (`group`'s members, None: the world's)
+    then check together (`checks.agree`)."""
     def check() -> None:
         check_operands(a, b, a_name)
         if built is not None:
@@ -274,19 +278,22 @@ def check_call(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, out: torch.Te
     if built is None:
         check()
     else:
-        checks.agree(built[0], check, {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b)})
+        checks.agree(built[0], check, {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b)},
+                     group=group)
     return torch.empty((out_rows, b.shape[1]), dtype=out_dtype(a.dtype), device=a.device) if out is None else out
 
 
-def cached(cls, a: torch.Tensor, b: torch.Tensor, config, a_name: str = "a", **options):
+def cached(cls, a: torch.Tensor, b: torch.Tensor, config, a_name: str = "a", group=None, **options):
     """The instance of `cls` (an overlapped GEMM op, a collective) for these operands' shapes and
-    dtype, `config` and `options`, on the current stream (`instances.instance`), once every rank's
-    operands are checked and alike (`checks.agree`)."""
+    dtype, `config`, `options` and `group` (the op's `group=`), on the current stream
+    (`instances.instance`), once every rank's operands are checked and alike (`checks.agree`,
+    among the group's members: a rank outside the group gets its ValueError there)."""
     checks.agree(cls.__name__, lambda: check_operands(a, b, a_name),
-                    {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b), "config": repr(config),
-                     **{name: repr(value) for name, value in options.items()}})
-    return instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, **options),
-                    cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), *options.values(), device=a.device)
+                 {f"shape and dtype of {a_name}": shape_of(a), "shape of b": shape_of(b), "config": repr(config),
+                  **{name: repr(value) for name, value in options.items()}}, group=group)
+    return instance(lambda: cls(a.shape[0], a.shape[1], b.shape[1], a.dtype, config=config, group=group, **options),
+                    cls, tuple(a.shape), b.shape[1], a.dtype, repr(config), *options.values(), ranks_of(group).key,
+                    device=a.device)
 
 
 def _describe(value) -> str:

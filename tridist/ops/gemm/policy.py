@@ -31,21 +31,23 @@ SM_COMM_SHARE = 16
 network, not these programs, sets the pace. No measurement across nodes has set it."""
 
 
-def choose_gemm_ar(m: int, world) -> str:
-    """The method gemm_ar's `"auto"` runs for an m-row product: `"ll"` up to
-    `GEMM_AR_LL_MAX_ROWS` rows on one node (LL packets reach the peers of this node only), else
-    `"one_shot"`."""
-    return "ll" if world.nnodes == 1 and m <= GEMM_AR_LL_MAX_ROWS else "one_shot"
+def choose_gemm_ar(m: int, ranks) -> str:
+    """The method gemm_ar's `"auto"` runs for an m-row product among `ranks` (an `ops.ranks.Ranks`
+    or the world: what counts is the nodes they span): `"ll"` up to `GEMM_AR_LL_MAX_ROWS` rows on
+    one node (LL packets reach the peers of this node only), else `"one_shot"`."""
+    return "ll" if ranks.nnodes == 1 and m <= GEMM_AR_LL_MAX_ROWS else "one_shot"
 
 
-def choose_ag_gemm_comm(world) -> str:
-    """The comm ag_gemm's (and ag_moe's) `"auto"` runs: `"ce"` on one node, where the copy
-    engines move the shard and the GEMM keeps every SM; else `"sm"`, the one that crosses nodes."""
-    return "ce" if world.nnodes == 1 else "sm"
+def choose_ag_gemm_comm(ranks) -> str:
+    """The comm ag_gemm's (and ag_moe's) `"auto"` runs among `ranks` (as `choose_gemm_ar`'s):
+    `"ce"` on one node, where the copy engines move the shard and the GEMM keeps every SM; else
+    `"sm"`, the one that crosses nodes."""
+    return "ce" if ranks.nnodes == 1 else "sm"
 
 
-def choose_gemm_rs(world) -> str:
-    """The method gemm_rs runs (it takes no `method=`): `"one_shot"` on one node, where every
-    partial tile goes straight to its owner; `"2d"` across nodes, where the tiles are summed on each
-    node first, so that each crosses to another node once."""
-    return "one_shot" if world.nnodes == 1 else "2d"
+def choose_gemm_rs(ranks) -> str:
+    """The method gemm_rs runs among `ranks` (as `choose_gemm_ar`'s; it takes no `method=`):
+    `"one_shot"` on one node, where every partial tile goes straight to its owner; `"2d"` across
+    nodes, where the tiles are summed on each node first, so that each crosses to another node
+    once."""
+    return "one_shot" if ranks.nnodes == 1 else "2d"

@@ -20,6 +20,8 @@ The contract a GEMM reads (`ShardGather`'s attributes):
   once and the GEMM's programs wait for the transfer, never for each other.
 - Queue `start(shard)` before the GEMM and `finish()` after it. At world size 1 both do nothing:
   the GEMM reads its own shard where it is, never from `gathered`.
+- Ranks, shards and world_size are those of the feeder's `ranks` (the world, or the op's group):
+  a GEMM reading it numbers shards by the same ranks (its kernel's `group` is `ranks.handle`).
 """
 import torch
 
@@ -28,6 +30,7 @@ import tridist
 from .. import checks, copy_engines, sizing
 from ..collectives.allgather import two_d
 from ..method import Method
+from ..ranks import Ranks, ranks_of
 from . import policy
 
 COMMS = ("auto", "ce", "sm")
@@ -39,24 +42,28 @@ class ShardGather(Method):
     attributes of the contract above. A feeder is launched in two halves around the GEMM that reads
     it, `start(shard)` and `finish()`, rather than by `launch`.
 
-    `ShardGather(m_shard, k, dtype, comm, comm_programs)` builds the feeder of `comm`, "ce" or "sm"
-    (the op resolves "auto": `policy.choose_ag_gemm_comm`): a `CopyEngineGather` or a `PushGather`.
-    `comm_programs`: with "sm", the programs that push (default: 1/`policy.SM_COMM_SHARE` of the
-    SMs). Every rank builds it with the same arguments, in the same order.
+    `ShardGather(m_shard, k, dtype, comm, comm_programs, ranks=None)` builds the feeder of `comm`,
+    "ce" or "sm" (the op resolves "auto": `policy.choose_ag_gemm_comm`): a `CopyEngineGather` or a
+    `PushGather`. `comm_programs`: with "sm", the programs that push (default:
+    1/`policy.SM_COMM_SHARE` of the SMs). `ranks`: an `ops.ranks.Ranks`, the ranks whose shards
+    are gathered (default: the world). Every rank (of `ranks`) builds it with the same arguments,
+    in the same order.
     """
 
     epoch_flags: bool = False
 
-    def __new__(cls, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None):
+    def __new__(cls, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None,
+                ranks: Ranks | None = None):
         if cls is ShardGather:
             cls = FEEDERS[comm]
         return super().__new__(cls)
 
-    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None):
+    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None,
+                 ranks: Ranks | None = None):
         super().__init__()
-        self.world = tridist.world()
+        self.ranks = ranks or ranks_of()
         self.m_shard, self.k = m_shard, k
-        self.slot_rows = self.world.world_size * m_shard
+        self.slot_rows = self.ranks.world_size * m_shard
 
     def start(self, shard: torch.Tensor) -> None:
         """Queue the transfer of this rank's shard (contiguous, m_shard x k) to every peer."""
@@ -77,21 +84,22 @@ class CopyEngineGather(ShardGather):
     name = "ce"
     one_node = True
 
-    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "ce", comm_programs: int | None = None):
-        super().__init__(m_shard, k, dtype, comm, comm_programs)
-        self.push = self.own(copy_engines.CopyEnginePush(m_shard * k, dtype, row=m_shard * k))
+    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "ce", comm_programs: int | None = None,
+                 ranks: Ranks | None = None):
+        super().__init__(m_shard, k, dtype, comm, comm_programs, ranks)
+        self.push = self.own(copy_engines.CopyEnginePush(m_shard * k, dtype, row=m_shard * k, ranks=self.ranks))
         self.gathered = self.push.staging.view(self.slot_rows, k)
         self.flags, self.flags_per_shard = self.push.flags, self.push.chunks
-        self.gemm_programs = sizing.programs_for(self.world.device)
+        self.gemm_programs = sizing.programs_for(self.ranks.device)
 
     def start(self, shard: torch.Tensor) -> None:
-        if self.world.world_size == 1:
+        if self.ranks.world_size == 1:
             return
         self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
-        self.push.push([shard.reshape(-1)] * self.world.world_size)
+        self.push.push([shard.reshape(-1)] * self.ranks.world_size)
 
     def finish(self) -> None:
-        if self.world.world_size > 1:
+        if self.ranks.world_size > 1:
             self.push.join()
 
 
@@ -108,23 +116,24 @@ class PushGather(ShardGather):
     name = "sm"
     epoch_flags = True
 
-    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "sm", comm_programs: int | None = None):
-        super().__init__(m_shard, k, dtype, comm, comm_programs)
-        w = self.world
+    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "sm", comm_programs: int | None = None,
+                 ranks: Ranks | None = None):
+        super().__init__(m_shard, k, dtype, comm, comm_programs, ranks)
+        w = self.ranks
         checks.check_offsets("ag_gemm comm='sm'", 2 * self.slot_rows * k)  # the 2d kernel indexes `gathered`
-        self.gathered = self.own(tridist.symm_empty((2 * self.slot_rows, k), dtype))
+        self.gathered = self.own(tridist.symm_empty((2 * self.slot_rows, k), dtype, w.group))
         self.side = copy_engines.SideStream(w.device)
         programs = sizing.programs_for(w.device)
         self.comm_programs = comm_programs or max(1, programs // policy.SM_COMM_SHARE)
         self.push_tasks = two_d.spread_tasks(w)
         self.splits = sizing.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
-        self.flags = self.own(tridist.signals(2 * w.world_size * self.splits))
+        self.flags = self.own(tridist.signals(2 * w.world_size * self.splits, w.group))
         self.flags_per_shard = self.splits
         self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
 
     def start(self, shard: torch.Tensor) -> None:
-        if self.world.world_size == 1:
+        if self.ranks.world_size == 1:
             return
         n = shard.numel()
         with self.side.fork():
@@ -133,11 +142,11 @@ class PushGather(ShardGather):
             two_d.all_gather_2d_kernel[(self.push_tasks, self.splits)](
                 x_ptr=shard, out_ptr=self.gathered, staging_ptr=self.gathered, flags_ptr=self.flags,
                 calls_ptr=self.push_calls, n=n, row=n, slot_numel=self.slot_rows * self.k,
-                local_world_size=self.world.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK,
-                num_warps=8, coresident=True)
+                local_world_size=self.ranks.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK,
+                group=self.ranks.handle, num_warps=8, coresident=True)
 
     def finish(self) -> None:
-        if self.world.world_size > 1:
+        if self.ranks.world_size > 1:
             self.side.join()
 
 

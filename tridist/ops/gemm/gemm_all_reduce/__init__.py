@@ -2,7 +2,8 @@
 ranks while the GEMM runs, for decode-sized M.
 
 Shapes: a is M x K_local, b is K_local x N on every rank; every rank gets the M x N sum over ranks
-of a @ b, the same bits on every rank (every rank sums the partials in rank order).
+of a @ b, the same bits on every rank (every rank sums the partials in rank order). With `group=`,
+the sum is over the group's members, in group rank order.
 
 Each method is one persistent kernel in which every rank computes every output tile of its
 partial product and sends it to every peer from the GEMM's epilogue, then sums each tile over the
@@ -17,9 +18,8 @@ by its own scales); sums accumulate in fp32.
 """
 import torch
 
-import tridist
-
 from ... import checks
+from ...ranks import ranks_of
 from .. import persistent, policy
 from .ll import LowLatency
 from .one_shot import OneShot
@@ -40,8 +40,9 @@ class GemmAllReduce:
     | `"ll"` | the tiles in low-latency packets: each 4-byte word of two outputs travels with the call's epoch as its flag, twice the bytes and no flag round trip | one node |
     | `"auto"` | [`choose_gemm_ar`][tridist.ops.gemm.policy.choose_gemm_ar]: `ll` up to 128 rows on one node, else `one_shot` | |
 
-    Build it on every rank at once; call it back to back on one stream, also in CUDA graphs;
-    `free()` it on every rank. `tridist.ops.gemm_ar` keeps one per shape and stream.
+    Build it on every rank (of `group`) at once; call it back to back on one stream, also in CUDA
+    graphs; `free()` it on every rank (of `group`). `tridist.ops.gemm_ar` keeps one per shape,
+    group and stream.
 
     Args:
         m: rows of a and of the product.
@@ -51,31 +52,36 @@ class GemmAllReduce:
         method: one of the methods above.
         config: a dict from [`configs`][tridist.ops.gemm.configs] without `FLATTEN`, None for
             the default, or `"tune"`.
+        group: a `torch.distributed` process group (`dist.new_group`, a DeviceMesh's
+            `mesh.get_group("tp")`), a `tridist.Group`, or None for the world: the ranks whose
+            partial products are summed (the methods' "one node" is then the group's nodes).
+            Build it on every member (only).
 
     Raises:
         ValueError: an unknown method, a dtype it does not take, K or N not a multiple of 8 (16
-            for fp8), a `FLATTEN` config, `"ll"` on several nodes.
+            for fp8), a `FLATTEN` config, `"ll"` on several nodes (a group that spans several),
+            this rank not a member of `group`.
     """
 
     def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, method: str = "auto",
-                 config: dict | str | None = None):
+                 config: dict | str | None = None, group=None):
         if method not in METHODS:
             raise checks.method_error("gemm_ar", method, METHODS)
-        self.world = w = tridist.world()
+        self.ranks = w = ranks_of(group)
         persistent.check_sizes("gemm_ar", dtype, k, n)
         self.method = policy.choose_gemm_ar(m, w) if method == "auto" else method
         chosen = CHOSEN[self.method]
         if not chosen.flatten:
             persistent.refuse_flatten(config, "gemm_ar")
         if chosen.one_node:
-            checks.require_one_node(f"gemm_ar method '{self.method}'", "method='one_shot'")
+            checks.require_one_node(f"gemm_ar method '{self.method}'", "method='one_shot'", w)
         self.m, self.k, self.n, self.dtype = m, k, n, dtype
         self.config = persistent.resolve_config(
             config, "gemm_ar", (m, k, n, str(dtype), self.method),
-            lambda c: GemmAllReduce(m, k, n, dtype, self.method, config=c),
+            lambda c: GemmAllReduce(m, k, n, dtype, self.method, config=c, group=group),
             lambda: persistent.random_operands(m, k, n, dtype, w.device), w.device, m, n, flatten=chosen.flatten,
-            dtype=dtype)
-        self.impl = chosen(m, k, n, dtype, self.config)
+            dtype=dtype, group=w.group)
+        self.impl = chosen(m, k, n, dtype, self.config, w)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,7 +101,8 @@ class GemmAllReduce:
             ValueError: operands, scales or `out` not what this instance was built for.
         """
         out = persistent.check_call(a, b, scale_a, scale_b, out, self.m,
-                                    built=("gemm_ar", (self.m, self.k), (self.k, self.n), self.dtype))
+                                    built=("gemm_ar", (self.m, self.k), (self.k, self.n), self.dtype),
+                                    group=self.ranks.group)
         self.impl.launch(a, b, out, scale_a, scale_b)
         return out
 
@@ -106,12 +113,13 @@ class GemmAllReduce:
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, method: str = "auto",
             config: dict | str | None = None, scale_a: torch.Tensor | None = None,
-            scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """`all_reduce(a @ b)` over the ranks, overlapped with the GEMM: the row-parallel layer at
-    decode-sized M.
+            scale_b: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """`all_reduce(a @ b)` over the ranks (of `group`, if given), overlapped with the GEMM: the
+    row-parallel layer at decode-sized M.
 
-    A collective: every rank calls it with the same shapes. Keeps one
-    [`GemmAllReduce`][tridist.ops.GemmAllReduce] per shape, dtype, method, config and stream.
+    A collective: every rank (every member of `group`) calls it with the same shapes. Keeps one
+    [`GemmAllReduce`][tridist.ops.GemmAllReduce] per shape, dtype, method, config, group and
+    stream.
 
     Args:
         a: M x K_local, row-major; bf16, fp16 or fp8.
@@ -122,15 +130,17 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, m
             the default, or `"tune"`.
         scale_a: fp8 only: this rank's scale of a.
         scale_b: fp8 only: this rank's scale of b.
+        group: a `torch.distributed` process group, a `tridist.Group`, or None for the world: the
+            ranks the product is summed over.
 
     Returns:
-        `out`: the sum over ranks of `a @ b`, the same bits on every rank.
+        `out`: the sum over ranks (of `group`) of `a @ b`, the same bits on every rank.
 
     Raises:
         ValueError: before any launch, for operands, scales, `out`, method or config it does not
-            take.
+            take, or on a rank that is not a member of `group`.
     """
-    return persistent.cached(GemmAllReduce, a, b, config, method=method)(a, b, out, scale_a, scale_b)
+    return persistent.cached(GemmAllReduce, a, b, config, group=group, method=method)(a, b, out, scale_a, scale_b)
 
 
 @torch.library.custom_op("tridist::gemm_ar", mutates_args=())

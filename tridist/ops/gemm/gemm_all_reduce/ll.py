@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ... import checks, sizing
 from ...protocol import PacketRows, call_epoch, finish_call, in_slot, pack_halves, sync_program, unpack_halves
 from ...method import Method
+from ...ranks import Ranks
 from .. import persistent
 from .._tiles import tile_at, tile_offsets
 
@@ -39,16 +39,18 @@ LL_STEP = 2048
 @jit
 def gemm_ar_ll_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, own_ptr, packets_ptr, calls_ptr, M, N, K,
                       row, slot_numel, DTYPE: tl.constexpr, STEP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+                      group):
     """out is viewed as M x N/2 int32 words (two outputs each), the same bits on every rank; `own`
-    and the packet rows as the module docstring says. STEP: the words a loop step moves. Its loop
-    over the peers beside the K loop cannot be fused: no FLATTEN."""
+    and the packet rows as the module docstring says; ranks of `group` (None: the world). STEP:
+    the words a loop step moves. Its loop over the peers beside the K loop cannot be fused: no
+    FLATTEN."""
     tl.static_assert(not FLATTEN, "gemm_ar_ll_kernel takes configs with FLATTEN=False")
     TILE_WORDS: tl.constexpr = BLOCK_M * BLOCK_N // 2
     epoch = call_epoch(calls_ptr)
     scale = persistent.load_scale(scale_a_ptr, scale_b_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     stage = in_slot(packets_ptr, epoch, slot_numel)
@@ -63,7 +65,7 @@ def gemm_ar_ll_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, own_ptr
         sync_program()  # the words are read back by other threads than stored them
         mine_words = mine.to(tl.pointer_type(tl.int32))
         for step in range(1, world):
-            remote = dl.symm_at(stage + me * row + t * TILE_WORDS, (me + step) % world)
+            remote = dl.symm_at(stage + me * row + t * TILE_WORDS, (me + step) % world, group)
             for start in range(0, TILE_WORDS, STEP):
                 dl.ll.send(remote + start + words, tl.load(mine_words + start + words), epoch, every)
     for t in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
@@ -91,22 +93,23 @@ class LowLatency(Method):
     """gemm_ar in LL packets, one node: `PacketRows` with a row of this rank's tiles per rank, a
     tensor `own_tiles` of this rank's partial tiles, and `gemm_ar_ll_kernel` on a program per SM
     (fewer for fewer tiles). Built for an m x k by k x n product of `dtype` (16-bit outputs) with
-    `config` (without FLATTEN); `launch(a, b, out, scale_a, scale_b)` writes the sum over ranks
-    into `out`."""
+    `config` (without FLATTEN), among `ranks` (an `ops.ranks.Ranks`); `launch(a, b, out, scale_a,
+    scale_b)` writes the sum over ranks into `out`."""
 
     name = "ll"
     one_node = True
     flatten = False  # Triton cannot fuse its loop over the peers: it takes configs without FLATTEN
 
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict):
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict, ranks: Ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = w = ranks
         self.m, self.k, self.n, self.config = m, k, n, config
         self.out_dtype = persistent.out_dtype(dtype)
         block = config["BLOCK_M"] * config["BLOCK_N"]
         per_shard = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
         self.programs = min(sizing.programs_for(w.device), per_shard)
-        self.workspace = self.own(PacketRows("gemm_ar", per_shard * block * self.out_dtype.itemsize, self.programs))
+        self.workspace = self.own(PacketRows("gemm_ar", per_shard * block * self.out_dtype.itemsize, self.programs,
+                                             ranks=w))
         self.own_tiles = torch.empty(per_shard * block, dtype=self.out_dtype, device=w.device)
         self.step = min(LL_STEP, block // 2)
 
@@ -118,4 +121,4 @@ class LowLatency(Method):
             a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out.view(torch.int32),
             own_ptr=self.own_tiles, packets_ptr=ws.staging, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
             row=ws.row, slot_numel=ws.slot_numel, DTYPE=checks.TRITON_DTYPES[self.out_dtype], STEP=self.step,
-            **self.config)
+            group=self.ranks.handle, **self.config)

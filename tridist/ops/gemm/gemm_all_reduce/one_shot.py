@@ -27,14 +27,15 @@ from .._tiles import TileMethod, received_tile, send_tile, tile_at, tile_offsets
 @jit
 def gemm_ar_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
                    local_world_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-    """out is M x N, the same bits on every rank; the workspace as the module docstring says. Its
-    loop over the peers beside the K loop cannot be fused: no FLATTEN."""
+                   GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, group):
+    """out is M x N, the same bits on every rank; the workspace as the module docstring says;
+    ranks of `group` (None: the world). Its loop over the peers beside the K loop cannot be fused:
+    no FLATTEN."""
     tl.static_assert(not FLATTEN, "gemm_ar takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     scale = persistent.load_scale(scale_a_ptr, scale_b_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_shard = tiles_m * tiles_n
@@ -49,7 +50,8 @@ def gemm_ar_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr,
         values = (acc * scale).to(tiles_ptr.dtype.element_ty)
         tl.store(mine + offsets, values)
         for step in range(1, world):
-            send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M, BLOCK_N)
+            send_tile(values, mine, mine, my_flag, epoch, (me + step) % world, local_world_size, BLOCK_M, BLOCK_N,
+                      group)
     sync_program()  # this program's own tiles, stored by all its threads, are read back below
     for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
         tm, tn = persistent.tile_coords(t, tiles_m, tiles_n, GROUP_M)

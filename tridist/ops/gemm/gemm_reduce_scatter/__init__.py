@@ -2,13 +2,14 @@
 over the ranks while the GEMM runs, each rank keeping its own rows.
 
 Shapes: a is M x K_local, b is K_local x N on every rank; the partial product a @ b is M x N, and
-rank r gets rows [r * M/world, (r+1) * M/world) of the sum over ranks.
+rank r gets rows [r * M/world, (r+1) * M/world) of the sum over ranks. With `group=`, the ranks,
+world and sum are the group's: rank r of the group gets its rows of the sum over the members.
 
 Each method is one persistent kernel in which every rank computes every output tile of its
 partial product and sends it, from the GEMM's epilogue, towards the rank that owns its rows.
 Partial tiles travel in the output dtype (bf16 for fp8 operands, each rank's partial scaled by its
-own scales); sums accumulate in fp32. There is no `method=`: the topology picks
-(`policy.choose_gemm_rs`).
+own scales); sums accumulate in fp32. There is no `method=`: the topology (of the group, if
+given) picks (`policy.choose_gemm_rs`).
 
 | method | module | where |
 | --- | --- | --- |
@@ -19,6 +20,7 @@ import torch
 
 import tridist
 
+from ...ranks import ranks_of
 from .. import persistent, policy
 from .one_shot import OneShot
 from .two_d import TwoD
@@ -38,8 +40,9 @@ class GemmReduceScatter:
     the node's sum. Needs its whole grid resident (one program per SM): nothing else may occupy
     the SMs while it runs.
 
-    Build it on every rank at once; call it back to back on one stream, also in CUDA graphs;
-    `free()` it on every rank. `tridist.ops.gemm_rs` keeps one per shape and stream.
+    Build it on every rank (of `group`) at once; call it back to back on one stream, also in CUDA
+    graphs; `free()` it on every rank (of `group`). `tridist.ops.gemm_rs` keeps one per shape,
+    group and stream.
 
     Args:
         m: rows of a (all of the product's rows), a multiple of the world size.
@@ -48,18 +51,24 @@ class GemmReduceScatter:
         dtype: bf16, fp16 or fp8.
         config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
             `"tune"`. Across nodes only configs without `FLATTEN`.
+        group: a `torch.distributed` process group (`dist.new_group`, a DeviceMesh's
+            `mesh.get_group("tp")`), a `tridist.Group`, or None for the world: the ranks whose
+            partial products are summed and scattered, world_size being the group's size and
+            rank r its r-th member. Build it on every member (only).
 
     Raises:
         ValueError: a dtype it does not take, K or N not a multiple of 8 (16 for fp8), m not a
-            multiple of the world size, a `FLATTEN` config across nodes.
+            multiple of the world size (the group's size), a `FLATTEN` config across nodes, this
+            rank not a member of `group`.
     """
 
-    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | str | None = None):
-        self.world = w = tridist.world()
+    def __init__(self, m: int, k: int, n: int, dtype: torch.dtype, config: dict | str | None = None, group=None):
+        self.ranks = w = ranks_of(group)
         persistent.check_sizes("gemm_rs", dtype, k, n)
         if m % w.world_size:
+            where = "the world size" if w.group is None else "the group's size"
             raise ValueError(f"gemm_rs splits the M = {m} rows of the product over {w.world_size} ranks: make M a "
-                             "multiple of the world size")
+                             f"multiple of {where}")
         self.method = policy.choose_gemm_rs(w)
         chosen = METHODS[self.method]
         if not chosen.flatten:
@@ -67,10 +76,10 @@ class GemmReduceScatter:
         self.m, self.k, self.n, self.dtype = m, k, n, dtype
         self.config = persistent.resolve_config(
             config, "gemm_rs", (m, k, n, str(dtype), self.method),
-            lambda c: GemmReduceScatter(m, k, n, dtype, config=c),
+            lambda c: GemmReduceScatter(m, k, n, dtype, config=c, group=group),
             lambda: persistent.random_operands(m, k, n, dtype, w.device), w.device, m, n, flatten=chosen.flatten,
-            dtype=dtype)  # every rank computes all m rows
-        self.impl = chosen(m, k, n, dtype, self.config)
+            dtype=dtype, group=w.group)  # every rank computes all m rows
+        self.impl = chosen(m, k, n, dtype, self.config, w)
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
                  scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,7 +88,8 @@ class GemmReduceScatter:
         Args:
             a: m x k of `dtype` (as built), row-major, on this rank's device.
             b: k x n of `dtype` (column-major for fp8).
-            out: m / world_size x n, of the output dtype (bf16 for fp8); a new tensor if None.
+            out: m / world_size x n (world_size: the group's size, with a group), of the output
+                dtype (bf16 for fp8); a new tensor if None.
             scale_a: fp8 only: this rank's scale of a (a one-element float32 tensor).
             scale_b: fp8 only: this rank's scale of b.
 
@@ -89,8 +99,9 @@ class GemmReduceScatter:
         Raises:
             ValueError: operands, scales or `out` not what this instance was built for.
         """
-        out = persistent.check_call(a, b, scale_a, scale_b, out, self.m // self.world.world_size,
-                                    built=("gemm_rs", (self.m, self.k), (self.k, self.n), self.dtype))
+        out = persistent.check_call(a, b, scale_a, scale_b, out, self.m // self.ranks.world_size,
+                                    built=("gemm_rs", (self.m, self.k), (self.k, self.n), self.dtype),
+                                    group=self.ranks.group)
         self.impl.launch(a, b, out, scale_a, scale_b)
         return out
 
@@ -100,30 +111,35 @@ class GemmReduceScatter:
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, config: dict | str | None = None,
-            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """`reduce_scatter(a @ b)` over the ranks, overlapped with the GEMM: the row-parallel layer of
-    tensor parallelism, handing each rank back its own rows.
+            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """`reduce_scatter(a @ b)` over the ranks (of `group`, if given), overlapped with the GEMM: the
+    row-parallel layer of tensor parallelism, handing each rank back its own rows.
 
-    A collective: every rank calls it with the same shapes. Keeps one
-    [`GemmReduceScatter`][tridist.ops.GemmReduceScatter] per shape, dtype, config and stream.
+    A collective: every rank (every member of `group`) calls it with the same shapes. Keeps one
+    [`GemmReduceScatter`][tridist.ops.GemmReduceScatter] per shape, dtype, config, group and
+    stream.
 
     Args:
         a: M x K_local (this rank's columns of the activations), row-major; bf16, fp16 or fp8.
-            M a multiple of the world size.
+            M a multiple of the world size (the group's size).
         b: K_local x N (this rank's rows of the weight; column-major for fp8).
-        out: M / world_size x N; a new tensor if None.
+        out: M / world_size x N (world_size: the group's size); a new tensor if None.
         config: a dict from [`configs`][tridist.ops.gemm.configs], None for the default, or
             `"tune"`.
         scale_a: fp8 only: this rank's scale of a.
         scale_b: fp8 only: this rank's scale of b.
+        group: a `torch.distributed` process group, a `tridist.Group`, or None for the world: the
+            ranks the product is summed over and scattered to (rank r of the group gets rows
+            `[r * M / size, (r + 1) * M / size)`).
 
     Returns:
         `out`: this rank's rows of the sum over ranks of `a @ b`.
 
     Raises:
-        ValueError: before any launch, for operands, scales, `out` or config it does not take.
+        ValueError: before any launch, for operands, scales, `out` or config it does not take, or
+            on a rank that is not a member of `group`.
     """
-    return persistent.cached(GemmReduceScatter, a, b, config)(a, b, out, scale_a, scale_b)
+    return persistent.cached(GemmReduceScatter, a, b, config, group=group)(a, b, out, scale_a, scale_b)
 
 
 @torch.library.custom_op("tridist::gemm_rs", mutates_args=())

@@ -30,15 +30,15 @@ from .._tiles import TileMethod, received_tile, tile_at, tile_offsets, tiles_in_
 @jit
 def gemm_rs_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
                    local_world_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
-    """out is this rank's M/world x N rows of the sum. FLATTEN lets Triton load the next tile's
-    operands during this one's epilogue. Triton 3.6's loop fusion fails on a value computed after
-    the K loop and used only inside a branch of the epilogue, so every branch computes its own
-    addresses."""
+                   GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, group):
+    """out is this rank's M/world x N rows of the sum, ranks and world of `group` (None: the
+    world). FLATTEN lets Triton load the next tile's operands during this one's epilogue. Triton
+    3.6's loop fusion fails on a value computed after the K loop and used only inside a branch of
+    the epilogue, so every branch computes its own addresses."""
     epoch = call_epoch(calls_ptr)
     scale = persistent.load_scale(scale_a_ptr, scale_b_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     rows = M // world
     tiles_m = tl.cdiv(rows, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -55,11 +55,11 @@ def gemm_rs_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr,
         acc = persistent.tile_product(a_desc, b_desc, tm * BLOCK_M + shard * rows, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
                                       BLOCK_K)
         if late_peer >= 0:  # before any wait below: a peer may be waiting for this flag
-            dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
+            dl.notify(late_flag, late_peer, signal=epoch, sig_op="set", group=group)
             late_peer = tl.cast(-1, tl.int32)
         if shard != me:
             mine = tile_at(tiles, me * per_shard + t, BLOCK_M, BLOCK_N)
-            tl.store(dl.symm_at(mine, shard) + offsets, (acc * scale).to(tiles_ptr.dtype.element_ty))
+            tl.store(dl.symm_at(mine, shard, group) + offsets, (acc * scale).to(tiles_ptr.dtype.element_ty))
             late_peer = shard
             late_flag = flags + me * per_shard + t
         else:
@@ -68,7 +68,7 @@ def gemm_rs_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr,
                 acc += received_tile(tiles, flags, (me + step) % world, t, per_shard, epoch, BLOCK_M, BLOCK_N)
             persistent.store_tile(out_ptr, acc, tm * BLOCK_M, tn * BLOCK_N, rows, N, BLOCK_M, BLOCK_N)
     if late_peer >= 0:
-        dl.notify(late_flag, late_peer, signal=epoch, sig_op="set")
+        dl.notify(late_flag, late_peer, signal=epoch, sig_op="set", group=group)
     finish_call(calls_ptr)
 
 

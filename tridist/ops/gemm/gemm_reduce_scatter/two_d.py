@@ -33,13 +33,14 @@ from .._tiles import TileMethod, received_tile, send_tile, tile_at, tiles_in_slo
 @jit
 def gemm_rs_2d_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_ptr, flags_ptr, calls_ptr, M, N, K,
                       local_world_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                      GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, group):
     """out is this rank's M/world x N rows of the sum; the workspace's regions as the module
-    docstring says. Its three loops over the tiles cannot be fused: no FLATTEN."""
+    docstring says; ranks, nodes and L of `group` (None: the world). Its three loops over the tiles
+    cannot be fused: no FLATTEN."""
     tl.static_assert(not FLATTEN, "gemm_rs_2d_kernel takes configs with FLATTEN=False")
     epoch = call_epoch(calls_ptr)
     scale = persistent.load_scale(scale_a_ptr, scale_b_ptr)
-    me, world, nodes, node, local = placement(local_world_size)
+    me, world, nodes, node, local = placement(local_world_size, group)
     rows = M // world
     tiles_m = tl.cdiv(rows, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -58,12 +59,12 @@ def gemm_rs_2d_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_p
         if shard // local_world_size == node:  # the owner is on this node (perhaps this rank)
             index = me * per_shard + t
             to = tile_at(received, index, BLOCK_M, BLOCK_N)
-            send_tile(values, to, to, received_flags + index, epoch, shard, local_world_size, BLOCK_M, BLOCK_N)
+            send_tile(values, to, to, received_flags + index, epoch, shard, local_world_size, BLOCK_M, BLOCK_N, group)
         else:
             index = (local * nodes + shard // local_world_size) * per_shard + t
             to = tile_at(gathered, index, BLOCK_M, BLOCK_N)
             send_tile(values, to, to, gathered_flags + index, epoch, node * local_world_size + shard % local_world_size,
-                      local_world_size, BLOCK_M, BLOCK_N)
+                      local_world_size, BLOCK_M, BLOCK_N, group)
     for item in range(tl.program_id(0), (nodes - 1) * per_shard, tl.num_programs(0)):
         other = (node + 1 + item // per_shard) % nodes
         t = item % per_shard
@@ -74,7 +75,7 @@ def gemm_rs_2d_kernel(a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, tiles_p
         node_sum = tile_at(gathered, (local * nodes + other) * per_shard + t, BLOCK_M, BLOCK_N)
         send_tile(total.to(tiles_ptr.dtype.element_ty), tile_at(received, me * per_shard + t, BLOCK_M, BLOCK_N),
                   node_sum, received_flags + me * per_shard + t, epoch, other * local_world_size + local,
-                  local_world_size, BLOCK_M, BLOCK_N)
+                  local_world_size, BLOCK_M, BLOCK_N, group)
     for t in range(tl.program_id(0), per_shard, tl.num_programs(0)):
         tm, tn = persistent.tile_coords(t, tiles_m, tiles_n, GROUP_M)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
