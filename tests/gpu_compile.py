@@ -407,6 +407,30 @@ def _within_groups(world_cases, kernels) -> list:
     return list(first.values())
 
 
+def _attention_stencil_sync_group_cases():
+    """flash_decode's combine (its exchange), the Jacobi kernels and the bounded barrier within a
+    process group (`group=`: a `tridist.Group`, a pointer to its int32 table)."""
+    columns, rows, rank_rows = attention_policy.combine_shape(4, 128, 66, 2)
+    tile = dict(zip(("BLOCK_R", "BLOCK_C"), stencil_policy.tile_for(4096, 8192)))
+    return [
+        (combine.flash_decode_combine_kernel,
+         {"partials_ptr": "*fp32", "out_ptr": "*bf16", "staging_ptr": "*i64", "calls_ptr": "*i64", "units": "i32",
+          "splits": "i32", "slot_numel": "i32", "local_world_size": "i32", "GROUP": "constexpr", "D": "constexpr",
+          "COLUMNS": "constexpr", "ROWS": "constexpr", "RANK_ROWS": "constexpr", "EXCHANGE": "constexpr",
+          "group": "*i32"},
+         {"GROUP": 4, "D": 128, "COLUMNS": columns, "ROWS": rows, "RANK_ROWS": rank_rows, "EXCHANGE": True},
+         {"num_warps": attention_policy.COMBINE_WARPS, "launch_pdl": True}),
+        (jacobi_host_loop.jacobi_step_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "rows": "i32",
+                                               "cols": "i32", "iteration": "i32", "BLOCK_R": "constexpr",
+                                               "BLOCK_C": "constexpr", "group": "*i32"}, tile),
+        (jacobi_fused.jacobi_fused_kernel, {"planes_ptr": "*fp32", "signals_ptr": "*i64", "barrier_ptr": "*i64",
+                                            "rows": "i32", "cols": "i32", "first": "i32", "iterations": "i32",
+                                            "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "group": "*i32"}, tile),
+        (sync._bounded_barrier_kernel, {"slots_ptr": "*i64", "passed_ptr": "*i64", "group": "*i32"}, {}),
+        (lang.group_stamp_kernel, {"slots_ptr": "*i64", "value": "i32", "group": "*i32"}, {}),
+    ]
+
+
 @functools.cache
 def cases():
     """(kernel, signature, constexprs[, compile options]). Built once: `main`'s forked workers
@@ -538,6 +562,7 @@ def cases():
         *_tutorial_cases(),
         *_group_cases(),
         *_gemm_group_cases(),
+        *_attention_stencil_sync_group_cases(),
     ]
     return [*world, *_within_groups(world, _COLLECTIVES)]
 

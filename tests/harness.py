@@ -36,6 +36,36 @@ def load_script(folder: str, name: str):
     return module
 
 
+# Where the ops' tests run them within process groups (issue 42): layout -> (the groups, as lists of
+# world ranks covering the world, and the worlds the layout is run in).
+GROUP_LAYOUTS = {
+    "pairs": ([[0, 1], [2, 3]], ("4",)),  # disjoint groups at once, on different data
+    "strided": ([[0, 2], [1, 3]], ("4", "2x2")),  # strided; in 2x2 each group spans both nodes
+    "beside": ([[0, 2], [1]], ("3",)),  # a group while rank 1 works alone
+}
+
+
+def group_layouts() -> list:
+    """The names of GROUP_LAYOUTS as pytest parameters, each marked with its worlds."""
+    import pytest
+
+    return [pytest.param(name, marks=pytest.mark.worlds(*worlds)) for name, (_, worlds) in GROUP_LAYOUTS.items()]
+
+
+def join_groups(layout: str) -> tuple[int, list, list]:
+    """Every group of the layout made on this rank (torch.distributed's rule: every rank makes every
+    group, in the same order): (the index of this rank's group, its members' world ranks, every
+    group's process group)."""
+    import torch.distributed as dist
+
+    import tridist
+
+    partition = GROUP_LAYOUTS[layout][0]
+    made = [dist.new_group(ranks) for ranks in partition]
+    index = next(i for i, ranks in enumerate(partition) if tridist.world().rank in ranks)
+    return index, partition[index], made
+
+
 def parse_world(name: str) -> tuple[int, int | None]:
     if "x" in name:
         nodes, per_node = (int(v) for v in name.split("x"))

@@ -18,7 +18,7 @@ from tridist.bench.results import relative_error
 from tridist.ops import attention
 from tridist.runtime import config as settings
 
-from .harness import load_script
+from .harness import group_layouts, join_groups, load_script
 
 WORLDS = ("1", "2", "3", "4", "2x2", "2x1")  # 2x1: the inter-node path on two GPUs
 # Largest |error| over largest |expected| against fp32 SDPA: the probabilities enter P @ V rounded to
@@ -150,6 +150,40 @@ def _check_decode(world, kv_heads, group, head_dim, dtype, page, config, calls, 
         for call, out in enumerate(outs):
             assert torch.equal(out.view(torch.int16), results[0][call].view(torch.int16)), \
                 f"call {call}: rank {rank}'s output differs from rank 0's"
+
+
+def _decode_in_groups(w, layout):
+    """flash_decode within each group of `layout` at once: the groups differ in shapes, layout,
+    data and number of calls, with no step of the world in between (a group waiting on another's
+    ranks would hang). Returns (this rank's group, its outputs), which must be the same bits on
+    every member."""
+    index, members, made = join_groups(layout)
+    kv_heads, page, calls, size = 1 + index, (None, 4)[index % 2], 1 + index, len(members)
+    cases = [_slices(w, 3, 2 * kv_heads, kv_heads, 64, torch.bfloat16, [_ragged(r, call, size) for r in range(size)],
+                     page, seed=100 * index + call) for call in range(calls)]
+    outs = []
+    for q, slices, _ in cases:  # back to back, no synchronisation
+        k, v, seqlens, table = (_on(w.device, t) for t in slices[members.index(w.rank)])
+        outs.append(ops.flash_decode(q.to(w.device), k, v, seqlens, table, group=made[index]))
+    for call, (q, _, gathered) in enumerate(cases):
+        error = relative_error(outs[call], _reference(q, gathered, None))
+        assert error <= TOLERANCE[torch.bfloat16], f"group {members}, call {call}: relative error {error:.1e}"
+    other = made[(index + 1) % len(made)]  # a group this rank is not in: refused before anything is allocated
+    with pytest.raises(ValueError, match=f"rank {w.rank} is not a member"):
+        ops.flash_decode(q.to(w.device), k, v, seqlens, table, group=other)
+    with pytest.raises(ValueError, match=f"rank {w.rank} is not a member"):
+        ops.FlashDecode(3, 2, 1, 64, torch.bfloat16, group=other)
+    tridist.barrier_all()
+    return index, [out.cpu() for out in outs]
+
+
+@pytest.mark.parametrize("layout", group_layouts())
+def test_flash_decode_in_groups(world, layout):
+    results = world.run(_decode_in_groups, layout=layout)
+    for rank, (index, outs) in enumerate(results):
+        first = next(r for r, (i, _) in enumerate(results) if i == index)
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(outs, results[first][1])), \
+            f"rank {rank}'s outputs differ from rank {first}'s, in the same group"
 
 
 def _graph_replays(w, page, replays):

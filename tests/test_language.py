@@ -10,7 +10,7 @@ import triton.language as tl
 import tridist
 import tridist.language as dl
 
-from .harness import load_script
+from .harness import group_layouts, join_groups, load_script
 
 # ---- identity -------------------------------------------------------------------------------------
 
@@ -364,6 +364,37 @@ def _barriers(w, rounds):
 
 def test_back_to_back_barriers(world):
     world.run(_barriers, rounds=100)
+
+
+@tridist.jit
+def group_stamp_kernel(slots_ptr, value, group):
+    me = dl.rank(group)
+    for peer in range(dl.num_ranks(group)):
+        dl.shmem.p(slots_ptr + me, value, peer, group)
+    dl.shmem.quiet()
+
+
+def _group_barriers(w, layout, rounds):
+    """`barrier_all_on_stream(group=...)` in each group of `layout` at once, a different number of
+    times in each (a barrier that waited for another group's ranks would hang): every member's
+    stamp has landed everywhere when the barrier is passed."""
+    index, members, made = join_groups(layout)
+    g = tridist.group(made[index])
+    slots = tridist.symm_zeros((g.size,), torch.int64, group=g)
+    for i in range(1, rounds + 2 * index + 1):
+        group_stamp_kernel[(1,)](slots, 100 * index + i, g)
+        tridist.barrier_all_on_stream(group=made[index])
+        assert (slots == 100 * index + i).all(), (members, i, slots.tolist())
+        tridist.barrier_all_on_stream(group=g)  # nobody stamps round i+1 before every member checked round i
+    with pytest.raises(ValueError, match=f"rank {w.rank} is not a member"):
+        tridist.barrier_all_on_stream(group=made[(index + 1) % len(made)])
+    tridist.symm_free(slots)
+    tridist.barrier_all()
+
+
+@pytest.mark.parametrize("layout", group_layouts())
+def test_barriers_within_groups(world, layout):
+    world.run(_group_barriers, layout=layout, rounds=3)
 
 
 def _bounded_barrier(w, rounds):

@@ -6,31 +6,53 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import tridist
 import tridist.nn
 from tridist.nn import linear, moe as nn_moe
 
-from .harness import load_script
+from .harness import GROUP_LAYOUTS, join_groups, load_script
 
 transformers = pytest.importorskip("transformers")
 
 
-def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, decode_rows, low_latency_tokens):
+def _in_group(w, layout):
+    """(index of this rank's group, its process group, its size, this rank's index in it): those of
+    `layout` (harness.GROUP_LAYOUTS), or of the world where layout is None."""
+    if layout is None:
+        return 0, None, w.world_size, w.rank
+    index, members, made = join_groups(layout)
+    return index, made[index], len(members), members.index(w.rank)
+
+
+def _same_within_groups(results, layout):
+    """Every rank's result (a list of tensors) the same bits as the first rank's of its group."""
+    partition = GROUP_LAYOUTS[layout][0] if layout else [list(range(len(results)))]
+    for members in partition:
+        for rank in members[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[members[0]], results[rank])), \
+                f"rank {rank}'s results differ from rank {members[0]}'s"
+
+
+def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, decode_rows, low_latency_tokens,
+                         layout=None):
     """Every step's logits within the example's tolerance of the whole model's (fed the same tokens),
-    the same greedy tokens; returns the logits, which must be the same bits on every rank.
+    the same greedy tokens; returns the logits, which must be the same bits on every rank (of the
+    group: with `layout`, each group shards and runs the model on its own prompt).
     `decode_rows` and `low_latency_tokens` stand in for the layers' thresholds so that a prefill of a
     few tokens runs the prefill kernels (gemm_rs, EP's normal mode) and a decode step the decode ones."""
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers 5.24 renames it to `cache`
     example = load_script("examples", "llm")
+    index, group, _, _ = _in_group(w, layout)
     thresholds = linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS
     linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS = decode_rows, low_latency_tokens
     try:
         sharded = example.build_model(example.tiny_config(model), w.device)
         whole = copy.deepcopy(sharded)
-        tridist.nn.parallelize(sharded, moe=moe)
-        prompt = torch.randint(0, 128, (batch, prompt_tokens), generator=torch.Generator().manual_seed(1))
+        tridist.nn.parallelize(sharded, moe=moe, group=group)
+        prompt = torch.randint(0, 128, (batch, prompt_tokens), generator=torch.Generator().manual_seed(1 + index))
         tokens, steps, _ = example.generate(sharded, prompt.to(w.device), new_tokens)
     finally:
         linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS = thresholds
@@ -54,8 +76,16 @@ CASES = {"llama": dict(model="llama", moe="ep", batch=2, prompt_tokens=3, new_to
 @pytest.mark.parametrize("case", CASES)
 def test_parallelize_matches_the_whole_model(world, case):
     results = world.run(_matches_whole_model, **CASES[case], decode_rows=2, low_latency_tokens=2)
-    for rank, steps in enumerate(results[1:], start=1):
-        assert all(torch.equal(a, b) for a, b in zip(results[0], steps)), f"rank {rank}'s logits differ from rank 0's"
+    _same_within_groups(results, None)
+
+
+@pytest.mark.worlds("4")
+def test_parallelize_in_groups(world):
+    """Two groups each shard the MoE model (its attention, experts and lm_head over the pair) and
+    run it on their own prompt at once."""
+    results = world.run(_matches_whole_model, **CASES["qwen3-moe-ep"], decode_rows=2, low_latency_tokens=2,
+                        layout="pairs")
+    _same_within_groups(results, "pairs")
 
 
 def _refuses(w):
@@ -72,13 +102,12 @@ def _refuses(w):
     q_proj = model.model.layers[0].self_attn.q_proj
     with pytest.raises(ValueError, match="moe must be one of"):
         tridist.nn.parallelize(model, moe="dp")
-
-    class Half:
-        def size(self):
-            return 1
-
-    with pytest.raises(NotImplementedError, match="group"):
-        tridist.nn.parallelize(model, group=Half())
+    with pytest.raises(TypeError, match="group must be a torch.distributed.ProcessGroup"):
+        tridist.nn.parallelize(model, group=w.world_size)
+    alone = dist.new_group([0])  # every rank makes it; rank 1 is not a member
+    if w.rank:
+        with pytest.raises(ValueError, match="rank 1 is not a member"):
+            tridist.nn.parallelize(model, group=alone)
     # Each rank's own weights (as when a rank built from a config another rank had changed): every rank
     # refuses, naming the first parameter that differs.
     config = example.tiny_config("qwen3")
@@ -97,31 +126,32 @@ def test_parallelize_refuses_what_it_cannot_split(world):
     world.run(_refuses)
 
 
-def _layers(w):
+def _layers(w, layout=None):
     """A Megatron MLP block with sequence-parallel inputs (ag_gemm in, gemm_rs out), column outputs
-    gathered, replicated rows through each of the row layer's kernels, and decode attention over a
-    cache split by position, each against torch on the whole tensors."""
-    g = torch.Generator().manual_seed(2)
-    n, hidden, inner = w.world_size, 32, 16 * w.world_size
+    gathered, and replicated rows through each of the row layer's kernels, each against torch on the
+    whole tensors; with `layout`, in each of its groups at once, on the group's own data."""
+    index, group, n, me = _in_group(w, layout)
+    g = torch.Generator().manual_seed(2 + index)
+    hidden, inner = 32, 16 * n
     x = torch.randn(4 * n, hidden, generator=g).to(torch.bfloat16)
     up, down = torch.nn.Linear(hidden, inner, bias=True), torch.nn.Linear(inner, hidden, bias=True)
     for param in (*up.parameters(), *down.parameters()):
         param.data = torch.randn(param.shape, generator=g).div(param.shape[-1] ** 0.5).to(torch.bfloat16)
     up.to(w.device), down.to(w.device)
-    column = tridist.nn.ColumnParallelLinear.from_linear(up, sequence_parallel=True)
-    row = tridist.nn.RowParallelLinear.from_linear(down, sequence_parallel=True)
-    mine = slice(w.rank * 4, (w.rank + 1) * 4)
+    column = tridist.nn.ColumnParallelLinear.from_linear(up, sequence_parallel=True, group=group)
+    row = tridist.nn.RowParallelLinear.from_linear(down, sequence_parallel=True, group=group)
+    mine = slice(me * 4, (me + 1) * 4)
     h = torch.relu(column(x[mine].to(w.device)))
     expected_up = x.float() @ up.weight.float().cpu().t() + up.bias.float().cpu()
     expected_h = torch.relu(expected_up)
-    columns = slice(w.rank * column.out_local, (w.rank + 1) * column.out_local)
+    columns = slice(me * column.out_local, (me + 1) * column.out_local)
     torch.testing.assert_close(h.float().cpu(), expected_h[:, columns], rtol=2e-2, atol=2e-2)
     expected = expected_h @ down.weight.float().cpu().t() + down.bias.float().cpu()
     torch.testing.assert_close(row(h).float().cpu(), expected[mine], rtol=2e-2, atol=3e-2)
 
-    gathered = tridist.nn.ColumnParallelLinear.from_linear(up, gather_output=True)
+    gathered = tridist.nn.ColumnParallelLinear.from_linear(up, gather_output=True, group=group)
     torch.testing.assert_close(gathered(x.to(w.device)).float().cpu(), expected_up, rtol=2e-2, atol=2e-2)
-    replicated = tridist.nn.RowParallelLinear.from_linear(down)
+    replicated = tridist.nn.RowParallelLinear.from_linear(down, group=group)
     a = torch.randn(14 * n, inner, generator=g).to(torch.bfloat16)
     # 2 rows: gemm_ar; 14n (with DECODE_ROWS 1): gemm_rs + all-gather; 13, prime: a GEMM + all_reduce.
     for rows, decode_rows in ((2, linear.DECODE_ROWS), (14 * n, 1), (13, 1)):
@@ -132,36 +162,57 @@ def _layers(w):
             linear.DECODE_ROWS = saved
         want = a[:rows].float() @ down.weight.float().cpu().t() + down.bias.float().cpu()
         torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
+    tridist.barrier_all()
 
+
+def _decode_attention(w, layout=None):
+    """Decode attention over a cache split by position against torch on the whole cache; with
+    `layout`, in each of its groups at once, on the group's own data."""
+    index, group, n, me = _in_group(w, layout)
+    g = torch.Generator().manual_seed(4 + index)
     batch, heads, kv_heads, dim = 2, 4, 2, 64
     q = torch.randn(batch, heads, dim, generator=g).to(torch.bfloat16)
     k, v = (torch.randn(batch, 6 * n, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2))
-    attention = tridist.nn.DecodeAttention(heads, dim, kv_heads)
-    positions = slice(w.rank * 6, (w.rank + 1) * 6)
+    attention = tridist.nn.DecodeAttention(heads, dim, kv_heads, group=group)
+    positions = slice(me * 6, (me + 1) * 6)
     mine = [cache[:, positions].contiguous().to(w.device) for cache in (k, v)]
     got = attention(q.to(w.device), *mine, torch.full((batch,), 6, dtype=torch.int32, device=w.device))
     k, v = (cache.float().repeat_interleave(heads // kv_heads, dim=2) for cache in (k, v))
     scores = torch.einsum("bhd,blhd->bhl", q.float(), k) / dim ** 0.5
     want = torch.einsum("bhl,blhd->bhd", scores.softmax(-1), v)
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+    tridist.barrier_all()
 
 
 @pytest.mark.worlds("1", "2")
 def test_layers_match_torch(world):
     world.run(_layers)
+    world.run(_decode_attention)
 
 
-def _moe_layers(w):
+@pytest.mark.worlds("4")
+def test_layers_in_groups(world):
+    world.run(_layers, layout="pairs")
+
+
+@pytest.mark.worlds("4")
+def test_decode_attention_in_groups(world):
+    world.run(_decode_attention, layout="pairs")
+
+
+def _moe_layers(w, layout=None):
     """Both MoE layers on random tokens and routing (the EP layer in each of its modes, a token routed
-    nowhere among them) against every expert computed in fp32 on the whole weights."""
-    g = torch.Generator().manual_seed(3)
+    nowhere among them) against every expert computed in fp32 on the whole weights; with `layout`,
+    in each of its groups at once, on the group's own tokens and weights."""
+    index, group, n, me = _in_group(w, layout)
+    g = torch.Generator().manual_seed(3 + index)
     tokens, hidden, inner, experts, top_k = 5, 64, 32, 4, 2
-    every_x = torch.randn(w.world_size, tokens, hidden, generator=g).to(torch.bfloat16)
-    every_idx = torch.rand(w.world_size, tokens, experts, generator=g).topk(top_k, dim=-1).indices
-    every_weights = torch.rand(w.world_size, tokens, top_k, generator=g)
+    every_x = torch.randn(n, tokens, hidden, generator=g).to(torch.bfloat16)
+    every_idx = torch.rand(n, tokens, experts, generator=g).topk(top_k, dim=-1).indices
+    every_weights = torch.rand(n, tokens, top_k, generator=g)
     w_gate_up = (torch.randn(experts, hidden, 2 * inner, generator=g) / hidden ** 0.5).to(torch.bfloat16)
     w_down = (torch.randn(experts, inner, hidden, generator=g) / inner ** 0.5).to(torch.bfloat16)
-    x, idx, weights = every_x[w.rank], every_idx[w.rank], every_weights[w.rank]
+    x, idx, weights = every_x[me], every_idx[me], every_weights[me]
     expected = torch.zeros(tokens, hidden)
     for e in range(experts):
         share = (weights * (idx == e)).sum(dim=1, keepdim=True)
@@ -172,7 +223,7 @@ def _moe_layers(w):
     ep_expected = expected.clone()
     ep_expected[-1] = 0
 
-    ep = tridist.nn.ExpertParallelMoE(experts, hidden, inner, tokens)
+    ep = tridist.nn.ExpertParallelMoE(experts, hidden, inner, tokens, group=group)
     ep.load(w_gate_up.to(w.device), w_down.to(w.device))
     for low_latency_tokens in (nn_moe.LOW_LATENCY_TOKENS, 0):  # the low-latency mode, then the normal one
         nn_moe.LOW_LATENCY_TOKENS, saved = low_latency_tokens, nn_moe.LOW_LATENCY_TOKENS
@@ -182,12 +233,18 @@ def _moe_layers(w):
             nn_moe.LOW_LATENCY_TOKENS = saved
         torch.testing.assert_close(got.float().cpu(), ep_expected, rtol=2e-2, atol=2e-2)
     nn_moe.free_buffers()
-    tp = tridist.nn.TensorParallelMoE(experts, hidden, inner)
+    tp = tridist.nn.TensorParallelMoE(experts, hidden, inner, group=group)
     tp.load(w_gate_up.to(w.device), w_down.to(w.device))
     got = tp(x.to(w.device), idx.to(w.device), weights.to(w.device))
     torch.testing.assert_close(got.float().cpu(), expected, rtol=2e-2, atol=2e-2)
+    tridist.barrier_all()
 
 
 @pytest.mark.worlds("2")
 def test_moe_layers_match_torch(world):
     world.run(_moe_layers)
+
+
+@pytest.mark.worlds("4")
+def test_moe_layers_in_groups(world):
+    world.run(_moe_layers, layout="pairs")

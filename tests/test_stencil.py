@@ -6,7 +6,7 @@ import torch
 import tridist
 from tridist.ops import Jacobi2D, jacobi_reference
 
-from .harness import load_script
+from .harness import group_layouts, join_groups, load_script
 
 example = load_script("examples", "jacobi2d")
 
@@ -34,6 +34,38 @@ def _jacobi(w, local_rows, cols, block, programs):
 @pytest.mark.worlds("1", "2", "3", "4", "2x2")
 def test_jacobi_matches_one_process(world):
     world.run(_jacobi, local_rows=3, cols=10, block=(2, 8), programs=3)
+
+
+def _jacobi_in_groups(w, layout):
+    """A solver within each group of `layout` at once, each on its own domain and sizes, with a
+    different number of host-loop iterations (its barriers the group's: a barrier of the world
+    would hang), then fused ones; exact against one process after every run."""
+    index, members, made = join_groups(layout)
+    me, local_rows, cols = members.index(w.rank), 2 + index, 9 + index
+    rows = local_rows * len(members)
+    domain = example.initial_domain(rows, cols) + 10 * index  # each group's own values, boundary included
+    solver = Jacobi2D(rows, cols, programs=2, block=(2, 8), group=made[index])
+    solver.load(domain)
+    done = 0
+    for method, iterations in (("host_loop", 2 + index), ("fused", 2)):
+        got = solver.run(iterations, method)
+        done += iterations
+        expected = jacobi_reference(domain, done)[1 + me * local_rows:1 + (me + 1) * local_rows].to(w.device)
+        assert torch.equal(got, expected), (members, method, done, (got - expected).abs().max().item())
+    other = made[(index + 1) % len(made)]  # a group this rank is not in: refused before anything is allocated
+    with pytest.raises(ValueError, match=f"rank {w.rank} is not a member"):
+        Jacobi2D(rows, cols, group=other)
+    if len(members) > 1:
+        with pytest.raises(ValueError, match="multiple of the group's size"):
+            Jacobi2D(rows + 1, cols, group=made[index])
+    tridist.barrier_all(made[index])
+    solver.free()
+    tridist.barrier_all()
+
+
+@pytest.mark.parametrize("layout", group_layouts())
+def test_jacobi_in_groups(world, layout):
+    world.run(_jacobi_in_groups, layout=layout)
 
 
 def _example(w):

@@ -14,8 +14,12 @@ Hugging Face `transformers` decoder with them.
   position across the ranks (`flash_decode`).
 
 Every layer is built on every rank at once (their kernels allocate symmetric memory), and its calls
-are collectives: every rank calls it with the same shapes, in the same order. `group` is None or a
-group of every rank for now.
+are collectives: every rank calls it with the same shapes, in the same order. Every layer and
+`parallelize` take `group=`: a `torch.distributed.ProcessGroup` (`dist.new_group(ranks)`, a
+DeviceMesh's `mesh.get_group("tp")`) or `tridist.Group` whose members split the layer among
+themselves, passed on to every op the layer calls; "every rank" and "the world size" are then its
+members and their number, and the other ranks take no part (they may run their own groups' layers
+at the same time). None, the default, is the world.
 """
 from .attention import DecodeAttention
 from .linear import ColumnParallelLinear, RowParallelLinear

@@ -1,4 +1,5 @@
-"""`parallelize`: a Hugging Face `transformers` decoder made tensor- (and expert-) parallel in place.
+"""`parallelize`: a Hugging Face `transformers` decoder made tensor- (and expert-) parallel in place,
+over the world or a process group (`group=`: "world" and "rank" below are then the group's).
 
 What each rank holds afterwards:
 
@@ -32,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tridist import ops
-from tridist.runtime.world import transport
+from tridist.ops.ranks import Ranks, ranks_of
 
-from .linear import ColumnParallelLinear, RowParallelLinear, check_group, split
+from .linear import ColumnParallelLinear, RowParallelLinear, split
 from .moe import ExpertParallelMoE, TensorParallelMoE
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -95,8 +96,8 @@ class ParallelSparseMoeBlock(nn.Module):
         return y[:tokens].view(hidden_states.shape)
 
     def gather(self, y: torch.Tensor) -> torch.Tensor:
-        """Every rank's share of the outputs, in rank order (`ops.all_gather`)."""
-        return ops.all_gather(y)
+        """Every rank's share of the outputs, in rank order (`ops.all_gather` over the layer's group)."""
+        return ops.all_gather(y, group=self.moe_layer.group)
 
 
 def _attention(attn: nn.Module, group) -> None:
@@ -172,8 +173,8 @@ def _check(model: nn.Module, world_size: int, moe: str) -> None:
                                       f"3-D expert weights); it takes {', '.join(SUPPORTED)}")
 
 
-def _same_weights(model: nn.Module) -> None:
-    """Refuse a model whose weights differ between ranks: every rank would then shard a different
+def _same_weights(model: nn.Module, ranks: Ranks) -> None:
+    """Refuse a model whose weights differ between `ranks`: every rank would then shard a different
     model, and the sums of the row-parallel layers would mix them into logits that are wrong
     without any error. Two numbers a parameter: the sum of its elements and of every 61st, in fp64
     (summed alike on every rank, so equal weights give equal bits)."""
@@ -181,31 +182,35 @@ def _same_weights(model: nn.Module) -> None:
     sums = [torch.stack([p.sum(dtype=torch.float64), p.reshape(-1)[::61].sum(dtype=torch.float64)]).cpu()
             for _, p in model.named_parameters()]
     prints = [tuple(pair.tolist()) for pair in sums]
-    everyone = transport().allgather_objects(prints)
+    everyone = ranks.allgather_objects(prints)
     for index, name in enumerate(names):
         values = [prints[index] for prints in everyone]
         if len(set(values)) > 1:
-            differ = [rank for rank, value in enumerate(values) if value != values[0]]
-            raise ValueError(f"parallelize: the weights differ between ranks, first in {name} (rank 0 and rank(s) "
-                             f"{', '.join(map(str, differ))}); build the model on every rank from the same weights "
-                             "(the same config and seed, or the same checkpoint)")
+            differ = [ranks.world_rank(rank) for rank, value in enumerate(values) if value != values[0]]
+            raise ValueError(f"parallelize: the weights differ between ranks, first in {name} (rank "
+                             f"{ranks.world_rank(0)} and rank(s) {', '.join(map(str, differ))}); build the model on "
+                             "every rank from the same weights (the same config and seed, or the same checkpoint)")
 
 
 def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
-    """Shard a transformers causal LM in place over the ranks and return it.
+    """Shard a transformers causal LM in place over the ranks (of the world, or of `group`) and
+    return it.
 
     Every rank builds the model from the same weights (a config and a fixed seed, or a
     checkpoint) and calls this at once (it allocates symmetric memory); afterwards every rank
     holds its shards (see the module docstring) on the world's device, and `model(input_ids)`
     (the same `input_ids` on every rank, also with transformers' KV caches) returns the same
     logits on every rank: those of the whole model, within bf16 rounding (the row-parallel sums
-    add the ranks' partial products in fp32, where one GPU adds in a different order).
+    add the ranks' partial products in fp32, where one GPU adds in a different order). With a
+    group, "every rank" and "the world size" are its members and their number: each group shards
+    and runs its own copy of the model (data parallelism across the groups).
 
     Args:
         model: `LlamaForCausalLM`, `Qwen3ForCausalLM` or `Qwen3MoeForCausalLM` (or a model of
             the same module structure), bf16 or fp16, on the CPU or the world's device.
-        group: None (the world) or a group of every rank; groups of some ranks come with
-            tridist's process-group support.
+        group: a `torch.distributed.ProcessGroup` (e.g. a DeviceMesh's `mesh.get_group("tp")`)
+            or `tridist.Group` whose members shard the model among themselves, while the other
+            ranks take no part (and may shard their own copy in their group); None for the world.
         moe: `"ep"` (expert parallel: whole experts a rank, `E` a multiple of the world size)
             or `"tp"` (tensor parallel: every expert split, `moe_intermediate_size / world` a
             multiple of 8). Ignored by dense models.
@@ -215,21 +220,21 @@ def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
 
     Raises:
         ValueError: weights that differ between ranks; an unknown `moe`; heads, KV heads,
-            intermediate sizes or experts that do not
-            split over the world size, or sizes the GEMMs do not take (not multiples of 8 per
-            rank); the message says which.
-        NotImplementedError: a model class or module layout it does not know; a group of some
-            ranks only.
+            intermediate sizes or experts that do not split over the world size, or sizes the
+            GEMMs do not take (not multiples of 8 per rank); the message says which. A `group`
+            this rank is not a member of.
+        NotImplementedError: a model class or module layout it does not know.
     """
-    world = check_group(group)
-    _check(model, world.world_size, moe)
-    _same_weights(model)
+    ranks = ranks_of(group)
+    _check(model, ranks.world_size, moe)
+    _same_weights(model, ranks)
+    group = ranks.group
     for layer in model.model.layers:
         _attention(layer.self_attn, group)
         if _is_dense(layer.mlp):
             _dense_mlp(layer.mlp, group)
         else:
             layer.mlp = _moe_block(layer.mlp, model.config, moe, group)
-    if isinstance(getattr(model, "lm_head", None), nn.Linear) and model.lm_head.out_features % world.world_size == 0:
+    if isinstance(getattr(model, "lm_head", None), nn.Linear) and model.lm_head.out_features % ranks.world_size == 0:
         model.lm_head = ColumnParallelLinear.from_linear(model.lm_head, gather_output=True, group=group)
-    return model.to(world.device)
+    return model.to(ranks.device)

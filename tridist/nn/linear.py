@@ -1,5 +1,7 @@
-"""Tensor-parallel linear layers: a layer's weight split over the ranks by output columns
-(`ColumnParallelLinear`) or by input rows (`RowParallelLinear`), as in Megatron-LM and vLLM.
+"""Tensor-parallel linear layers: a layer's weight split over the ranks (of the world, or of a
+process group: `group=`) by output columns (`ColumnParallelLinear`) or by input rows
+(`RowParallelLinear`), as in Megatron-LM and vLLM. "The world size" and "rank r" below are the
+group's, with a group.
 
 Both keep their weight in the layout tridist's GEMMs read, `in_features x out_features` row-major
 (the transpose of `torch.nn.Linear.weight`), holding this rank's part only; `from_linear` cuts a
@@ -20,28 +22,13 @@ a decode step still captures in one CUDA graph:
 import torch
 from torch import nn
 
-import tridist
 from tridist import ops
+from tridist.ops.ranks import ranks_of
 
 # Rows up to which a row-parallel layer with a replicated output runs `ops.gemm_ar`, the GEMM made
 # for decode-sized M (its docstring: up to a few hundred rows); larger M goes through `ops.gemm_rs`,
 # made for prefill-sized M. Not a measured crossover: `tridist bench model` times both sides of it.
 DECODE_ROWS = 256
-
-
-def check_group(group) -> tridist.World:
-    """The world, after checking that `group` is None or a group of every rank: process groups
-    other than the world come with the process-group work (issue 42), not yet."""
-    world = tridist.world()
-    if group is None:
-        return world
-    size = group.size() if callable(getattr(group, "size", None)) else None
-    if size != world.world_size:
-        raise NotImplementedError(
-            f"tridist.nn runs over the whole world for now: group must be None or a group of all "
-            f"{world.world_size} ranks, got {group!r} (size {size}); groups of some ranks come with "
-            "tridist's process-group support")
-    return world
 
 
 def split(size: int, world_size: int, what: str, align: int = 1) -> int:
@@ -89,7 +76,9 @@ class ColumnParallelLinear(_ShardedLinear):
             (`ops.ag_gemm`) and returns all of them. Otherwise x is the same on every rank
             (replicated) and the call is a local GEMM.
         gather_output: return every rank's columns (`ops.all_gather`), the same on every rank.
-        group: None or a group of every rank (see `check_group`).
+        group: a `torch.distributed.ProcessGroup` or `tridist.Group` whose members hold the
+            layer's parts (they build and call it together; the other ranks take no part), None
+            for the world.
         dtype: of the weight (bf16 or fp16 for the tridist GEMMs).
         device: of the weight; the world's device by default.
 
@@ -98,20 +87,20 @@ class ColumnParallelLinear(_ShardedLinear):
         bias: `[out_features / world_size]` or None.
 
     Raises:
-        ValueError: out_features not a multiple of the world size.
-        NotImplementedError: a group of some ranks only.
+        ValueError: out_features not a multiple of the world size; a `group` this rank is not a
+            member of.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, sequence_parallel: bool = False,
                  gather_output: bool = False, group=None, dtype: torch.dtype | None = None,
                  device: torch.device | None = None):
         super().__init__()
-        world = check_group(group)
-        self.world_size, self.rank = world.world_size, world.rank
+        ranks = ranks_of(group)
+        self.world_size, self.rank, self.group = ranks.world_size, ranks.rank, ranks.group
         self.in_features, self.out_features = in_features, out_features
-        self.out_local = split(out_features, world.world_size, "out_features")
+        self.out_local = split(out_features, ranks.world_size, "out_features")
         self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
-        device = world.device if device is None else device
+        device = ranks.device if device is None else device
         self.weight = nn.Parameter(torch.empty(in_features, self.out_local, dtype=dtype, device=device),
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(self.out_local, dtype=dtype, device=device), requires_grad=False)
@@ -130,13 +119,15 @@ class ColumnParallelLinear(_ShardedLinear):
             if x.dim() != 2:
                 raise ValueError(f"a sequence-parallel ColumnParallelLinear takes [tokens_shard, in_features], got "
                                  f"shape {tuple(x.shape)}")
-            y = ops.ag_gemm(x.contiguous(), self.weight) if x.shape[0] else x.new_empty(0, self.out_local)
+            y = (ops.ag_gemm(x.contiguous(), self.weight, group=self.group) if x.shape[0]
+                 else x.new_empty(0, self.out_local))
         else:
             y = x @ self.weight
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
-            gathered = ops.all_gather(rows(y)) if y.numel() else y.new_empty(self.world_size * y.shape[0], 0)
+            gathered = (ops.all_gather(rows(y), group=self.group) if y.numel()
+                        else y.new_empty(self.world_size * y.shape[0], 0))
             y = gathered.view(self.world_size, -1, self.out_local).permute(1, 0, 2).reshape(
                 *y.shape[:-1], self.out_features)
         return y
@@ -159,7 +150,9 @@ class RowParallelLinear(_ShardedLinear):
         sequence_parallel: return this rank's rows of the sum only (`ops.gemm_rs`, the rows a
             multiple of the world size); otherwise every rank gets all of it, by the rows'
             number as the module docstring's table says.
-        group: None or a group of every rank (see `check_group`).
+        group: a `torch.distributed.ProcessGroup` or `tridist.Group` whose members hold the
+            layer's parts (they build and call it together; the other ranks take no part), None
+            for the world.
         dtype: of the weight (bf16 or fp16 for the tridist GEMMs).
         device: of the weight; the world's device by default.
 
@@ -168,19 +161,19 @@ class RowParallelLinear(_ShardedLinear):
         bias: `[out_features]` or None.
 
     Raises:
-        ValueError: in_features not a multiple of the world size.
-        NotImplementedError: a group of some ranks only.
+        ValueError: in_features not a multiple of the world size; a `group` this rank is not a
+            member of.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, sequence_parallel: bool = False,
                  group=None, dtype: torch.dtype | None = None, device: torch.device | None = None):
         super().__init__()
-        world = check_group(group)
-        self.world_size, self.rank = world.world_size, world.rank
+        ranks = ranks_of(group)
+        self.world_size, self.rank, self.group = ranks.world_size, ranks.rank, ranks.group
         self.in_features, self.out_features = in_features, out_features
-        self.in_local = split(in_features, world.world_size, "in_features")
+        self.in_local = split(in_features, ranks.world_size, "in_features")
         self.sequence_parallel = sequence_parallel
-        device = world.device if device is None else device
+        device = ranks.device if device is None else device
         self.weight = nn.Parameter(torch.empty(self.in_local, out_features, dtype=dtype, device=device),
                                    requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
@@ -200,16 +193,16 @@ class RowParallelLinear(_ShardedLinear):
             if m % self.world_size:
                 raise ValueError(f"a sequence-parallel RowParallelLinear needs rows ({m}) that are a multiple of "
                                  f"the world size ({self.world_size}): pad the tokens")
-            y = ops.gemm_rs(a, self.weight) if m else a.new_empty(0, self.out_features)
+            y = ops.gemm_rs(a, self.weight, group=self.group) if m else a.new_empty(0, self.out_features)
         else:
             if m == 0:
                 y = a.new_empty(0, self.out_features)
             elif m <= DECODE_ROWS:
-                y = ops.gemm_ar(a, self.weight)
+                y = ops.gemm_ar(a, self.weight, group=self.group)
             elif m % self.world_size == 0:
-                y = ops.all_gather(ops.gemm_rs(a, self.weight))
+                y = ops.all_gather(ops.gemm_rs(a, self.weight, group=self.group), group=self.group)
             else:
-                y = ops.all_reduce(a @ self.weight)
+                y = ops.all_reduce(a @ self.weight, group=self.group)
             y = y.view(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias

@@ -2,7 +2,9 @@
 each token's output the sum of its top-k experts' outputs weighted by its routing weights.
 
 Both layers take this rank's tokens with their routing (computed by the caller's router) and
-return this rank's tokens' outputs; every rank passes the same number of tokens (pad with rows
+return this rank's tokens' outputs; they run over the ranks of the world or, with `group=`, of a
+process group ("world size" and "rank" below are then the group's). Every rank passes the same
+number of tokens (pad with rows
 routed nowhere: `padding_expert`, weight 0), which also picks the kernels, so every rank runs the
 same ones.
 
@@ -23,43 +25,45 @@ from torch import nn
 
 import tridist
 from tridist import ops
+from tridist.ops.ranks import ranks_of
 
-from .linear import check_group, split
+from .linear import split
 
 # Tokens per rank up to which `ExpertParallelMoE` runs the low-latency dispatch and combine: the
 # decode batches (the low-latency staging holds every expert's share of them, E x tokens rows).
 LOW_LATENCY_TOKENS = 128
 MODES = ("normal", "low_latency")
 
-# The EPBuffers of each layer shape (mode, experts, hidden size, dtype), shared by every
+# The EPBuffers of each layer shape (mode, experts, hidden size, dtype, group), shared by every
 # ExpertParallelMoE of that shape: a model's layers run one after another, and a buffer per layer
 # would multiply the symmetric staging by the layers (48 layers of Qwen3-30B-A3B's at 8192 tokens a
 # rank would not fit the default heap). {shape: (tokens a rank it has room for, buffer)}.
 _shared: dict[tuple, tuple[int, ops.EPBuffer]] = {}
 
 
-def shared_buffer(mode: str, num_experts: int, hidden: int, dtype: torch.dtype, tokens: int) -> ops.EPBuffer:
-    """The EPBuffer the layers of this shape share in `mode`, with room for `tokens` tokens a rank.
-    When it has less, a collective replaces it with one of room for the next power of two (each
-    mode's staging allocated at its first call), after the calls in flight on every rank are done."""
-    key = (mode, num_experts, hidden, dtype)
+def shared_buffer(mode: str, num_experts: int, hidden: int, dtype: torch.dtype, tokens: int,
+                  group=None) -> ops.EPBuffer:
+    """The EPBuffer the layers of this shape share in `mode` over the ranks of `group` (a
+    `tridist.Group`, None for the world), with room for `tokens` tokens a rank. When it has less,
+    a collective of those ranks replaces it with one of room for the next power of two (each
+    mode's staging allocated at its first call), after the calls in flight on each of them are done."""
+    key = (mode, num_experts, hidden, dtype, group)
     room, buffer = _shared.get(key, (0, None))
     if room < tokens:
         if buffer is not None:
-            tridist.barrier_all()  # a peer's kernel may still be writing into it
+            tridist.barrier_all(group)  # a peer's kernel may still be writing into it
             buffer.free()
         room = 1 << (tokens - 1).bit_length()
-        buffer = ops.EPBuffer(num_experts, hidden, room, dtype)
+        buffer = ops.EPBuffer(num_experts, hidden, room, dtype, group=group)
         _shared[key] = (room, buffer)
     return buffer
 
 
 def free_buffers() -> None:
-    """Give back every shared EPBuffer (a collective, after the calls in flight on every rank are
-    done); a layer's next call allocates anew."""
-    if _shared:
-        tridist.barrier_all()  # a peer's kernel may still be writing into them
-    for _, buffer in _shared.values():  # in the order they were made: the same on every rank
+    """Give back every shared EPBuffer this rank holds (a collective of the ranks of each buffer's
+    group, after the calls in flight on them are done); a layer's next call allocates anew."""
+    for (*_, group), (_, buffer) in _shared.items():  # in the order they were made: the same on every member
+        tridist.barrier_all(group)  # a peer's kernel may still be writing into it
         buffer.free()
     _shared.clear()
 
@@ -81,7 +85,9 @@ class ExpertParallelMoE(nn.Module):
             symmetric buffers are shared by the layers of one shape (`shared_buffer`):
             `free_buffers()` gives them back.
         activation: of the gate, SiLU by default (SwiGLU experts).
-        group: None or a group of every rank (see `tridist.nn.linear.check_group`).
+        group: a `torch.distributed.ProcessGroup` or `tridist.Group` whose members hold the
+            layer's experts (they build and call it together; the other ranks take no part),
+            None for the world.
         dtype: bf16 or fp16.
         device: the world's device by default.
 
@@ -91,8 +97,8 @@ class ExpertParallelMoE(nn.Module):
         padding_expert: the expert id (-1: none) of a padding token.
 
     Raises:
-        ValueError: experts not a multiple of the world size; sizes EPBuffer does not take.
-        NotImplementedError: a group of some ranks only.
+        ValueError: experts not a multiple of the world size; sizes EPBuffer does not take; a
+            `group` this rank is not a member of.
     """
 
     padding_expert = -1
@@ -101,12 +107,12 @@ class ExpertParallelMoE(nn.Module):
                  activation: Callable = F.silu, group=None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | None = None):
         super().__init__()
-        world = check_group(group)
-        self.world_size, self.rank = world.world_size, world.rank
+        ranks = ranks_of(group)
+        self.world_size, self.rank, self.group = ranks.world_size, ranks.rank, ranks.group
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.local_experts = split(num_experts, world.world_size, "num_experts")
+        self.local_experts = split(num_experts, ranks.world_size, "num_experts")
         self.activation, self.dtype = activation, dtype
-        device = world.device if device is None else device
+        device = ranks.device if device is None else device
         self.w_gate_up = nn.Parameter(torch.empty(self.local_experts, hidden_size, 2 * intermediate_size, dtype=dtype,
                                                   device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(self.local_experts, intermediate_size, hidden_size, dtype=dtype,
@@ -131,7 +137,7 @@ class ExpertParallelMoE(nn.Module):
 
     def _buffer(self, mode: str) -> ops.EPBuffer:
         tokens = self.max_tokens_per_rank if mode == "normal" else min(self.max_tokens_per_rank, LOW_LATENCY_TOKENS)
-        return shared_buffer(mode, self.num_experts, self.hidden_size, self.dtype, tokens)
+        return shared_buffer(mode, self.num_experts, self.hidden_size, self.dtype, tokens, self.group)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]`, this rank's tokens (the same T on every rank, at most
@@ -206,7 +212,9 @@ class TensorParallelMoE(nn.Module):
         hidden_size: a token's size; a multiple of 8.
         intermediate_size: an expert's inner size (I); I / world_size a multiple of 8.
         activation: of the gate, SiLU by default (SwiGLU experts).
-        group: None or a group of every rank (see `tridist.nn.linear.check_group`).
+        group: a `torch.distributed.ProcessGroup` or `tridist.Group` whose members hold the
+            layer's experts (they build and call it together; the other ranks take no part),
+            None for the world.
         dtype: bf16 or fp16.
         device: the world's device by default.
 
@@ -216,8 +224,7 @@ class TensorParallelMoE(nn.Module):
         padding_expert: the expert id of a padding token (its weight 0): ag_moe routes every row.
 
     Raises:
-        ValueError: I not a multiple of the world size.
-        NotImplementedError: a group of some ranks only.
+        ValueError: I not a multiple of the world size; a `group` this rank is not a member of.
     """
 
     padding_expert = 0
@@ -225,12 +232,12 @@ class TensorParallelMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: Callable = F.silu,
                  group=None, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None):
         super().__init__()
-        world = check_group(group)
-        self.world_size, self.rank = world.world_size, world.rank
+        ranks = ranks_of(group)
+        self.world_size, self.rank, self.group = ranks.world_size, ranks.rank, ranks.group
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.intermediate_local = split(intermediate_size, world.world_size, "intermediate_size")
+        self.intermediate_local = split(intermediate_size, ranks.world_size, "intermediate_size")
         self.activation = activation
-        device = world.device if device is None else device
+        device = ranks.device if device is None else device
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * self.intermediate_local, dtype=dtype,
                                                   device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(num_experts, self.intermediate_local, hidden_size, dtype=dtype,
@@ -251,8 +258,8 @@ class TensorParallelMoE(nn.Module):
         `[T, k]` in [0, E); topk_weights float32 `[T, k]`. Returns `[T, hidden_size]`."""
         if x.shape[0] == 0:
             return x.new_empty(0, self.hidden_size)
-        h, handle = ops.ag_moe(x.contiguous(), topk_idx, self.w_gate_up)
-        return ops.moe_rs(gated(h, self.activation).contiguous(), self.w_down, handle, topk_weights)
+        h, handle = ops.ag_moe(x.contiguous(), topk_idx, self.w_gate_up, group=self.group)
+        return ops.moe_rs(gated(h, self.activation).contiguous(), self.w_down, handle, topk_weights, group=self.group)
 
     def extra_repr(self) -> str:
         """The sizes, in the module's printout."""

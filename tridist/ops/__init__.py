@@ -24,6 +24,26 @@ What holds for every op:
   (`gemm_rs`, the `2d` all-gather across nodes) launch co-resident (`kernel[grid](...,
   coresident=True)`, see `tridist.coresident_programs`) and shrink their persistent grid to what
   can be resident at their first call, also when ranks share a GPU.
+- **Within a process group: `group=`.** Every op function and class but the local `matmul` and
+  `grouped_gemm` takes `group=None`, its last keyword argument: a `torch.distributed.ProcessGroup`
+  (`dist.new_group(ranks)`, a DeviceMesh's `mesh.get_group("tp")`) or a
+  [`tridist.Group`][tridist.Group], None for the world. The op then runs among the group's members
+  only, as if they were the world: "rank" and "world size" in every op's documentation are the
+  group's (rank r of the group, the group's size of shards, `in_splits` entries, experts' ranks),
+  its buffers are allocated by the members only, and "every rank" of the rules here means every
+  member. Other groups run their own ops at the same time, on their own data, and the ranks
+  outside a group neither take part nor wait. A group within one node reaches its members
+  through pointers; one across nodes (as many members on each) through NVSHMEM, like a world of
+  several nodes (so the one-node methods refuse it). A rank passing a group it is not a member of
+  gets a `ValueError` before anything is allocated or launched; members passing different groups
+  are caught with the other arguments they must share. Each group's instances are its own (the
+  functions key theirs on the group). For example: `all_reduce(x, group=tp)`, `all_gather(x,
+  group=tp)`, `reduce_scatter(x, group=tp)`, `ag_gemm(a_shard, b, group=tp)`, `gemm_rs(a, b,
+  group=tp)`, `gemm_ar(a, b, group=tp)`, `all_to_all_v(x, in_splits, out, group=ep)`,
+  `EPBuffer(num_experts, hidden, max_tokens_per_rank, group=ep)` (the experts spread over the
+  group's ranks), `ag_moe(x_shard, topk_idx_shard, w_shard, group=tp)`, `moe_rs(h, w_shard, handle,
+  topk_weights_shard, group=tp)`, `flash_decode(q, k_cache, v_cache, seqlens, group=sp)`,
+  `Jacobi2D(rows, cols, group=g)`.
 - **Back to back, and in CUDA graphs.** Calls need no host synchronisation: each instance counts
   its calls on the device (call epochs) and alternates two sets of buffers and flags. Ops can be
   captured in CUDA graphs (no host sync, allocation or `.item()` inside a call). A function's

@@ -1,10 +1,11 @@
 """Synchronisation a host queues on a stream: a barrier across ranks (NVSHMEM's, or one of
-tridist's own with slots of its own, `Barrier`), and a timed busy-wait (`sleep_async`)."""
+tridist's own with slots of its own, `Barrier`), also among a group's members only, and a timed
+busy-wait (`sleep_async`)."""
 import torch
 
 from .. import language as dl
 from ..language import global_time_ns as _global_time_ns
-from ..runtime import config
+from ..runtime import config, groups
 from ..runtime.backend import is_emulator
 from ..runtime.jit import jit
 from ..runtime.tensors import signals, symm_free
@@ -44,33 +45,57 @@ def _sleep_kernel(duration_ns):
         now = _global_time_ns()
 
 
-def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None) -> None:
-    """Queue a barrier across all ranks on `stream` (default: the current one): work queued on
-    the stream after it starts once every rank's stream has reached it.
+def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None, group=None) -> None:
+    """Queue a barrier across all ranks (or the members of `group`) on `stream` (default: the
+    current one): work queued on the stream after it starts once every rank's stream has reached it.
 
-    On GPUs the host does not wait for it. It is NVSHMEM's barrier, unbounded, or with
-    TRIDIST_DEBUG=1 a barrier of tridist's own on symmetric words allocated at `tridist.init`,
-    bounded like every wait. In the emulator, which has no streams, the host runs it and returns
-    once every rank has reached it.
+    On GPUs the host does not wait for it. Across the world it is NVSHMEM's barrier, unbounded, or
+    with TRIDIST_DEBUG=1 a barrier of tridist's own on symmetric words allocated at `tridist.init`,
+    bounded like every wait. NVSHMEM's barrier is the whole world's, so within a group it is always
+    tridist's own (`Barrier`), on slots the members allocate together at the group's first barrier:
+    make that first call outside any CUDA-graph capture. In the emulator, which has no streams, the
+    host runs it and returns once every rank (member) has reached it.
+
+    Args:
+        stream: where to queue it; the current stream by default.
+        group: a `torch.distributed.ProcessGroup` or `tridist.Group` this rank is a member of:
+            a barrier of its members only, which the other ranks take no part in. None: the world.
+
+    Raises:
+        ValueError: this rank is not a member of `group`.
     """
     world()
+    g = groups.resolve(group)
+    if g is not None and g.key not in _group_barriers:  # the members allocate its slots together, here
+        _group_barriers[g.key] = Barrier(g)
     if is_emulator():
-        _barrier_kernel[(1,)]()
+        _barrier(g)
         return
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        if config.debug():
-            _bounded_barrier_kernel[(1,)](*bounded_barrier())
-        else:
-            _barrier_kernel[(1,)]()
+        _barrier(g)
+
+
+_group_barriers: dict = {}  # group key -> its Barrier, for `barrier_all_on_stream(group=...)`, kept for the job
+
+
+def _barrier(g) -> None:
+    """Queue the barrier of the world (g None) or of the group g on the current stream."""
+    if g is not None:
+        _group_barriers[g.key]()
+    elif config.debug() and not is_emulator():
+        _bounded_barrier_kernel[(1,)](*bounded_barrier())
+    else:
+        _barrier_kernel[(1,)]()
 
 
 class Barrier:
-    """A barrier across all ranks (or the members of `group`, a `tridist.Group`), queued on the current stream, with slots and a count of its own
-    (`_bounded_barrier_kernel`). NVSHMEM's barrier_all is one collective of the whole world, paired
-    across ranks in the order it is called: two op instances that each queued it on their own
-    stream could pair one's barrier on one rank with the other's on another. An op that queues a
-    barrier every call holds one of these instead. Build it on every rank at once (it allocates
-    symmetric memory); graph replays count, since the count is on the device."""
+    """A barrier across all ranks (or the members of `group`, a `tridist.Group`), queued on the
+    current stream, with slots and a count of its own (`_bounded_barrier_kernel`). NVSHMEM's
+    barrier_all is one collective of the whole world, paired across ranks in the order it is
+    called: two op instances that each queued it on their own stream could pair one's barrier on
+    one rank with the other's on another. An op that queues a barrier every call holds one of
+    these instead. Build it on every rank (member) at once (it allocates symmetric memory); graph
+    replays count, since the count is on the device."""
 
     def __init__(self, group=None):
         w = world()

@@ -1,6 +1,8 @@
 """Attention: decode attention over a KV cache split by position across the ranks (`flash_decode`):
 a split-KV kernel over each rank's slice (`split_kv`), and the merge of its partial results and of
-the ranks' (`combine`), both over the records of `_records`; the choices in `policy`."""
+the ranks' (`combine`), both over the records of `_records`; the choices in `policy`. The ranks are
+the world's, or with `group=` a process group's members (e.g. `flash_decode(q, k_cache, v_cache,
+seqlens, group=sp)`: the cache split across the members of `sp`), each group merging its own."""
 from .decode import FlashDecode, flash_decode
 from .policy import configs
 

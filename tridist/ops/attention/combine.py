@@ -46,35 +46,36 @@ def store_output(out_ptr, unit, first_column, o, GROUP: tl.constexpr, D: tl.cons
 
 
 @triton.jit
-def send_piece(o, lse, piece, epoch, local_world_size, GROUP: tl.constexpr, COLUMNS: tl.constexpr):
+def send_piece(o, lse, piece, epoch, local_world_size, GROUP: tl.constexpr, COLUMNS: tl.constexpr, group):
     """This rank's piece (o, lse) as LL packets flagged `epoch` to every rank (this one first) at
     `piece`, this rank's address in a symmetric packet buffer, laid out as `store_record` lays out
-    a record."""
-    me = dl.rank()
-    world = dl.num_ranks()
+    a record. Ranks of `group` (None: the world's)."""
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     heads = tl.arange(0, o.shape[0])[:, None]
     mask = heads < GROUP
     outputs = heads * COLUMNS + tl.arange(0, COLUMNS)[None, :]
     for step in range(world):
         peer = (me + step) % world
         if peer // local_world_size == me // local_world_size:
-            to = dl.symm_at(piece, peer)
+            to = dl.symm_at(piece, peer, group)
             dl.ll.send(to + outputs, o.to(tl.int32, bitcast=True), epoch, mask)
             dl.ll.send(to + GROUP * COLUMNS + heads, lse.to(tl.int32, bitcast=True), epoch, mask)
         else:  # this rank's own packets, sent at step 0, once every thread's are stored and visible
             sync_program()
             dl.fence("sys")
-            dl.shmem.putmem_nbi_block(piece, piece, record_size(GROUP, COLUMNS) * 8, peer)
+            dl.shmem.putmem_nbi_block(piece, piece, record_size(GROUP, COLUMNS) * 8, peer, group)
 
 
 @jit
 def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, calls_ptr, units, splits, slot_numel,
                                 local_world_size, GROUP: tl.constexpr, D: tl.constexpr, COLUMNS: tl.constexpr,
-                                ROWS: tl.constexpr, RANK_ROWS: tl.constexpr, EXCHANGE: tl.constexpr):
+                                ROWS: tl.constexpr, RANK_ROWS: tl.constexpr, EXCHANGE: tl.constexpr, group=None):
     """Merges the split-KV kernel's records ([units, splits] of them in `partials`) into out ([B,
     Hq, D]), and with EXCHANGE (several ranks) every rank's too; the module docstring says how.
     staging: int64 LL packets, two slots of `slot_numel`. Without EXCHANGE the staging and calls
-    are not used."""
+    are not used. `group` (a `tridist.Group`, None for the world): the ranks it merges across,
+    `local_world_size` of them a node."""
     blocks: tl.constexpr = D // COLUMNS
     record: tl.constexpr = record_size(GROUP, D)
     piece: tl.constexpr = record_size(GROUP, COLUMNS)
@@ -82,8 +83,8 @@ def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, calls_ptr, u
     dl.wait_prior_kernel()  # the split-KV kernel's records, and the end of this rank's last call
     if EXCHANGE:
         epoch = call_epoch(calls_ptr)
-        me = dl.rank()
-        world = dl.num_ranks()
+        me = dl.rank(group)
+        world = dl.num_ranks(group)
         stage = in_slot(staging_ptr, epoch, slot_numel)
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         unit = item // blocks
@@ -92,7 +93,7 @@ def flash_decode_combine_kernel(partials_ptr, out_ptr, staging_ptr, calls_ptr, u
                                   ROWS, False)
         o, lse = finish_record(acc, m, l)
         if EXCHANGE:
-            send_piece(o, lse, stage + (me * items + item) * piece, epoch, local_world_size, GROUP, COLUMNS)
+            send_piece(o, lse, stage + (me * items + item) * piece, epoch, local_world_size, GROUP, COLUMNS, group)
         else:
             store_output(out_ptr, unit, column, o, GROUP, D)
     if EXCHANGE:

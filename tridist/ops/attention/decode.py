@@ -1,4 +1,5 @@
-"""`flash_decode`: decode attention over a KV cache split by sequence across the ranks.
+"""`flash_decode`: decode attention over a KV cache split by sequence across the ranks (of the
+world, or of a process group: `group=`).
 
 Each rank holds a slice of every sequence's cached positions (any slice: the order of positions does
 not matter to softmax) and the same queries; every rank returns the attention of the queries over
@@ -23,6 +24,7 @@ from tridist.runtime.tensors import check_tensor
 from .. import checks, instances, sizing
 from ..protocol import Workspace
 from ..checks import check_input, check_output
+from ..ranks import ranks_of
 from ._records import record_size
 from .combine import flash_decode_combine_kernel
 from .policy import COMBINE_WARPS, PAGED_EXTRA_STAGES, choose_splits, combine_shape, configs, most_splits
@@ -57,41 +59,47 @@ class FlashDecode:
     Every rank builds it with the same sizes (a collective with several ranks: the workspace is
     symmetric); each rank's cache may hold a different number of positions, in either layout. Use
     one instance per stream (`flash_decode` keeps one per shape and stream). `config`: a dict
-    (`configs(device)`), None for the default.
+    (`configs(device)`), None for the default. `group`: a `torch.distributed.ProcessGroup` or
+    `tridist.Group` whose members split the cache among themselves (the other ranks take no part
+    and may run their own), None for the world; its members build the instance together.
 
-    Raises ValueError for a dtype, head dim or head counts it does not take, or a bad config.
+    Raises ValueError for a dtype, head dim or head counts it does not take, a bad config, or a
+    `group` this rank is not a member of.
     """
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 config: dict | None = None):
+                 config: dict | None = None, group=None):
         check_sizes(batch, q_heads, kv_heads, head_dim, dtype)
-        self.world = w = tridist.world()
+        self.ranks = r = ranks_of(group)
         self.batch, self.q_heads, self.kv_heads, self.head_dim, self.dtype = batch, q_heads, kv_heads, head_dim, dtype
-        self.group = q_heads // kv_heads
+        self.heads_per_kv = q_heads // kv_heads
         self.units = batch * kv_heads
-        self.config = configs(w.device)[0] if config is None else dict(config)
+        self.config = configs(r.device)[0] if config is None else dict(config)
         check_config(self.config)
-        self.sms = sizing.programs_for(w.device)
-        self.record = record_size(self.group, head_dim)
+        self.sms = sizing.programs_for(r.device)
+        self.record = record_size(self.heads_per_kv, head_dim)
         self.max_splits = most_splits(self.config, self.units, self.sms)
         self.resident = {}  # block size (0: contiguous) -> programs of the split-KV kernel resident at once
         # The combine's shape, fixed for the instance (its grid counts its calls), from the most splits.
-        self.columns, self.rows, self.rank_rows = combine_shape(self.group, head_dim, self.max_splits, w.world_size)
+        self.columns, self.rows, self.rank_rows = combine_shape(self.heads_per_kv, head_dim, self.max_splits,
+                                                                r.world_size)
         self.items = self.units * (head_dim // self.columns)
         checks.check_offsets("flash_decode", self.units * self.max_splits * self.record)
-        self.partials = torch.empty(self.units * self.max_splits * self.record, dtype=torch.float32, device=w.device)
+        self.partials = torch.empty(self.units * self.max_splits * self.record, dtype=torch.float32, device=r.device)
         self.workspace = None
         self.combine_programs = self.items  # several ranks: fewer if they cannot all be resident (first call)
-        self.fitted = w.world_size == 1
-        if w.world_size > 1:
-            piece = record_size(self.group, self.columns)
-            checks.check_offsets("flash_decode", w.world_size * self.items * piece)
-            self.workspace = Workspace(w.world_size * self.items * piece, torch.int64, 1)  # LL packets
+        self.fitted = r.world_size == 1
+        if r.world_size > 1:
+            piece = record_size(self.heads_per_kv, self.columns)
+            checks.check_offsets("flash_decode", r.world_size * self.items * piece)
+            self.workspace = Workspace(r.world_size * self.items * piece, torch.int64, 1, name="flash_decode",
+                                       group=r.group)  # LL packets
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
                  block_table: torch.Tensor | None = None, sm_scale: float | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """out [B, Hq, D] = softmax(q k^T * sm_scale) v over the positions every rank holds.
+        """out [B, Hq, D] = softmax(q k^T * sm_scale) v over the positions every rank (of the
+        instance's group) holds.
 
         Args:
             q: [B, Hq, D], the same on every rank.
@@ -117,16 +125,16 @@ class FlashDecode:
         out, (page, seq_stride), scale = checks.agree(
             "flash_decode", lambda: (self._checked_out(q, out), self._layout(q, k_cache, v_cache, seqlens, block_table),
                                      _scale(sm_scale, self.head_dim)),
-            {"shape and dtype of q": checks.shape_of(q)})
+            {"shape and dtype of q": checks.shape_of(q)}, group=self.ranks.group)
         splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale)
         ws = self.workspace
         # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
         staging, calls = (ws.staging, ws.calls) if ws else (self.partials, seqlens)
         arguments = dict(partials_ptr=self.partials, out_ptr=out, staging_ptr=staging, calls_ptr=calls,
                          units=self.units, splits=splits, slot_numel=ws.slot_numel if ws else 0,
-                         local_world_size=self.world.local_world_size, GROUP=self.group, D=self.head_dim,
+                         local_world_size=self.ranks.local_world_size, GROUP=self.heads_per_kv, D=self.head_dim,
                          COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows, EXCHANGE=ws is not None,
-                         num_warps=COMBINE_WARPS, launch_pdl=True)
+                         group=self.ranks.handle, num_warps=COMBINE_WARPS, launch_pdl=True)
         if not self.fitted:
             self.combine_programs = sizing.fit_coresident(flash_decode_combine_kernel, self.items, 1, **arguments)
             self.fitted = True
@@ -159,7 +167,7 @@ class FlashDecode:
         arguments = dict(q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, seqlens_ptr=seqlens, table_ptr=table,
                          partials_ptr=self.partials, sm_scale=scale, seq_stride=seq_stride,
                          row_stride=self.kv_heads * self.head_dim, table_stride=table.shape[-1],
-                         kv_heads=self.kv_heads, GROUP=self.group, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page,
+                         kv_heads=self.kv_heads, GROUP=self.heads_per_kv, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page,
                          num_warps=c["num_warps"], num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
         if page not in self.resident:  # compiles the kernel (it would be, to launch) and asks its occupancy
             self.resident[page] = tridist.coresident_programs(flash_decode_split_kernel, splits=self.max_splits,
@@ -272,11 +280,16 @@ def _scale(sm_scale, head_dim: int) -> float:
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
-                 block_table: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, sm_scale: float | None = None, group=None) -> torch.Tensor:
     """Decode attention of q ([B, Hq, D], the same on every rank) over a KV cache split by position
     across the ranks: every rank returns out [B, Hq, D], the attention over every rank's positions,
     the same bits on every rank. A collective. Arguments, limits and errors: `FlashDecode.__call__`;
-    keeps one `FlashDecode` per shape, dtype and stream."""
+    keeps one `FlashDecode` per shape, dtype, group and stream.
+
+    `group`: a `torch.distributed.ProcessGroup` or `tridist.Group`, None for the world: the cache
+    is split across its members, who call together and get the attention over their positions
+    only, while the other ranks may run their own (another group's, on other data). A rank that is
+    not a member gets a ValueError before any launch."""
     def check() -> None:
         check_input(q, "q", DTYPES)
         if q.dim() != 3:
@@ -288,9 +301,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         check_sizes(*q.shape[:2], k_cache.shape[2], q.shape[2], q.dtype)
 
     heads = tuple(k_cache.shape[2:]) if isinstance(k_cache, torch.Tensor) else None
-    checks.agree("flash_decode", check, {"shape and dtype of q": checks.shape_of(q), "heads of k_cache": heads})
+    checks.agree("flash_decode", check, {"shape and dtype of q": checks.shape_of(q), "heads of k_cache": heads},
+                 group=group)
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    op = instances.instance(lambda: FlashDecode(batch, q_heads, kv_heads, head_dim, q.dtype), FlashDecode, batch,
-                            q_heads, kv_heads, head_dim, q.dtype, device=q.device)
+    ranks = ranks_of(group)
+    op = instances.instance(lambda: FlashDecode(batch, q_heads, kv_heads, head_dim, q.dtype, group=group), FlashDecode,
+                            batch, q_heads, kv_heads, head_dim, q.dtype, ranks.key, device=q.device)
     return op(q, k_cache, v_cache, seqlens, block_table, sm_scale)

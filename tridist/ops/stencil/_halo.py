@@ -6,7 +6,8 @@ below, a column left and right). An iteration replaces every interior point by t
 neighbours, computed as ((up + down) + (left + right)) * 0.25 in that order, so that both methods
 give the same bits as `jacobi_reference` (torch, one process).
 
-Layout. With R = rows / world, rank r owns interior rows [r R, (r + 1) R). Its symmetric buffer
+Layout. With R = rows / world, rank r owns interior rows [r R, (r + 1) R) (world and rank those of
+the solver's group, when it runs within one). Its symmetric buffer
 `planes` holds two planes of (R + 2) x (cols + 2): row 0 is its top halo (the last row of rank
 r - 1, or the domain's top boundary on rank 0), rows 1..R are its own, row R + 1 is its bottom halo;
 columns 0 and cols + 1 are boundary. Iteration k (counted from 1 since `Jacobi2D.load`) reads plane
@@ -37,15 +38,16 @@ from ..protocol import in_slot, sync_program
 class Domain:
     """This rank's part of a domain of `rows` x `cols` interior points (R = `local_rows` of its
     rows), cut in tiles of `block` = (BLOCK_R, BLOCK_C): the two planes and the halo signals, both
-    symmetric (allocated here, on every rank at once; `free` gives them back)."""
+    symmetric (allocated here, on every rank of `group` at once, a `tridist.Group` or None for the
+    world; `free` gives them back)."""
 
-    def __init__(self, local_rows: int, cols: int, block: tuple[int, int]):
-        self.local_rows, self.cols = local_rows, cols
+    def __init__(self, local_rows: int, cols: int, block: tuple[int, int], group=None):
+        self.local_rows, self.cols, self.group = local_rows, cols, group
         self.block_r, self.block_c = block
         tiles_c = triton.cdiv(cols, self.block_c)
         self.tiles = triton.cdiv(local_rows, self.block_r) * tiles_c
-        self.planes = tridist.symm_zeros((2, local_rows + 2, cols + 2), torch.float32)
-        self.signals = tridist.signals(2 * 2 * tiles_c)
+        self.planes = tridist.symm_zeros((2, local_rows + 2, cols + 2), torch.float32, group, name="Jacobi2D planes")
+        self.signals = tridist.signals(2 * 2 * tiles_c, group, name="Jacobi2D halo signals")
 
     def blocks(self) -> dict:
         """The tile, as the kernels' constexprs."""
@@ -57,11 +59,12 @@ class Domain:
 
 
 @triton.jit
-def relax_tile(planes_ptr, signals_ptr, tile, rows, cols, iteration, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def relax_tile(planes_ptr, signals_ptr, tile, rows, cols, iteration, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               group):
     """Iteration `iteration` of tile `tile`: wait for the halo segments it reads, relax it, and put
-    its edge rows to the neighbouring ranks (see the module docstring)."""
-    me = dl.rank()
-    world = dl.num_ranks()
+    its edge rows to the neighbouring ranks of `group` (None: the world; see the module docstring)."""
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     width = cols + 2
     plane = (rows + 2) * width
     src = in_slot(planes_ptr, iteration - 1, plane)
@@ -93,7 +96,7 @@ def relax_tile(planes_ptr, signals_ptr, tile, rows, cols, iteration, BLOCK_R: tl
         raised = in_slot(signals_ptr, iteration, 2 * tiles_c) + tile_c
         if top:  # row 1 into the bottom halo of the rank above
             dl.shmem.putmem_signal_block(dst + (rows + 1) * width + first, dst + width + first, nbytes,
-                                         raised + tiles_c, iteration, dl.shmem.SIGNAL_SET, me - 1)
+                                         raised + tiles_c, iteration, dl.shmem.SIGNAL_SET, me - 1, group)
         if bottom:  # row R into the top halo of the rank below
             dl.shmem.putmem_signal_block(dst + first, dst + rows * width + first, nbytes, raised, iteration,
-                                         dl.shmem.SIGNAL_SET, me + 1)
+                                         dl.shmem.SIGNAL_SET, me + 1, group)

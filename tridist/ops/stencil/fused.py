@@ -16,15 +16,15 @@ from ._halo import Domain, relax_tile
 
 @jit(do_not_specialize=["first", "iterations"])
 def jacobi_fused_kernel(planes_ptr, signals_ptr, barrier_ptr, rows, cols, first, iterations, BLOCK_R: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+                        BLOCK_C: tl.constexpr, group=None):
     """Iterations first, first + 1, ... (`iterations` of them) in one co-resident launch: program p
     relaxes tiles p, p + programs, ... of each, then waits at the grid barrier (word `barrier_ptr`)
-    for the other programs before the next."""
+    for the other programs before the next. Neighbours are ranks of `group` (None: the world's)."""
     tiles = tl.cdiv(rows, BLOCK_R) * tl.cdiv(cols, BLOCK_C)
     last = first + iterations - 1
     for iteration in range(first, last + 1):
         for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            relax_tile(planes_ptr, signals_ptr, tile, rows, cols, iteration, BLOCK_R, BLOCK_C)
+            relax_tile(planes_ptr, signals_ptr, tile, rows, cols, iteration, BLOCK_R, BLOCK_C, group)
         if iteration < last:
             planes_ptr = dl.consume_token(planes_ptr, dl.grid_barrier(barrier_ptr))
     dl.shmem.quiet()
@@ -48,7 +48,7 @@ class Fused(Method):
         """Iterations first, first + 1, ... (`iterations` of them)."""
         d = self.domain
         arguments = dict(planes_ptr=d.planes, signals_ptr=d.signals, barrier_ptr=self.barrier, rows=d.local_rows,
-                         cols=d.cols, first=first, iterations=iterations, **d.blocks())
+                         cols=d.cols, first=first, iterations=iterations, group=d.group, **d.blocks())
         if not self.fitted:
             self.programs = sizing.fit_coresident(jacobi_fused_kernel, self.programs, 1, **arguments)
             self.fitted = True
