@@ -194,7 +194,9 @@ def _bad_input(w):
 
 
 def _tile_orders(w):
-    choose = policy.choose_tile_order
+    def choose(*args):
+        return policy.choose_tile_order(*args, w)
+
     mixtral, deepseek = (8 * 1024, 8), (32 * 128, 32)  # (pairs, experts) of the bench's layers
     if w.world_size == 1:  # one walk
         return [choose(order, *mixtral, rows) for order in ("expert", "auto") for rows in (None, 256)]

@@ -28,6 +28,7 @@ import tridist
 from .. import checks, copy_engines, sizing
 from ..collectives.allgather import two_d
 from ..method import Method
+from ..ranks import ranks_of
 from . import policy
 
 COMMS = ("auto", "ce", "sm")
@@ -42,19 +43,22 @@ class ShardGather(Method):
     `ShardGather(m_shard, k, dtype, comm, comm_programs)` builds the feeder of `comm`, "ce" or "sm"
     (the op resolves "auto": `policy.choose_ag_gemm_comm`): a `CopyEngineGather` or a `PushGather`.
     `comm_programs`: with "sm", the programs that push (default: 1/`policy.SM_COMM_SHARE` of the
-    SMs). Every rank builds it with the same arguments, in the same order.
+    SMs). `ranks` (an `ops.ranks.Ranks`, default the world): the ranks it gathers among, shards and
+    peers counted in them. Every rank builds it with the same arguments, in the same order.
     """
 
     epoch_flags: bool = False
 
-    def __new__(cls, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None):
+    def __new__(cls, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None,
+                ranks=None):
         if cls is ShardGather:
             cls = FEEDERS[comm]
         return super().__new__(cls)
 
-    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None):
+    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str, comm_programs: int | None = None,
+                 ranks=None):
         super().__init__()
-        self.world = tridist.world()
+        self.world = ranks or ranks_of()
         self.m_shard, self.k = m_shard, k
         self.slot_rows = self.world.world_size * m_shard
 
@@ -77,9 +81,10 @@ class CopyEngineGather(ShardGather):
     name = "ce"
     one_node = True
 
-    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "ce", comm_programs: int | None = None):
-        super().__init__(m_shard, k, dtype, comm, comm_programs)
-        self.push = self.own(copy_engines.CopyEnginePush(m_shard * k, dtype, row=m_shard * k))
+    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "ce", comm_programs: int | None = None,
+                 ranks=None):
+        super().__init__(m_shard, k, dtype, comm, comm_programs, ranks)
+        self.push = self.own(copy_engines.CopyEnginePush(m_shard * k, dtype, row=m_shard * k, ranks=self.world))
         self.gathered = self.push.staging.view(self.slot_rows, k)
         self.flags, self.flags_per_shard = self.push.flags, self.push.chunks
         self.gemm_programs = sizing.programs_for(self.world.device)
@@ -108,17 +113,18 @@ class PushGather(ShardGather):
     name = "sm"
     epoch_flags = True
 
-    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "sm", comm_programs: int | None = None):
-        super().__init__(m_shard, k, dtype, comm, comm_programs)
+    def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "sm", comm_programs: int | None = None,
+                 ranks=None):
+        super().__init__(m_shard, k, dtype, comm, comm_programs, ranks)
         w = self.world
         checks.check_offsets("ag_gemm comm='sm'", 2 * self.slot_rows * k)  # the 2d kernel indexes `gathered`
-        self.gathered = self.own(tridist.symm_empty((2 * self.slot_rows, k), dtype))
+        self.gathered = self.own(tridist.symm_empty((2 * self.slot_rows, k), dtype, w.group))
         self.side = copy_engines.SideStream(w.device)
         programs = sizing.programs_for(w.device)
         self.comm_programs = comm_programs or max(1, programs // policy.SM_COMM_SHARE)
         self.push_tasks = two_d.spread_tasks(w)
         self.splits = sizing.splits_for(m_shard * k, PUSH_BLOCK, max(1, self.comm_programs // self.push_tasks))
-        self.flags = self.own(tridist.signals(2 * w.world_size * self.splits))
+        self.flags = self.own(tridist.signals(2 * w.world_size * self.splits, w.group))
         self.flags_per_shard = self.splits
         self.push_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         self.gemm_programs = max(1, programs - self.push_tasks * self.splits)
@@ -134,7 +140,7 @@ class PushGather(ShardGather):
                 x_ptr=shard, out_ptr=self.gathered, staging_ptr=self.gathered, flags_ptr=self.flags,
                 calls_ptr=self.push_calls, n=n, row=n, slot_numel=self.slot_rows * self.k,
                 local_world_size=self.world.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK,
-                num_warps=8, coresident=True)
+                num_warps=8, coresident=True, group=self.world.handle)
 
     def finish(self) -> None:
         if self.world.world_size > 1:

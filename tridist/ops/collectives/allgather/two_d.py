@@ -30,7 +30,7 @@ from ...method import Method
 
 @jit
 def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, row, slot_numel, local_world_size,
-                         COPY_OUT: tl.constexpr, splits, BLOCK: tl.constexpr):
+                         COPY_OUT: tl.constexpr, splits, BLOCK: tl.constexpr, group=None):
     """Program (task, split) moves slice `split`. With L ranks per node and N nodes, the grid's
     L + 2 (N - 1) tasks (`spread_tasks`) spread this rank's shard into row `rank` of every rank's
     staging (rows `row` apart):
@@ -38,9 +38,10 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
     - task = L + j, j < N - 1: to the rank with this local index on node (node + 1 + j) % N;
     - task = L + N - 1 + j: waits until the shard of the rank with this local index on node
       (node + 1 + j) % N has arrived here, then forwards it to the other ranks of this node.
-    With COPY_OUT, task t then copies rows t, t + L + 2 (N - 1), ... into `out` as they arrive."""
+    With COPY_OUT, task t then copies rows t, t + L + 2 (N - 1), ... into `out` as they arrive.
+    Ranks, nodes and `local_world_size` are of `group`, if given."""
     epoch = call_epoch(calls_ptr)
-    me, world, nodes, node, local = placement(local_world_size)
+    me, world, nodes, node, local = placement(local_world_size, group)
     task = tl.program_id(0)
     split = tl.program_id(1)
     start, stop = split_bounds(n, split, splits, BLOCK)
@@ -52,7 +53,7 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
         if task >= local_world_size:
             peer = ((node + 1 + task - local_world_size) % nodes) * local_world_size + local
         push_slice(x_ptr, stage + me * row, start, stop, flags + me * splits + split, epoch, peer, local_world_size,
-                   BLOCK)
+                   BLOCK, group=group)
     else:
         source = ((node + 1 + task - direct) % nodes) * local_world_size + local
         flag = flags + source * splits + split
@@ -60,7 +61,7 @@ def all_gather_2d_kernel(x_ptr, out_ptr, staging_ptr, flags_ptr, calls_ptr, n, r
         for other in range(local_world_size):
             if other != local:
                 push_slice(received, stage + source * row, start, stop, flag, epoch, node * local_world_size + other,
-                           local_world_size, BLOCK)
+                           local_world_size, BLOCK, group=group)
     if COPY_OUT:
         for source in range(task, world, tl.num_programs(0)):
             copy_slice(after_flags(stage + source * row, flags + source * splits + split, 1, epoch),

@@ -160,7 +160,7 @@ class EPBuffer:
         out of range made -1 and counted in `dropped_expert_ids` (on the device)."""
         if checks.host_reads(topk_idx):
             return topk_idx
-        return _sort.drop_ids(topk_idx, self.num_experts, self.dropped_expert_ids)
+        return _sort.drop_ids(topk_idx, -1, self.num_experts, self.dropped_expert_ids)
 
     def _agree(self, call: str, topk_idx, check) -> None:
         """`check()` (this rank's checks of its arguments) with the outcome shared by every rank of the
