@@ -467,7 +467,7 @@ def _gemm_counts(w, config_index, one_program, flatten):
     if config_index >= len(configs):
         return f"{len(configs)} configs here"
     config, world = {**configs[config_index], "FLATTEN": flatten}, w.world_size
-    router = routing.Router(tokens, topk, experts)
+    router = routing.Router(tokens, topk, experts, ranks_of())
     g = _generator(7 + w.rank)
     handle = router(_routing("random", tokens, topk, experts, 7 + w.rank).to(w.device))
     h = torch.randn(world * tokens * topk, n, generator=g).to(dtype).to(w.device)
