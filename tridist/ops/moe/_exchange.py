@@ -16,6 +16,10 @@ rows will land, because each source has a region of its own in the receiver's st
 the most rows it may send. Epochs and two slots (see `protocol.py`) make back-to-back calls safe:
 every call waits for a flag from every peer. Where a receiver needs every sending program's part,
 the senders add to an arrival counter per source instead of raising a flag each (`arrive`).
+
+Within a process group the same protocol runs among the group's members: ranks, peers and
+`local_world_size` are the group's, and every helper that names a rank takes the kernel's `group`
+(None: the world, compiled as before groups existed).
 """
 import triton
 import triton.language as tl
