@@ -256,19 +256,19 @@ def _moe_cases():
     return cases
 
 
-def _sort_cases(one_group: bool, clamp: bool, groups: int):
+def _sort_cases(one_group: bool, groups: int):
     """The counting sort's two kernels (`_sort`), at the chunk of `groups` and the blocks it takes for
     a million items."""
     _, step, _, blocks = sort.sort_shape(10 ** 6, groups, one_group)
     sizes = {name: "i32" for name in ("items", "topk", "groups", "per_group", "per_block")}
-    constexprs = {"CLAMP": clamp, "GROUPS": groups, "STEP": step}
+    constexprs = {"GROUPS": groups, "STEP": step}
     return [(sort.block_counts_kernel,
-             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", **sizes, "CLAMP": "constexpr", "ADD": "constexpr",
-              "GROUPS": "constexpr", "STEP": "constexpr"}, {**constexprs, "ADD": one_group and not clamp}),
+             {"idx_ptr": "*i64", "block_counts_ptr": "*i32", **sizes, "ADD": "constexpr", "GROUPS": "constexpr",
+              "STEP": "constexpr"}, {**constexprs, "ADD": one_group}),
             (sort.positions_kernel,
              {"idx_ptr": "*i64", "block_counts_ptr": "*i32", "positions_ptr": "*i32", "order_ptr": "*i32",
               "counts_ptr": "*i32", **sizes, "blocks": "i32", "ONE_GROUP": "constexpr", "ORDER": "constexpr",
-              "CLAMP": "constexpr", "GROUPS": "constexpr", "STEP": "constexpr", "BLOCKS": "constexpr"},
+              "GROUPS": "constexpr", "STEP": "constexpr", "BLOCKS": "constexpr"},
              {**constexprs, "ONE_GROUP": one_group, "ORDER": not one_group, "BLOCKS": triton.next_power_of_2(blocks)})]
 
 
@@ -285,10 +285,11 @@ def _expert_parallel_cases():
     block_w = ep_staging.block_w(7168 // 2)
     blocks = {"BLOCK_R": ep_staging.BLOCK_R, "BLOCK_W": block_w}
     return [
-        *[case for one, clamp, groups in ((True, False, 16), (True, True, 16), (False, False, 8))
-          for case in _sort_cases(one, clamp, groups)],
-        (sort.drop_ids_kernel, {"idx_ptr": "*i64", "kept_ptr": "*i64", "dropped_ptr": "*i64", "items": "i32",
-                                "limit": "i32", "BLOCK": "constexpr"}, {"BLOCK": 1024}),
+        *[case for one, groups in ((True, 16), (False, 8)) for case in _sort_cases(one, groups)],
+        # EPBuffer's ids (-1 is none), ag_moe's (-1 is dropped too)
+        *[(sort.drop_ids_kernel, {"idx_ptr": "*i64", "kept_ptr": "*i64", "dropped_ptr": "*i64", "items": "i32",
+                                  "limit": "i32", "LOWEST": "constexpr", "BLOCK": "constexpr"},
+           {"LOWEST": lowest, "BLOCK": 1024}) for lowest in (-1, 0)],
         *[(alltoall.all_to_all_v_kernel,
            {"x_ptr": word, "splits_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": word, "result_ptr": "*i64",
             "staging": alltoall.Staging(rows=word, counts="*i32", flags="*i64", calls="*i64", slot_numel="i32"),
@@ -340,6 +341,21 @@ def _expert_parallel_cases():
          {"TOPK": 8, "W_PAD": w_pad, "E_PAD": e_pad, "BLOCK_R": 1, "BLOCK_W": ep_staging.TILE},
          {"num_warps": 8}),
     ]
+
+
+def _moe_group_cases():
+    """The MoE family's kernels that communicate, within a process group (their `group` argument a
+    pointer to the group's table): each at its first world case, ag_moe's GEMM at the epoch flags
+    of comm="sm" (which crosses nodes), moe_rs's counting its tiles for the peers' combine."""
+    grouped_kernels = {alltoall.all_to_all_v_kernel, ep_normal.dispatch_kernel, ep_normal.combine_kernel,
+                       ep_low_latency.ll_dispatch_kernel, ep_low_latency.ll_combine_kernel, tp_routing.route_kernel,
+                       ag_moe.ag_moe_kernel, moe_rs.moe_rs_gemm_kernel, moe_rs.moe_combine_kernel}
+    picked = {}
+    for kernel, signature, constexprs, *options in (*_expert_parallel_cases(), *_moe_cases()):
+        wanted = constexprs.get("EPOCH_FLAGS", True) and constexprs.get("COUNT", True)
+        if kernel in grouped_kernels and kernel not in picked and wanted:
+            picked[kernel] = (kernel, {**signature, "group": "*i32"}, constexprs, *options)
+    return list(picked.values())
 
 
 _ITEMSIZE = {"*bf16": 2, "*fp16": 2, "*fp32": 4, "*u8": 1}
@@ -563,6 +579,7 @@ def cases():
         *_group_cases(),
         *_gemm_group_cases(),
         *_attention_stencil_sync_group_cases(),
+        *_moe_group_cases(),
     ]
     return [*world, *_within_groups(world, _COLLECTIVES)]
 

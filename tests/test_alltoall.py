@@ -2,12 +2,13 @@
 row's payload encodes its source rank and row, outputs are poisoned, splits are random or edge
 cases (empty, all to one rank, a rank that sends nothing, every row of x), calls run back to back
 with no host synchronisation; the 2-D round trip returns every row; overflow is refused on the
-device; bad input before any launch."""
+device; bad input before any launch; within process groups, several at once."""
 import hashlib
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import tridist
 import tridist.language as dl
@@ -41,19 +42,21 @@ def _splits(kind, rank, world_size, experts, seed):
     return counts
 
 
-def _reference_1d(every, me):
-    """What rank `me` receives from `every` rank's splits, in rank order, and its splits/offsets."""
+def _reference_1d(every, me, tag=0):
+    """What rank `me` receives from `every` rank's splits, in rank order, and its splits/offsets
+    (rank s's payload: `_payload(tag + s)`)."""
     rows, splits = [], []
     for source, counts in enumerate(every):
         start = int(counts[:me].sum())
-        rows.append(_payload(source, ROWS)[start:start + int(counts[me])])
+        rows.append(_payload(tag + source, ROWS)[start:start + int(counts[me])])
         splits.append(int(counts[me]))
     offsets = [sum(splits[:q]) for q in range(len(splits))]
     return torch.cat(rows), splits, offsets
 
 
-def _reference_2d(every, me, experts, align):
-    """Chunks for `me`'s experts, expert-major, each expert aligned: (rows by offset, splits, offsets)."""
+def _reference_2d(every, me, experts, align, tag=0):
+    """Chunks for `me`'s experts, expert-major, each expert aligned: (rows by offset, splits, offsets)
+    (rank s's payload: `_payload(tag + s)`)."""
     world_size = len(every)
     chunks = {}
     for source, counts in enumerate(every):
@@ -62,7 +65,7 @@ def _reference_2d(every, me, experts, align):
             for e in range(experts):
                 n = int(counts[p * experts + e])
                 if p == me:
-                    chunks[e, source] = _payload(source, ROWS)[start:start + n]
+                    chunks[e, source] = _payload(tag + source, ROWS)[start:start + n]
                 start += n
     placed, splits, offsets, start = {}, [], [], 0
     for e in range(experts):
@@ -76,40 +79,42 @@ def _reference_2d(every, me, experts, align):
     return placed, splits, offsets
 
 
-def _all_to_all(w, kinds, experts, align):
-    """Each kind of splits once, back to back, in the 1-D layout (experts 1) or the 2-D one and back."""
-    capacity = w.world_size * ROWS + experts * align
-    every = {kind: [_splits(kind, r, w.world_size, experts, call) for r in range(w.world_size)]
+def _all_to_all(w, kinds, experts, align, group=None, tag=0):
+    """Each kind of splits once, back to back, in the 1-D layout (experts 1) or the 2-D one and back;
+    within `group` (None: the world), rank r of it sending `_payload(tag + r)`."""
+    g = tridist.group(group)
+    capacity = g.size * ROWS + experts * align
+    every = {kind: [_splits(kind, r, g.size, experts, call) for r in range(g.size)]
              for call, kind in enumerate(kinds)}
-    x = _payload(w.rank, ROWS).to(w.device)
+    x = _payload(tag + g.rank, ROWS).to(w.device)
     calls = []
     for kind in kinds:  # no host synchronisation between the calls
-        splits = every[kind][w.rank].to(w.device)
+        splits = every[kind][g.rank].to(w.device)
         out = torch.full((capacity, *ROW), POISON, dtype=torch.float32, device=w.device)
         if experts == 1:
-            calls.append((kind, out, ops.all_to_all_v(x, splits, out)))
+            calls.append((kind, out, ops.all_to_all_v(x, splits, out, group=group)))
         else:
-            result = ops.all_to_all_v_2d(x, splits, out, major_align=align)
+            result = ops.all_to_all_v_2d(x, splits, out, major_align=align, group=group)
             back = torch.full((ROWS, *ROW), POISON, dtype=torch.float32, device=w.device)
-            calls.append((kind, out, result, back, ops.all_to_all_v_2d_offset(out, result, back)))
+            calls.append((kind, out, result, back, ops.all_to_all_v_2d_offset(out, result, back, group=group)))
     for kind, out, result, *way_back in calls:
-        what = f"{kind}, experts {experts}, align {align}"
+        what = f"{kind}, experts {experts}, align {align}, ranks {list(g.ranks)}"
         if experts == 1:
-            rows, splits, offsets = _reference_1d(every[kind], w.rank)
+            rows, splits, offsets = _reference_1d(every[kind], g.rank, tag)
             assert torch.equal(out[:rows.shape[0]].cpu(), rows), what
             assert (out[rows.shape[0]:] == POISON).all(), f"{what}: rows written past those received"
         else:
-            placed, splits, offsets = _reference_2d(every[kind], w.rank, experts, align)
+            placed, splits, offsets = _reference_2d(every[kind], g.rank, experts, align, tag)
             for at, rows in placed.items():
                 assert torch.equal(out[at:at + rows.shape[0]].cpu(), rows), f"{what}: chunk at row {at}"
             back, back_result = way_back
-            sent = int(every[kind][w.rank].sum())
-            assert torch.equal(back[:sent].cpu(), _payload(w.rank, ROWS)[:sent]), f"{what}: the way back"
-            assert back_result[0].tolist() == every[kind][w.rank].tolist(), f"{what}: splits of the way back"
-            assert back_result[1].tolist() == (torch.cumsum(every[kind][w.rank], 0)
-                                               - every[kind][w.rank]).tolist(), f"{what}: offsets of the way back"
+            sent = int(every[kind][g.rank].sum())
+            assert torch.equal(back[:sent].cpu(), _payload(tag + g.rank, ROWS)[:sent]), f"{what}: the way back"
+            assert back_result[0].tolist() == every[kind][g.rank].tolist(), f"{what}: splits of the way back"
+            assert back_result[1].tolist() == (torch.cumsum(every[kind][g.rank], 0)
+                                               - every[kind][g.rank]).tolist(), f"{what}: offsets of the way back"
         assert result[0].tolist() == splits and result[1].tolist() == offsets, f"{what}: {result.tolist()}"
-    tridist.barrier_all()
+    tridist.barrier_all(group)
 
 
 KINDS = ["random", "all to rank 0", "rank 1 sends nothing", "full"]
@@ -128,6 +133,36 @@ def test_all_to_all_v_2d_and_back(world):
 @pytest.mark.worlds("2")
 def test_all_to_all_v_2d_unaligned(world):
     world.run(_all_to_all, kinds=["random", "full"], experts=2, align=1)
+
+
+def _in_groups(w):
+    """Within process groups, payloads tagged with the group: world 3, the group [0, 2] while rank 1
+    runs its own calls in a group of one and is refused the pair's; else the pairs [0, 1] and
+    [2, 3] at once, on different splits and numbers of calls, then the strided [0, 2] and [1, 3]
+    (across nodes in 2x2) in the 2-D layout and back."""
+    if w.world_size == 3:
+        pair, alone = dist.new_group([0, 2]), dist.new_group([1])  # every rank makes every group
+        if w.rank == 1:
+            x = _payload(0, ROWS).to(w.device)
+            splits = torch.zeros(2, dtype=torch.int64, device=w.device)
+            with pytest.raises(ValueError, match="rank 1 is not a member of this process group"):
+                ops.all_to_all_v(x, splits, torch.empty_like(x), group=pair)
+            _all_to_all(w, ["random", "full"], experts=1, align=1, group=alone, tag=70)
+        else:
+            _all_to_all(w, ["random", "rank 1 sends nothing"], experts=2, align=1, group=pair, tag=50)
+    else:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        mine = w.rank // 2
+        _all_to_all(w, [["random", "full"], ["all to rank 0", "random", "rank 1 sends nothing"]][mine], experts=1,
+                    align=1, group=pairs[mine], tag=10 * (mine + 1))
+        _all_to_all(w, ["random"], experts=3, align=4, group=strided[w.rank % 2], tag=30 + 10 * (w.rank % 2))
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("3", "4", "2x2")
+def test_all_to_all_v_in_groups(world):
+    world.run(_in_groups)
 
 
 def _bits(rank, width, dtype):

@@ -2,17 +2,20 @@
 shows at once; random routing and edge cases (an empty expert, every token to one expert, a rank
 that sends nothing, top-k hitting one rank several times, -1 entries, the most tokens the buffer
 takes); exact checks of what arrives, identity experts for the way back (combine(dispatch(x)) =
-x * sum of the weights), bits equal across calls, the receive hook, fp8, bad input."""
+x * sum of the weights), bits equal across calls, the receive hook, fp8, bad input; buffers within
+process groups, several at once."""
 import hashlib
 
 import pytest
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 import tridist
 from tridist import ops
 from tridist.ops import checks, instances
+from tridist.ops.ranks import ranks_of
 from tridist.bench import ep as ep_bench
 from tridist.ops.moe import _exchange
 from tridist.ops.moe.expert_parallel import low_latency
@@ -61,7 +64,8 @@ def _weights(rank, seed):
 
 
 class Call:
-    """Every rank's inputs of one call."""
+    """Every rank's inputs of one call; `w`: the world, or the `ops.ranks.Ranks` of a group (its
+    ranks are then the group's)."""
 
     def __init__(self, w, kind, seed):
         self.kind, self.world_size, self.rank, self.seed = kind, w.world_size, w.rank, seed
@@ -113,10 +117,12 @@ def _close(out, expected, what):
                                       f"value: {(error > 1e-6).nonzero().tolist()[:8]}")
 
 
-def _normal(w, kinds):
-    """Dispatch, identity experts, combine: every kind back to back, then all checked."""
-    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
-    calls = [Call(w, kind, seed) for seed, kind in enumerate(kinds)]
+def _normal(w, kinds, group=None, first_seed=0):
+    """Dispatch, identity experts, combine: every kind back to back, then all checked; within `group`
+    (None: the world), tokens drawn from seeds `first_seed`, ... (different in each group)."""
+    ranks = ranks_of(group)
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * ranks.world_size, HIDDEN, TOKENS, group=group)
+    calls = [Call(ranks, kind, first_seed + seed) for seed, kind in enumerate(kinds)]
     results = []
     for call in calls:
         x, idx, weights = call.inputs(w.device)
@@ -133,13 +139,16 @@ def _normal(w, kinds):
             assert torch.equal(recv_weights[:n].cpu(), weights), f"{what}: received weights"
         assert per_expert.tolist() == [int((ids == e).sum()) for e in range(EXPERTS_PER_RANK)], what
         _close(out, call.combined(), what)
-    tridist.barrier_all()
+    tridist.barrier_all(group)
     buffer.free()
 
 
-def _low_latency(w, kinds, hook):
-    buffer = ops.EPBuffer(EXPERTS_PER_RANK * w.world_size, HIDDEN, TOKENS)
-    calls = [Call(w, kind, seed) for seed, kind in enumerate(kinds)]
+def _low_latency(w, kinds, hook, group=None, first_seed=0):
+    """Low-latency dispatch (with the receive hook or not), identity experts, combine; `group` and
+    `first_seed` as for `_normal`."""
+    ranks = ranks_of(group)
+    buffer = ops.EPBuffer(EXPERTS_PER_RANK * ranks.world_size, HIDDEN, TOKENS, group=group)
+    calls = [Call(ranks, kind, first_seed + seed) for seed, kind in enumerate(kinds)]
     results = []
     for call in calls:
         x, idx, weights = call.inputs(w.device)
@@ -162,7 +171,7 @@ def _low_latency(w, kinds, hook):
                     f"{(got != expected).sum(1).tolist()}, first wrong column per row "
                     f"{[int((g != e).nonzero()[0]) if (g != e).any() else -1 for g, e in zip(got, expected)]}")
         _close(out, call.combined(), what)
-    tridist.barrier_all()
+    tridist.barrier_all(group)
     buffer.free()
 
 
@@ -193,6 +202,37 @@ def test_low_latency_dispatch_combine(world):
 @pytest.mark.worlds("2", "2x2")
 def test_low_latency_receive_hook(world):
     world.run(_low_latency, kinds=["random", "one rank"], hook=True)
+
+
+def _in_groups(w):
+    """EPBuffers within process groups, each group's tokens from seeds of its own (column 0 holds the
+    group rank): world 3, the group [0, 2] while rank 1 runs a buffer of its own in a group of one
+    and is refused the pair's; else the pairs [0, 1] and [2, 3] at once, on different routings
+    and numbers of calls, then the strided [0, 2] and [1, 3] (across nodes in 2x2)."""
+    if w.world_size == 3:
+        pair, alone = dist.new_group([0, 2]), dist.new_group([1])  # every rank makes every group
+        if w.rank == 1:
+            with pytest.raises(ValueError, match="rank 1 is not a member of this process group"):
+                ops.EPBuffer(2 * EXPERTS_PER_RANK, HIDDEN, TOKENS, group=pair)
+            _normal(w, ["random"], group=alone, first_seed=70)
+        else:
+            _normal(w, ["random", "one rank"], group=pair, first_seed=50)
+            _low_latency(w, ["sends nothing"], hook=False, group=pair, first_seed=60)
+    else:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        mine = w.rank // 2
+        _normal(w, [["random", "one rank"], ["sends nothing"]][mine], group=pairs[mine], first_seed=10 * (mine + 1))
+        _low_latency(w, [["random"], ["no tokens"]][mine], hook=False, group=pairs[mine],
+                     first_seed=10 * (mine + 1))
+        _low_latency(w, ["random"], hook=w.rank % 2 == 1, group=strided[w.rank % 2], first_seed=30 + w.rank % 2)
+        _normal(w, ["one expert"], group=strided[w.rank % 2], first_seed=40 + w.rank % 2)
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("3", "4", "2x2")
+def test_ep_buffer_in_groups(world):
+    world.run(_in_groups)
 
 
 def _layout(w):

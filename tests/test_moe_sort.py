@@ -1,7 +1,7 @@
 """The routing's stable counting sort (`tridist.ops.moe._sort`) against a sort on the host: pairs
-over many experts and tokens over ranks, several blocks each, ids of -1 and out of range, the
-clamped ids of the tensor-parallel routing, no items; each group's items in place order; and
-`count`, which adds the totals alone."""
+over many experts and tokens over ranks, several blocks each, ids of -1 and out of range, no items;
+each group's items in place order; `count`, which adds the totals alone; and `drop_ids`, which
+makes the ids out of range -1 and counts them."""
 import pytest
 import torch
 import triton
@@ -9,10 +9,8 @@ import triton
 from tridist.ops.moe import _sort as sort
 
 
-def _expected(idx: torch.Tensor, groups: int, per_group: int, clamp: bool):
+def _expected(idx: torch.Tensor, groups: int, per_group: int):
     """(member [items, groups] bool, place [items, groups], counts [groups]) on the host."""
-    if clamp:
-        idx = idx.clamp(0, groups * per_group - 1)
     group = torch.where(idx >= 0, idx // per_group, -1)
     member = (group[:, :, None] == torch.arange(groups)[None, None, :]).any(1)
     place = member.int().cumsum(0) - member.int()
@@ -21,28 +19,26 @@ def _expected(idx: torch.Tensor, groups: int, per_group: int, clamp: bool):
 
 def _sort_body(w):
     generator = torch.Generator().manual_seed(5)
-    cases = [  # (items, topk, groups, per_group, one_group, clamp)
-        (1500, 1, 40, 1, True, False),     # pairs over 40 experts: 6 blocks of 256, 3 chunks of 16
-        (5000, 3, 3, 4, False, False),     # tokens over 3 ranks of 4 experts: 20 blocks of 256
-        (700, 1, 9, 1, True, True),        # the tensor-parallel routing's clamped ids
-        (37, 2, 5, 2, False, False),
-        (0, 2, 5, 2, False, False),
+    cases = [  # (items, topk, groups, per_group, one_group)
+        (1500, 1, 40, 1, True),     # pairs over 40 experts: 6 blocks of 256, 3 chunks of 16
+        (5000, 3, 3, 4, False),     # tokens over 3 ranks of 4 experts: 20 blocks of 256
+        (37, 2, 5, 2, False),
+        (0, 2, 5, 2, False),
     ]
-    for items, topk, groups, per_group, one_group, clamp in cases:
+    for items, topk, groups, per_group, one_group in cases:
         idx = torch.randint(-1, groups * per_group + 2, (items, topk), generator=generator)
         counts = torch.full((groups,), -7, dtype=torch.int32, device=w.device)
         positions = torch.full((items,) if one_group else (items, groups), -7, dtype=torch.int32, device=w.device)
         order = None if one_group else torch.full((groups, max(items, 1)), -7, dtype=torch.int32, device=w.device)
         sort.sort(idx.view(-1).to(w.device) if one_group else idx.to(w.device), positions, counts, groups,
-                  per_group, one_group=one_group, clamp=clamp, order=order)
-        member, place, expected_counts = _expected(idx, groups, per_group, clamp)
+                  per_group, one_group=one_group, order=order)
+        member, place, expected_counts = _expected(idx, groups, per_group)
         what = f"{items} items of top-{topk} over {groups} groups"
         assert torch.equal(counts.cpu(), expected_counts.int()), what
         if one_group:  # an item's one group: its place there; items of no group left alone
-            if not clamp:
-                added = torch.ones(groups, dtype=torch.int32, device=w.device)
-                sort.count(idx.view(-1).to(w.device), added, groups, per_group)
-                assert torch.equal(added.cpu(), expected_counts.int() + 1), f"count: {what}"
+            added = torch.ones(groups, dtype=torch.int32, device=w.device)
+            sort.count(idx.view(-1).to(w.device), added, groups, per_group)
+            assert torch.equal(added.cpu(), expected_counts.int() + 1), f"count: {what}"
             expected = torch.where(member.any(1), (place * member).sum(1), -7).int()
         else:
             expected = torch.where(member, place, -1).int()
@@ -50,6 +46,12 @@ def _sort_body(w):
                 items_of = member[:, group].nonzero().flatten().int()
                 assert torch.equal(order[group, :len(items_of)].cpu(), items_of), f"order of group {group}: {what}"
         assert torch.equal(positions.cpu(), expected), what
+    idx = torch.tensor([[3, -1, 9], [-2, 0, 8], [1 << 40, -(1 << 40), 7]])
+    for lowest, kept, dropped in ((-1, [[3, -1, -1], [-1, 0, -1], [-1, -1, 7]], 5),
+                                  (0, [[3, -1, -1], [-1, 0, -1], [-1, -1, 7]], 6)):
+        count = torch.full((1,), 10, dtype=torch.int64, device=w.device)
+        assert sort.drop_ids(idx.to(w.device), lowest, 8, count).tolist() == kept, f"drop_ids from {lowest}"
+        assert int(count) == 10 + dropped, f"drop_ids from {lowest}: counted {int(count) - 10}"
 
 
 @pytest.mark.worlds("1")

@@ -1,9 +1,11 @@
 """The tensor-parallel MoE ops (ag_moe, moe_rs) against float32 references: random routing, every
 token to one expert (topk 1, the other experts empty), topk 8; outputs poisoned, calls back to back
-with no host synchronisation, bad input refused before launch, shapes under torch.compile; the
-example and the benchmarks' checks."""
+with no host synchronisation, bad input refused before launch, expert ids out of range dropped
+where the host does not read them, shapes under torch.compile; within process groups, several at
+once; the example and the benchmarks' checks."""
 import pytest
 import torch
+import torch.distributed as dist
 import triton
 
 import tridist
@@ -12,6 +14,7 @@ from tridist.bench.results import relative_error
 from tridist.ops import checks
 from tridist.ops.moe import MoEHandle, policy
 from tridist.ops.moe.tensor_parallel import routing
+from tridist.ops.ranks import ranks_of
 
 from .test_language import load_example
 
@@ -37,14 +40,16 @@ def _routing(kind, tokens, topk, experts, seed):
     return torch.full((tokens, topk), 2, dtype=torch.int64)
 
 
-def pair_order(idx):
-    """Rows of h: the pairs (global token * topk + k) sorted stably by expert."""
-    experts = idx.reshape(-1).tolist()
-    return sorted(range(len(experts)), key=lambda p: (experts[p], p))
+def pair_order(idx, experts):
+    """Rows of h: the pairs (global token * topk + k) sorted stably by expert, but those of an id
+    out of [0, experts), which ag_moe drops."""
+    ids = idx.reshape(-1).tolist()
+    return sorted((p for p in range(len(ids)) if 0 <= ids[p] < experts), key=lambda p: (ids[p], p))
 
 
 class Layer:
-    """Every rank's inputs of one call, made alike on every rank from seeds."""
+    """Every rank's inputs of one call, made alike on every rank from seeds; `w`: the world, or the
+    `ops.ranks.Ranks` of a group (whose ranks are then its world)."""
 
     def __init__(self, w, case, dtype, call, k=16, n=8, out_k=24):
         tokens, topk, experts, kind = CASES[case]
@@ -60,9 +65,10 @@ class Layer:
                    for r in range(world_size)]
         self.weights = [torch.rand(tokens, topk, generator=_generator(seed + 500 + r)) for r in range(world_size)]
         self.tokens, self.topk, self.experts, self.dtype = tokens, topk, experts, dtype
-        self.rows = pair_order(torch.cat(self.idx))
+        self.rows = pair_order(torch.cat(self.idx), experts)
 
     def expected_h(self, rank):
+        """h's rows of the routed pairs (those of dropped pairs, last, are unspecified)."""
         x, idx = torch.cat(self.x).float(), torch.cat(self.idx).reshape(-1)
         return torch.stack([x[p // self.topk] @ self.w1[rank][int(idx[p])].float() for p in self.rows])
 
@@ -75,6 +81,8 @@ class Layer:
         for t in range(self.tokens):
             for k in range(self.topk):
                 pair = (rank * self.tokens + t) * self.topk + k
+                if pair not in row_of_pair:  # dropped
+                    continue
                 expert = int(idx[pair])
                 total = sum(h[r][row_of_pair[pair]].double() @ self.w2[r][expert].double() for r in range(len(h)))
                 y[t] += self.weights[rank][t, k].double() * total
@@ -85,40 +93,47 @@ class Layer:
                 self.w2[rank].to(device), self.weights[rank].to(device))
 
 
-def _check_handle(handle, layer, w):
-    assert handle.pair_of_row.tolist() == layer.rows
-    assert handle.row_of_pair[torch.tensor(layer.rows)].tolist() == list(range(len(layer.rows)))
-    assert torch.equal(handle.topk_idx.cpu(), torch.cat(layer.idx).int())
-    counts = torch.stack([torch.bincount(i.reshape(-1), minlength=layer.experts) for i in layer.idx])
+def _check_handle(handle, layer):
+    routed = len(layer.rows)
+    assert handle.pair_of_row.tolist() == layer.rows + [-1] * (handle.pairs - routed)
+    assert handle.row_of_pair[torch.tensor(layer.rows, dtype=torch.int64)].tolist() == list(range(routed))
+    idx = torch.cat(layer.idx)
+    valid = (idx >= 0) & (idx < layer.experts)
+    assert (handle.row_of_pair.cpu()[~valid.reshape(-1)] == -1).all()
+    assert torch.equal(handle.topk_idx.cpu(), torch.where(valid, idx, -1).int())
+    counts = torch.stack([torch.bincount(i[(i >= 0) & (i < layer.experts)], minlength=layer.experts)
+                          for i in layer.idx])
     assert torch.equal(handle.counts.cpu(), counts.int())
     assert handle.offs.tolist() == counts.sum(0).cumsum(0).tolist()
 
 
-def _moe(w, dtype, calls):
+def _moe(w, dtype, calls, group=None, first_call=0):
     """`calls`: case -> (comm, calls of it back to back, tile order); comm "ce" runs as "sm" across
-    nodes."""
+    nodes. Within `group` (None: the world), inputs drawn from calls `first_call`, ... (different
+    in each group)."""
+    ranks = ranks_of(group)
     for case, (comm, count, order) in calls.items():
-        if comm == "ce" and w.nnodes > 1:
+        if comm == "ce" and ranks.nnodes > 1:
             comm = "sm"
-        layers = [Layer(w, case, dtype, call) for call in range(count)]
-        inputs = [layer.inputs(w.rank, w.device) for layer in layers]
+        layers = [Layer(ranks, case, dtype, first_call + call) for call in range(count)]
+        inputs = [layer.inputs(ranks.rank, w.device) for layer in layers]
         tokens, k = layers[0].x[0].shape
         n, out_k = layers[0].w2[0].shape[1:]
-        hs = [torch.full((w.world_size * tokens * layers[0].topk, n), float("nan"), dtype=dtype, device=w.device)
+        hs = [torch.full((ranks.world_size * tokens * layers[0].topk, n), float("nan"), dtype=dtype, device=w.device)
               for _ in layers]
         ys = [torch.full((tokens, out_k), float("nan"), dtype=dtype, device=w.device) for _ in layers]
         handles = []
         for call, (x, idx, w1, h, w2, weights) in enumerate(inputs):  # back to back
-            handles.append(ops.ag_moe(x, idx, w1, out=hs[call], comm=comm, tile_order=order)[1])
-            ops.moe_rs(h, w2, handles[-1], weights, out=ys[call], tile_order=order)
+            handles.append(ops.ag_moe(x, idx, w1, out=hs[call], comm=comm, tile_order=order, group=group)[1])
+            ops.moe_rs(h, w2, handles[-1], weights, out=ys[call], tile_order=order, group=group)
         for call, (layer, h, y, handle) in enumerate(zip(layers, hs, ys, handles)):
-            what = f"{case}, {dtype}, comm {comm}, tiles by {order}, call {call}"
-            _check_handle(handle, layer, w)
-            error = relative_error(h, layer.expected_h(w.rank))
+            what = f"{case}, {dtype}, comm {comm}, tiles by {order}, call {call}, ranks {list(ranks.ranks)}"
+            _check_handle(handle, layer)
+            error = relative_error(h, layer.expected_h(ranks.rank))
             assert error <= TOLERANCE[dtype], f"h, {what}: relative error {error:.2e}"
-            error = relative_error(y, layer.expected_y(w.rank))
+            error = relative_error(y, layer.expected_y(ranks.rank))
             assert error <= TOLERANCE[dtype], f"y, {what}: relative error {error:.2e}"
-    tridist.barrier_all()
+    tridist.barrier_all(group)
 
 
 # Random routing back to back through the copy engines (on one node), the edge cases once each
@@ -137,6 +152,73 @@ def test_ag_moe_and_moe_rs(world):
 @pytest.mark.worlds("2")
 def test_ag_moe_and_moe_rs_fp16(world):
     world.run(_moe, dtype=torch.float16, calls={"random": ("sm", 1, "expert")})
+
+
+def _in_groups(w):
+    """ag_moe and moe_rs within process groups, each group's inputs from seeds of its own: world 3,
+    the group [0, 2] while rank 1 runs its own layer in a group of one and is refused the pair's;
+    else the pairs [0, 1] and [2, 3] at once, on different cases and numbers of calls (copy
+    engines), then the strided [0, 2] and [1, 3] (SM pushes; across nodes in 2x2)."""
+    if w.world_size == 3:
+        pair, alone = dist.new_group([0, 2]), dist.new_group([1])  # every rank makes every group
+        if w.rank == 1:
+            x, idx = torch.zeros((2, 16), dtype=torch.bfloat16), torch.zeros((2, 1), dtype=torch.int64)
+            with pytest.raises(ValueError, match="rank 1 is not a member of this process group"):
+                ops.ag_moe(x.to(w.device), idx.to(w.device), torch.zeros((4, 16, 8), dtype=torch.bfloat16,
+                                                                         device=w.device), group=pair)
+            _moe(w, torch.bfloat16, {"one expert": ("sm", 1, "auto")}, group=alone, first_call=70)
+        else:
+            _moe(w, torch.bfloat16, {"random": ("sm", 2, "source")}, group=pair, first_call=50)
+    else:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        strided = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        mine = w.rank // 2
+        _moe(w, torch.bfloat16, [{"random": ("ce", 2, "source")}, {"topk 8": ("ce", 1, "expert")}][mine],
+             group=pairs[mine], first_call=10 * (mine + 1))
+        _moe(w, torch.bfloat16, {"random": ("sm", 1, "auto")}, group=strided[w.rank % 2],
+             first_call=30 + w.rank % 2)
+    tridist.barrier_all()
+
+
+@pytest.mark.worlds("3", "4", "2x2")
+def test_ag_moe_and_moe_rs_in_groups(world):
+    world.run(_in_groups)
+
+
+def _dropped_ids(w):
+    """Expert ids out of [0, E) (past the last, -1, below), with the host's check bypassed as on a GPU
+    without TRIDIST_DEBUG: ag_moe gives those pairs no row of h (the handle says -1), moe_rs sums
+    the token's other pairs, and `dropped_expert_ids` counts them, on the op and in its handles. Where
+    the host reads the ids (the emulator), the call refuses them."""
+    layer = Layer(w, "random", torch.bfloat16, call=3)
+    layer.idx[0][0, 1], layer.idx[0][2, 0] = layer.experts, -1
+    layer.idx[1][1, 1] = -(1 << 40)
+    layer.rows = pair_order(torch.cat(layer.idx), layer.experts)
+    x, idx, w1, h, w2, weights = layer.inputs(w.rank, w.device)
+    if checks.host_reads(idx):
+        with pytest.raises(ValueError, match="expert ids from"):
+            ops.ag_moe(x, idx, w1)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(checks, "host_reads", lambda t: False)
+        op = ops.AllGatherMoE(layer.tokens, x.shape[1], w1.shape[2], layer.experts, layer.topk, x.dtype)
+        calls = [op(x, idx, w1) for _ in range(2)]
+        y = ops.moe_rs(h, w2, calls[-1][1], weights)
+    dropped = [2, 1][w.rank]
+    for call, (out, handle) in enumerate(calls):
+        _check_handle(handle, layer)
+        error = relative_error(out[:len(layer.rows)], layer.expected_h(w.rank))
+        assert error <= TOLERANCE[torch.bfloat16], f"h, call {call}: relative error {error:.2e}"
+        assert handle.dropped_expert_ids is op.dropped_expert_ids
+    assert int(op.dropped_expert_ids) == 2 * dropped
+    error = relative_error(y, layer.expected_y(w.rank))
+    assert error <= TOLERANCE[torch.bfloat16], f"y: relative error {error:.2e}"
+    tridist.barrier_all()
+    op.free()
+
+
+@pytest.mark.worlds("2")
+def test_ag_moe_drops_expert_ids_out_of_range(world):
+    world.run(_dropped_ids)
 
 
 def _bad_input(w):
@@ -194,7 +276,9 @@ def _bad_input(w):
 
 
 def _tile_orders(w):
-    choose = policy.choose_tile_order
+    def choose(*args):
+        return policy.choose_tile_order(*args, w)
+
     mixtral, deepseek = (8 * 1024, 8), (32 * 128, 32)  # (pairs, experts) of the bench's layers
     if w.world_size == 1:  # one walk
         return [choose(order, *mixtral, rows) for order in ("expert", "auto") for rows in (None, 256)]
@@ -383,7 +467,7 @@ def _gemm_counts(w, config_index, one_program, flatten):
     if config_index >= len(configs):
         return f"{len(configs)} configs here"
     config, world = {**configs[config_index], "FLATTEN": flatten}, w.world_size
-    router = routing.Router(tokens, topk, experts)
+    router = routing.Router(tokens, topk, experts, ranks_of())
     g = _generator(7 + w.rank)
     handle = router(_routing("random", tokens, topk, experts, 7 + w.rank).to(w.device))
     h = torch.randn(world * tokens * topk, n, generator=g).to(dtype).to(w.device)

@@ -81,8 +81,9 @@ What holds for every op:
 Where a value is not checked (GPUs without `TRIDIST_DEBUG`), each op still does something
 defined, never an access outside its buffers but where said: `EPBuffer` treats an expert id out of
 range as -1 (the token is not sent to that expert) and counts it in `EPBuffer.dropped_expert_ids`;
-`ag_moe` clamps it into 0 ... E-1 (the pair goes to expert 0 or E-1: check ids there with
-`TRIDIST_DEBUG=1`); `grouped_gemm` clamps `offs` into the rows of x (out-of-order ends give wrong
+`ag_moe` drops it likewise (the pair goes to no expert and has no row of h; `moe_rs` leaves it out
+of its token's sum) and counts it in `AllGatherMoE.dropped_expert_ids` (also the handle's
+`dropped_expert_ids`); `grouped_gemm` clamps `offs` into the rows of x (out-of-order ends give wrong
 products, never an access outside x or out); the `all_to_all_v` family drops the rows past `out`
 (the returned splits still say how many came) and sends no row past x; the low-latency dispatch
 drops the pairs past `max_tokens_per_rank`; `flash_decode` reads whatever memory a `seqlens` or

@@ -34,6 +34,7 @@ from tridist.ops import gemm
 from tridist.ops.gemm import allgather_gemm, grouped
 from tridist.ops.moe import policy
 from tridist.ops.moe.tensor_parallel import routing
+from tridist.ops.ranks import ranks_of
 
 from .cases import (Expected, OpCases, Trial, _UNIT_ROUNDOFF, composition, count_with_edges, draw_method,
                     gemm_tolerance, log_uniform, poison, random_tensor, register, round_up, seed_of)
@@ -339,7 +340,7 @@ class MoeRsTrial(Trial):
         self.w = torch.empty(experts, n, k, dtype=call.dtype, device=device)
         self.weights = torch.empty(tokens, topk, device=device)
         self.out = torch.empty(tokens, k, dtype=call.dtype, device=device)
-        self.router = routing.Router(tokens, topk, experts)
+        self.router = routing.Router(tokens, topk, experts, ranks_of())
         layout = torch.empty(routing.MoEHandle.numel(W, tokens, topk, experts), dtype=torch.int32, device=device)
         self.handle = routing.MoEHandle(layout, W, tokens, topk, experts)
 

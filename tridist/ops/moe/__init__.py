@@ -10,6 +10,14 @@ Tensor parallel (every rank holds a slice of every expert), `tensor_parallel`: `
 (all-gather + grouped GEMM) and `moe_rs` (grouped GEMM + top-k sum + reduce-scatter), with the
 routing they share.
 
+Process groups: every op takes `group=None` (the last argument): a `torch.distributed` process group
+(`dist.new_group(ranks)`, a DeviceMesh's `get_group("ep")`), a `tridist.Group`, or None for the
+world. The op then runs among the group's members alone, which are its world: rank r is rank r of
+the group, splits and experts are spread over group.size() ranks (`EPBuffer(..., group=ep)`: rank r
+of the group holds experts r * E_local ... (r + 1) * E_local - 1), and other groups may run their
+own calls at the same time. A rank outside the group gets a ValueError before anything is
+allocated or launched.
+
 What expert and tensor parallelism share: the all-to-alls' protocol and device helpers (`_exchange`), a stable
 counting sort on the device that both families route with (`_sort`: each token's or pair's place
 among those of its rank or expert), and the family's choices (`policy`).
@@ -17,7 +25,8 @@ among those of its rank or expert), and the family's choices (`policy`).
 Custom ops for `torch.compile`: `torch.ops.tridist.all_to_all_v(x, in_splits, out_rows)`,
 `all_to_all_v_2d(x, in_splits, out_rows, major_align=1)` and
 `all_to_all_v_2d_offset(x, in_splits_offsets, out_rows)` return `(out, out_splits_offsets)`;
-`torch.ops.tridist.ag_moe` and `moe_rs` as their functions.
+`torch.ops.tridist.ag_moe` and `moe_rs` as their functions; all of them on the world (they take no
+group).
 """
 from .all_to_all.op import AllToAllV, all_to_all_v, all_to_all_v_2d, all_to_all_v_2d_offset
 from .expert_parallel.buffer import EPBuffer, EPHandle

@@ -16,6 +16,10 @@ rows will land, because each source has a region of its own in the receiver's st
 the most rows it may send. Epochs and two slots (see `protocol.py`) make back-to-back calls safe:
 every call waits for a flag from every peer. Where a receiver needs every sending program's part,
 the senders add to an arrival counter per source instead of raising a flag each (`arrive`).
+
+Within a process group the same protocol runs among the group's members: ranks, peers and
+`local_world_size` are the group's, and every helper that names a rank takes the kernel's `group`
+(None: the world, compiled as before groups existed).
 """
 import triton
 import triton.language as tl
@@ -27,12 +31,12 @@ from ..gemm.grouped import pick
 
 
 @triton.jit
-def exchange_program(calls_ptr, staging_ptr, slot_numel):
+def exchange_program(calls_ptr, staging_ptr, slot_numel, group=None):
     """Where every program of an exchange kernel (grid (world, splits)) starts: (the call's epoch,
     this rank, the world size, the peer and the split the program serves, the call's slot of the
-    staging)."""
+    staging); ranks of `group`, if given."""
     epoch = call_epoch(calls_ptr)
-    return (epoch, dl.rank(), dl.num_ranks(), tl.program_id(0), tl.program_id(1),
+    return (epoch, dl.rank(group), dl.num_ranks(group), tl.program_id(0), tl.program_id(1),
             in_slot(staging_ptr, epoch, slot_numel))
 
 
@@ -51,61 +55,65 @@ def copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, mask, width, BLOCK_W: tl.con
 
 @triton.jit
 def send_rows(src_ptr, src_rows, dst_ptr, dst_rows, mask, width, peer, local_world_size, BLOCK_R: tl.constexpr,
-              BLOCK_W: tl.constexpr):
+              BLOCK_W: tl.constexpr, group=None):
     """Copy rows src[src_rows[i]] to rows dst[dst_rows[i]] of `peer`'s copy of the symmetric `dst`
     (`dst_ptr` is this rank's address of it), for the BLOCK_R rows where mask[i]. On this node the
     program stores through the peer's pointer; on another node each row is an NVSHMEM put (the
-    caller's `raise_flag` completes them before the flag)."""
-    if dl.rank() // local_world_size == peer // local_world_size:
-        copy_rows(src_ptr, src_rows, dl.symm_at(dst_ptr, peer), dst_rows, mask, width, BLOCK_W)
+    caller's `raise_flag` completes them before the flag). `peer` and `local_world_size` are of
+    `group`, if given."""
+    if dl.rank(group) // local_world_size == peer // local_world_size:
+        copy_rows(src_ptr, src_rows, dl.symm_at(dst_ptr, peer, group), dst_rows, mask, width, BLOCK_W)
     else:
         nbytes = width * (src_ptr.dtype.element_ty.primitive_bitwidth // 8)
         for i in range(BLOCK_R):
             if pick(mask.to(tl.int32), i) != 0:
                 dl.shmem.putmem_nbi_block(dst_ptr + pick(dst_rows, i).to(tl.int64) * width,
-                                          src_ptr + pick(src_rows, i).to(tl.int64) * width, nbytes, peer)
+                                          src_ptr + pick(src_rows, i).to(tl.int64) * width, nbytes, peer, group)
 
 
 @triton.jit
-def send_values(ptr, offsets, values, mask, peer, local_world_size, BLOCK: tl.constexpr):
+def send_values(ptr, offsets, values, mask, peer, local_world_size, BLOCK: tl.constexpr, group=None):
     """Store values[i] at ptr[offsets[i]] on `peer` where mask[i] (BLOCK of them; `ptr` is this
     rank's address of a symmetric buffer): through the peer's pointer on this node, one NVSHMEM `p`
-    each on another."""
-    if dl.rank() // local_world_size == peer // local_world_size:
-        tl.store(dl.symm_at(ptr + offsets, peer), values, mask=mask)
+    each on another. `peer` and `local_world_size` are of `group`, if given."""
+    if dl.rank(group) // local_world_size == peer // local_world_size:
+        tl.store(dl.symm_at(ptr + offsets, peer, group), values, mask=mask)
     else:
         for i in range(BLOCK):
             if pick(mask.to(tl.int32), i) != 0:
-                dl.shmem.p(ptr + pick(offsets, i), pick(values, i), peer)
+                dl.shmem.p(ptr + pick(offsets, i), pick(values, i), peer, group)
 
 
 @triton.jit
-def _publish(flag_ptr, value, peer, local_world_size, sig_op: tl.constexpr):
+def _publish(flag_ptr, value, peer, local_world_size, sig_op: tl.constexpr, group=None):
     """Set (or add to) `peer`'s word at `flag_ptr` once every row and value this program sent it has
     landed. On this node every thread first fences its own stores: rows are stored by all the
     program's threads, and the release that `dl.notify` gives after its barrier is one thread's. On
-    another node every thread completes its puts (`quiet`) before one thread signals."""
-    if dl.rank() // local_world_size == peer // local_world_size:
+    another node every thread completes its puts (`quiet`) before one thread signals. `peer` and
+    `local_world_size` are of `group`, if given."""
+    if dl.rank(group) // local_world_size == peer // local_world_size:
         dl.fence("sys")
-        dl.notify(flag_ptr, peer, signal=value, sig_op=sig_op)
+        dl.notify(flag_ptr, peer, signal=value, sig_op=sig_op, group=group)
     else:
         dl.shmem.quiet()
-        dl.notify(flag_ptr, peer, signal=value, sig_op=sig_op, comm_scope="inter_node")
+        dl.notify(flag_ptr, peer, signal=value, sig_op=sig_op, comm_scope="inter_node", group=group)
 
 
 @triton.jit
-def raise_flag(flag_ptr, epoch, peer, local_world_size):
-    """Set `peer`'s flag at `flag_ptr` to `epoch` once what this program sent it has landed."""
-    _publish(flag_ptr, epoch, peer, local_world_size, "set")
+def raise_flag(flag_ptr, epoch, peer, local_world_size, group=None):
+    """Set `peer`'s flag at `flag_ptr` to `epoch` once what this program sent it has landed (`peer`
+    of `group`, if given)."""
+    _publish(flag_ptr, epoch, peer, local_world_size, "set", group)
 
 
 @triton.jit
-def arrive(counter_ptr, peer, local_world_size):
-    """Add 1 to `peer`'s arrival counter at `counter_ptr` once what this program sent it has landed.
+def arrive(counter_ptr, peer, local_world_size, group=None):
+    """Add 1 to `peer`'s arrival counter at `counter_ptr` once what this program sent it has landed
+    (`peer` of `group`, if given).
     A counter per source replaces a flag per (source, program): a receiver that needs every program's
     part waits on one word a source, where waiting on each of a hundred flags in turn costs a memory
     round trip each."""
-    _publish(counter_ptr, 1, peer, local_world_size, "add")
+    _publish(counter_ptr, 1, peer, local_world_size, "add", group)
 
 
 @triton.jit

@@ -28,25 +28,23 @@ MAX_STEP = 256
 
 
 @triton.jit
-def _hits(idx_ptr, item, inside, topk, group, groups, per_group, CLAMP: tl.constexpr):
+def _hits(idx_ptr, item, inside, topk, group, groups, per_group):
     """[items, groups] int32: 1 where `item` belongs to `group`, that is where one of its `topk` ids
     (int64 at idx_ptr + item * topk + k) is in [group * per_group, (group + 1) * per_group). Ids
-    below 0 belong to no group; CLAMP first brings every id into [0, groups * per_group)."""
+    below 0 belong to no group."""
     hits = tl.zeros([item.shape[0], group.shape[0]], dtype=tl.int32)
     real = inside[:, None] & (group < groups)[None, :]
     for k in range(topk):
         # int32 from here: a 64-bit division costs tens of instructions.
         ids = tl.load(idx_ptr + item.to(tl.int64) * topk + k, mask=inside, other=-1).to(tl.int32)
-        if CLAMP:
-            ids = tl.minimum(tl.maximum(ids, 0), groups * per_group - 1)
         target = tl.where(ids >= 0, ids // per_group, -1)
         hits = tl.maximum(hits, ((target[:, None] == group[None, :]) & real).to(tl.int32))
     return hits
 
 
 @jit
-def block_counts_kernel(idx_ptr, block_counts_ptr, items, topk, groups, per_group, per_block, CLAMP: tl.constexpr,
-                        ADD: tl.constexpr, GROUPS: tl.constexpr, STEP: tl.constexpr):
+def block_counts_kernel(idx_ptr, block_counts_ptr, items, topk, groups, per_group, per_block, ADD: tl.constexpr,
+                        GROUPS: tl.constexpr, STEP: tl.constexpr):
     """Program (b, c): block_counts[b, g] = the items of [b * per_block, (b + 1) * per_block) in
     group g, for the groups c * GROUPS ... (c + 1) * GROUPS - 1; ADD (`count`): added to
     block_counts[g] instead, the totals."""
@@ -56,7 +54,7 @@ def block_counts_kernel(idx_ptr, block_counts_ptr, items, topk, groups, per_grou
     total = tl.zeros([GROUPS], dtype=tl.int32)
     for start in range(block * per_block, stop, STEP):
         item = start + tl.arange(0, STEP)
-        total += tl.sum(_hits(idx_ptr, item, item < stop, topk, group, groups, per_group, CLAMP), 0)
+        total += tl.sum(_hits(idx_ptr, item, item < stop, topk, group, groups, per_group), 0)
     if ADD:
         tl.atomic_add(block_counts_ptr + group, total, mask=group < groups)
     else:
@@ -65,8 +63,8 @@ def block_counts_kernel(idx_ptr, block_counts_ptr, items, topk, groups, per_grou
 
 @jit
 def positions_kernel(idx_ptr, block_counts_ptr, positions_ptr, order_ptr, counts_ptr, items, topk, groups, per_group,
-                     per_block, blocks, ONE_GROUP: tl.constexpr, ORDER: tl.constexpr, CLAMP: tl.constexpr,
-                     GROUPS: tl.constexpr, STEP: tl.constexpr, BLOCKS: tl.constexpr):
+                     per_block, blocks, ONE_GROUP: tl.constexpr, ORDER: tl.constexpr, GROUPS: tl.constexpr,
+                     STEP: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (b, c), for the groups c * GROUPS ... (c + 1) * GROUPS - 1 and block b's items:
     - ONE_GROUP (topk 1: an item is a (token, expert) pair): positions[i] for items with a group
       (others are left alone);
@@ -83,7 +81,7 @@ def positions_kernel(idx_ptr, block_counts_ptr, positions_ptr, order_ptr, counts
     for start in range(block * per_block, stop, STEP):
         item = start + tl.arange(0, STEP)
         inside = item < stop
-        hits = _hits(idx_ptr, item, inside, topk, group, groups, per_group, CLAMP)
+        hits = _hits(idx_ptr, item, inside, topk, group, groups, per_group)
         position = tl.cumsum(hits, 0) - hits + before[None, :]
         if ONE_GROUP:
             tl.store(positions_ptr + item, tl.sum(hits * position, 1), mask=inside & (tl.sum(hits, 1) > 0))
@@ -109,13 +107,11 @@ def sort_shape(items: int, groups: int, one_group: bool) -> tuple[int, int, int,
     return chunk, step, per_block, triton.cdiv(items, per_block)
 
 
-def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, clamp: bool = False,
-         order=None) -> None:
-    """Queue the sort of `idx` (int64: [items, topk]; `one_group`: [pairs], topk 1) into `positions`
-    and `counts` (int32; see `positions_kernel`). `clamp`: ids outside [0, groups * per_group) are
-    brought into it (the tensor-parallel routing, whose ids the host checks where it can) instead
-    of belonging to no group. `order` (int32 [groups, items], not with `one_group`): each group's
-    items in place order."""
+def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, order=None) -> None:
+    """Queue the sort of `idx` (int64: [items, topk]; `one_group`: [pairs], topk 1; ids -1 or in
+    [0, groups * per_group): `drop_ids` makes them so where the host could not check them) into
+    `positions` and `counts` (int32; see `positions_kernel`). `order` (int32 [groups, items], not
+    with `one_group`): each group's items in place order."""
     items, topk = (idx.numel(), 1) if one_group else idx.shape
     if items == 0:
         counts.zero_()
@@ -126,12 +122,12 @@ def sort(idx, positions, counts, groups: int, per_group: int, one_group: bool, c
     if blocks > 1:
         block_counts = torch.empty((blocks, groups), dtype=torch.int32, device=idx.device)
         block_counts_kernel[grid](idx_ptr=idx, block_counts_ptr=block_counts, items=items, topk=topk, groups=groups,
-                                  per_group=per_group, per_block=per_block, CLAMP=clamp, ADD=False, GROUPS=chunk,
-                                  STEP=step, num_warps=4)
+                                  per_group=per_group, per_block=per_block, ADD=False, GROUPS=chunk, STEP=step,
+                                  num_warps=4)
     positions_kernel[grid](idx_ptr=idx, block_counts_ptr=block_counts, positions_ptr=positions,
                            order_ptr=positions if order is None else order, counts_ptr=counts, items=items, topk=topk,
                            groups=groups, per_group=per_group, per_block=per_block, blocks=blocks,
-                           ONE_GROUP=one_group, ORDER=order is not None, CLAMP=clamp, GROUPS=chunk, STEP=step,
+                           ONE_GROUP=one_group, ORDER=order is not None, GROUPS=chunk, STEP=step,
                            BLOCKS=triton.next_power_of_2(blocks), num_warps=4)
 
 
@@ -144,28 +140,31 @@ def count(idx, counts, groups: int, per_group: int) -> None:
     chunk, step, per_block, blocks = sort_shape(items, groups, True)
     block_counts_kernel[(blocks, triton.cdiv(groups, chunk))](
         idx_ptr=idx, block_counts_ptr=counts, items=items, topk=1, groups=groups, per_group=per_group,
-        per_block=per_block, CLAMP=False, ADD=True, GROUPS=chunk, STEP=step, num_warps=4)
+        per_block=per_block, ADD=True, GROUPS=chunk, STEP=step, num_warps=4)
 
 
 @jit
-def drop_ids_kernel(idx_ptr, kept_ptr, dropped_ptr, items, limit, BLOCK: tl.constexpr):
-    """kept[i] = idx[i] where it is -1 or in [0, limit), else -1; dropped[0] += the ids replaced."""
+def drop_ids_kernel(idx_ptr, kept_ptr, dropped_ptr, items, limit, LOWEST: tl.constexpr, BLOCK: tl.constexpr):
+    """kept[i] = idx[i] where it is in [LOWEST, limit), else -1; dropped[0] += the ids replaced.
+    LOWEST -1 keeps -1 (none) as it is, uncounted; 0 counts it too."""
     item = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = item < items
     ids = tl.load(idx_ptr + item, mask=inside, other=-1)
-    bad = inside & ((ids < -1) | (ids >= limit))
+    bad = inside & ((ids < LOWEST) | (ids >= limit))
     tl.store(kept_ptr + item, tl.where(bad, -1, ids), mask=inside)
     count = tl.sum(bad.to(tl.int64), 0)
     if count > 0:
         tl.atomic_add(dropped_ptr, count)
 
 
-def drop_ids(idx: torch.Tensor, limit: int, dropped: torch.Tensor) -> torch.Tensor:
-    """`idx` (int64) with every id outside -1 ... limit - 1 replaced by -1 (none), and their number
-    added to `dropped` (int64 [1]), all on the device: one launch, no synchronisation."""
+def drop_ids(idx: torch.Tensor, lowest: int, limit: int, dropped: torch.Tensor) -> torch.Tensor:
+    """`idx` (int64) with every id outside `lowest` ... limit - 1 replaced by -1 (none), and their
+    number added to `dropped` (int64 [1]), all on the device: one launch, no synchronisation.
+    `lowest`: -1 where -1 is an id (none: `EPBuffer`), 0 where it is not (`ag_moe`)."""
     kept = torch.empty_like(idx)
     if idx.numel():
         block = min(1024, triton.next_power_of_2(idx.numel()))
         drop_ids_kernel[(triton.cdiv(idx.numel(), block),)](idx_ptr=idx, kept_ptr=kept, dropped_ptr=dropped,
-                                                             items=idx.numel(), limit=limit, BLOCK=block)
+                                                             items=idx.numel(), limit=limit, LOWEST=lowest,
+                                                             BLOCK=block)
     return kept

@@ -1,7 +1,7 @@
 """The MoE family's choices: how the tensor-parallel ops (`ag_moe`, `moe_rs`) walk their GEMM's tiles,
 and how many SMs `moe_rs` gives the combine beside its GEMM. (ag_moe moves its tokens as ag_gemm
-moves A: its `comm="auto"` is `gemm.policy.choose_ag_gemm_comm`'s.)"""
-import tridist
+moves A: its `comm="auto"` is `gemm.policy.choose_ag_gemm_comm`'s.) Within a process group, the
+group's ranks are the ranks they count."""
 
 TILE_ORDERS = ("auto", "source", "expert")
 """The `tile_order`s of `ag_moe` and `moe_rs` (the walks: `tensor_parallel.routing`)."""
@@ -24,14 +24,14 @@ fastest share of those tried at every layer. Measured: benchmarks/NOTES.md, "Mov
 docstrings (issue 41)", "tridist/ops/moe/policy.py"."""
 
 
-def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: int | None) -> bool:
+def choose_tile_order(tile_order: str, pairs: int, experts: int, source_rows: int | None, ranks) -> bool:
     """Whether an op of `pairs` rows of h over `experts` walks its tiles by expert: with several
-    ranks, where `tile_order` is "expert", or "auto" and the segments average fewer than
-    `source_rows` rows (None: any number). At one rank both walks are one. Raises ValueError for
-    another order."""
+    ranks (`ranks`: the op's `ops.ranks.Ranks`, or the world), where `tile_order` is "expert", or
+    "auto" and the segments average fewer than `source_rows` rows (None: any number). At one rank
+    both walks are one. Raises ValueError for another order."""
     if tile_order not in TILE_ORDERS:
         raise ValueError(f"tile_order must be one of {', '.join(map(repr, TILE_ORDERS))}; got {tile_order!r}")
-    world_size = tridist.world().world_size
+    world_size = ranks.world_size
     if world_size == 1 or tile_order == "source":
         return False
     return tile_order == "expert" or source_rows is None or pairs < source_rows * world_size * experts

@@ -23,6 +23,7 @@ import tridist
 from tridist.runtime.tensors import check_tensor
 
 from ... import checks, instances, sizing
+from ...ranks import ranks_of
 from .staged import LAYOUTS, Staged
 
 # What the rows may hold: an all-to-all only moves them (fp8 as its bytes).
@@ -51,14 +52,17 @@ class AllToAllV:
         layout: "rank" (`all_to_all_v`), "expert" (`all_to_all_v_2d`) or "expert_offset"
             (`all_to_all_v_2d_offset`).
         programs: the most programs (blocks, so SMs) a call runs (default one per SM).
+        group: the ranks it runs among: a `torch.distributed` process group, a `tridist.Group`,
+            or None for the world. Ranks, splits and chunks are then the group's (rank p is rank
+            p of the group); only its members build and call it.
 
     Raises:
         ValueError: a dtype it does not take, sizes that are not positive ints, an unknown layout,
-            or staging that would pass 2^31 elements.
+            staging that would pass 2^31 elements, or a rank outside `group`.
     """
 
     def __init__(self, rows: int, out_rows: int, row_shape: tuple, dtype: torch.dtype, experts_per_rank: int = 1,
-                 layout: str = "rank", programs: int | None = None):
+                 layout: str = "rank", programs: int | None = None, group=None):
         if layout not in LAYOUTS:
             raise ValueError(f"all_to_all_v: unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
         if dtype not in DTYPES:
@@ -67,12 +71,12 @@ class AllToAllV:
                                    ("experts_per_rank", experts_per_rank, 1)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"all_to_all_v: {name} must be an int of at least {least}, got {value!r}")
-        self.world = w = tridist.world()
+        self.ranks = w = ranks_of(group)
         self.rows, self.out_rows, self.row_shape, self.dtype = rows, out_rows, tuple(row_shape), dtype
         self.experts, self.layout = experts_per_rank, layout
         width = max(1, int(torch.Size(self.row_shape).numel()))
         self.method = Staged(rows, out_rows, width, dtype, experts_per_rank, layout,
-                             sizing.programs_limit(programs, w))
+                             sizing.programs_limit(programs, w), w)
 
     def _check(self, x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name: str,
                splits_shape: tuple, major_align: int) -> None:
@@ -94,12 +98,12 @@ class AllToAllV:
                  major_align: int = 1) -> torch.Tensor:
         """One call in the layout the instance was built for ("expert_offset": `in_splits` is the
         (2, world_size * experts_per_rank) splits and offsets); see the module's functions."""
-        chunks = self.world.world_size * self.experts
+        chunks = self.ranks.world_size * self.experts
         offsets = self.layout == "expert_offset"
         name, shape = ("in_splits_offsets", (2, chunks)) if offsets else ("in_splits", (chunks,))
         checks.agree("all_to_all_v", lambda: self._check(x, in_splits, out, name, shape, major_align),
                         {"layout": self.layout, "shape of x": checks.shape_of(x),
-                         "shape of out": checks.shape_of(out)})
+                         "shape of out": checks.shape_of(out)}, group=self.ranks.group)
         if offsets:
             return self.method.launch(x, in_splits[0], in_splits[1], out, major_align=1)
         return self.method.launch(x, in_splits, in_splits, out, major_align)
@@ -110,7 +114,7 @@ class AllToAllV:
 
 
 def _call(x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name: str, layout: str,
-          major_align: int = 1) -> torch.Tensor:
+          major_align: int, group) -> torch.Tensor:
     def check() -> None:
         checks.check_input(x, "x", DTYPES)
         if x.dim() < 1:
@@ -121,22 +125,24 @@ def _call(x: torch.Tensor, splits: torch.Tensor, out: torch.Tensor, splits_name:
             raise ValueError(f"{splits_name} has shape {tuple(splits.shape)}: its rows must hold world_size * "
                              f"experts_per_rank entries (world size {world_size})")
 
-    world_size = tridist.world().world_size
+    ranks = ranks_of(group)  # a rank outside the group is refused here, before anything else
+    world_size = ranks.world_size
     checks.agree(f"all_to_all_v ({layout} layout)", check,
                     {"shape of x": checks.shape_of(x), "shape of out": checks.shape_of(out),
-                     splits_name: checks.shape_of(splits)})
+                     splits_name: checks.shape_of(splits)}, group=ranks.group)
     experts = splits.shape[-1] // world_size
-    op = instances.instance(lambda: AllToAllV(x.shape[0], out.shape[0], x.shape[1:], x.dtype, experts, layout),
+    op = instances.instance(lambda: AllToAllV(x.shape[0], out.shape[0], x.shape[1:], x.dtype, experts, layout,
+                                              group=ranks.group),
                             AllToAllV, x.shape[0], out.shape[0], tuple(x.shape[1:]), x.dtype, experts, layout,
-                            device=x.device)
+                            ranks.key, device=x.device)
     return op(x, splits, out, major_align)
 
 
-def all_to_all_v(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def all_to_all_v(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor, group=None) -> torch.Tensor:
     """Send in_splits[p] rows of x to rank p, for every p; receive into `out`, in rank order,
     packed. Same meaning as PyTorch's `all_to_all_vdev`; the splits never leave the device.
 
-    A collective: every rank calls it with x and out of the same shapes and dtype.
+    A collective: every rank (of `group`) calls it with x and out of the same shapes and dtype.
 
     Args:
         x: the rows for rank 0, then rank 1, ... (any row shape; bf16, fp16, fp32, fp8, integers).
@@ -145,18 +151,24 @@ def all_to_all_v(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor) ->
             it holds is an error raised on the device in the emulator and with TRIDIST_DEBUG=1
             (`tridist.DeviceCheckError`, naming the rank and the counts); on GPUs without debug
             the rows past its end are dropped, and the returned splits still say how many came.
+        group: the ranks it runs among: a `torch.distributed` process group (`dist.new_group`,
+            a DeviceMesh's `get_group`), a `tridist.Group`, or None for the world. Rank p, the
+            splits and world_size are then the group's (rank p of the group; group.size() of
+            them); other groups may run their own calls meanwhile.
 
     Returns:
         int64 device tensor (2, world_size): rows received from each rank, and where they start
         in `out`.
 
     Raises:
-        ValueError: before any launch, for a dtype, shape, device or layout it does not take.
+        ValueError: before any launch, for a dtype, shape, device or layout it does not take, or on
+            a rank that is not a member of `group`.
     """
-    return _call(x, in_splits, out, "in_splits", "rank")
+    return _call(x, in_splits, out, "in_splits", "rank", 1, group)
 
 
-def all_to_all_v_2d(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor, major_align: int = 1) -> torch.Tensor:
+def all_to_all_v_2d(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor, major_align: int = 1,
+                    group=None) -> torch.Tensor:
     """The dispatch of expert parallelism: rank-major chunks in, expert-major out. Same meaning as
     PyTorch's `all_to_all_vdev_2d`.
 
@@ -169,15 +181,17 @@ def all_to_all_v_2d(x: torch.Tensor, in_splits: torch.Tensor, out: torch.Tensor,
             expert taking at least `major_align` rows, an empty one too (as PyTorch's; rows between
             experts are left as they were). Overflow as in `all_to_all_v`.
         major_align: alignment of each expert's first row (e.g. a GEMM's tile height).
+        group: as for `all_to_all_v`: ranks, their experts and world_size are the group's.
 
     Returns:
         int64 (2, world_size * experts_per_rank), expert-major ([e * world_size + s]): the rows
         from rank s for local expert e, and where they start in `out`.
     """
-    return _call(x, in_splits, out, "in_splits", "expert", major_align)
+    return _call(x, in_splits, out, "in_splits", "expert", major_align, group)
 
 
-def all_to_all_v_2d_offset(x: torch.Tensor, in_splits_offsets: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def all_to_all_v_2d_offset(x: torch.Tensor, in_splits_offsets: torch.Tensor, out: torch.Tensor,
+                           group=None) -> torch.Tensor:
     """The combine of expert parallelism, the inverse of `all_to_all_v_2d`: expert-major chunks at
     given offsets in, rank-major packed out. Same meaning as PyTorch's `all_to_all_vdev_2d_offset`.
 
@@ -188,12 +202,13 @@ def all_to_all_v_2d_offset(x: torch.Tensor, in_splits_offsets: torch.Tensor, out
             chunk, expert-major (what `all_to_all_v_2d` returned).
         out: receives from rank 0 its experts' chunks for this rank in expert order, then from
             rank 1, ..., packed. Overflow as in `all_to_all_v`.
+        group: as for `all_to_all_v` (the group of the `all_to_all_v_2d` it inverts).
 
     Returns:
         int64 (2, world_size * experts_per_rank), rank-major ([s * experts_per_rank + e]): rows
         received from expert e of rank s, and where they start in `out`.
     """
-    return _call(x, in_splits_offsets, out, "in_splits_offsets", "expert_offset")
+    return _call(x, in_splits_offsets, out, "in_splits_offsets", "expert_offset", 1, group)
 
 
 def _new_out(x: torch.Tensor, out_rows: int) -> torch.Tensor:

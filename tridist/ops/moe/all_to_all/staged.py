@@ -52,13 +52,14 @@ class Staging(NamedTuple):
 @jit
 def all_to_all_v_kernel(x_ptr, splits_ptr, offsets_ptr, out_ptr, result_ptr, staging, width, region, out_rows,
                         experts, major_align, local_world_size, splits, LAYOUT: tl.constexpr, W_PAD: tl.constexpr,
-                        G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+                        G_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, group=None):
     """Grid (world, splits). x, out: rows of `width` elements; staging: a `Staging`, `region` rows a
     source. LAYOUT 0: rank-major in and out; 1: rank-major in, expert-major out (aligned to
     `major_align`); 2: expert-major in at offsets_ptr, rank-major out. result: [2, world * experts]
-    int64, the rows received per chunk and where they start in out."""
+    int64, the rows received per chunk and where they start in out. Ranks (the world, the peers,
+    `local_world_size`) are of `group`, if given."""
     staging_ptr, counts_ptr, flags_ptr, calls_ptr, slot_numel = staging
-    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
+    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel, group)
     counts = in_slot(counts_ptr, epoch, W_PAD * G_PAD)
     flags = in_slot(flags_ptr, epoch, world * splits)
     experts_ = tl.arange(0, G_PAD)
@@ -83,9 +84,9 @@ def all_to_all_v_kernel(x_ptr, splits_ptr, offsets_ptr, out_ptr, result_ptr, sta
         which = chunk_of(rows, ends)
         source_rows = gather(start, which) + rows - gather(ends - chunk, which)
         send_rows(x_ptr, source_rows, stage + me * region * width, rows, (rows < stop) & (source_rows < region),
-                  width, peer, local_world_size, BLOCK_R, BLOCK_W)
-    send_values(counts, me * G_PAD + experts_, chunk, real, peer, local_world_size, G_PAD)
-    raise_flag(flags + me * splits + split, epoch, peer, local_world_size)
+                  width, peer, local_world_size, BLOCK_R, BLOCK_W, group)
+    send_values(counts, me * G_PAD + experts_, chunk, real, peer, local_world_size, G_PAD, group)
+    raise_flag(flags + me * splits + split, epoch, peer, local_world_size, group)
 
     # 2. Every source's counts (and part `split` of each source's rows) are here once its flag is.
     for step in range(world):
@@ -135,7 +136,8 @@ def all_to_all_v_kernel(x_ptr, splits_ptr, offsets_ptr, out_ptr, result_ptr, sta
 class Staged(Method):
     """The all-to-all-v of `rows` rows of `width` elements of `dtype` (moved as bits) into
     `out_rows`, `experts` chunks per rank, in `layout` (one of LAYOUTS), at most `programs`
-    programs a call. Staging: per source as many rows as x, two slots.
+    programs a call, among `ranks` (an `ops.ranks.Ranks`). Staging: per source as many rows as x,
+    two slots.
 
     Raises:
         ValueError: staging that would pass 2^31 elements.
@@ -144,9 +146,9 @@ class Staged(Method):
     name = "staged"
 
     def __init__(self, rows: int, out_rows: int, width: int, dtype: torch.dtype, experts: int, layout: str,
-                 programs: int):
+                 programs: int, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = w = ranks
         self.rows, self.out_rows, self.width, self.experts = rows, out_rows, width, experts
         self.layout = LAYOUTS.index(layout)
         self.w_pad, self.g_pad = matrix_pad(w.world_size), matrix_pad(experts)
@@ -156,8 +158,8 @@ class Staged(Method):
         self.block_w = triton.next_power_of_2(min(width, TILE // BLOCK_R))
         # At least a row per source: the kernel takes a staging pointer even when nothing is sent.
         workspace = self.own(protocol.Workspace(w.world_size * max(rows, 1) * width, _WORDS[dtype.itemsize],
-                                                 w.world_size * self.splits, "all_to_all_v"))
-        counts = self.own(tridist.symm_zeros((2, self.w_pad * self.g_pad), torch.int32))
+                                                 w.world_size * self.splits, "all_to_all_v", w.group))
+        counts = self.own(tridist.symm_zeros((2, self.w_pad * self.g_pad), torch.int32, w.group))
         self.staging = Staging(rows=workspace.staging, counts=counts, flags=workspace.flags, calls=workspace.calls,
                                slot_numel=workspace.slot_numel)
 
@@ -165,13 +167,13 @@ class Staged(Method):
                major_align: int) -> torch.Tensor:
         """One call: rows of x by `in_splits` (and, in the "expert_offset" layout, `offsets`) into out;
         returns the int64 [2, world * experts] rows received per chunk and where they start."""
-        w = self.world
+        w = self.ranks
         result = torch.empty((2, w.world_size * self.experts), dtype=torch.int64, device=x.device)
         args = dict(x_ptr=as_words(x), splits_ptr=in_splits, offsets_ptr=offsets, out_ptr=as_words(out),
                     result_ptr=result, staging=self.staging, width=self.width, region=self.rows,
                     out_rows=self.out_rows, experts=self.experts, major_align=major_align,
                     local_world_size=w.local_world_size, LAYOUT=self.layout, W_PAD=self.w_pad, G_PAD=self.g_pad,
-                    BLOCK_R=BLOCK_R, BLOCK_W=self.block_w)
+                    BLOCK_R=BLOCK_R, BLOCK_W=self.block_w, group=w.handle)
         if not self.fitted:  # a program waits for a flag another program of its launch raises
             self.splits = sizing.fit_coresident(all_to_all_v_kernel, self.splits, w.world_size, splits=self.splits,
                                                    **args)

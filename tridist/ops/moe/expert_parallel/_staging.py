@@ -12,6 +12,7 @@ import tridist.language as dl
 
 from ... import sizing
 from ...method import Method
+from ...ranks import Ranks
 
 BLOCK_R = 8       # rows a step moves
 TILE = 8192       # elements a step moves at most
@@ -23,7 +24,7 @@ class Layer:
     `experts_local` of them on each rank, tokens of `hidden` elements of `dtype`, at most
     `max_tokens` tokens a rank; `w_pad` and `e_pad` the sides of a receiver's count matrix
     (`_exchange.matrix_pad`); `splits` programs per destination asked for (fewer where a
-    co-resident grid cannot hold them)."""
+    co-resident grid cannot hold them); `ranks` the ranks it runs among (the world or a group)."""
     num_experts: int
     experts_local: int
     hidden: int
@@ -32,6 +33,7 @@ class Layer:
     w_pad: int
     e_pad: int
     splits: int
+    ranks: Ranks
 
 
 def token_words(t: torch.Tensor) -> torch.Tensor:
@@ -55,8 +57,7 @@ def combine_blocks(layer: Layer) -> dict:
     (the tokens of max_tokens_per_rank over the world x splits programs: one row each at 128
     tokens on an H100), and 8 warps for the parts' loads in flight at once. Fixed per buffer:
     every call launches the variant whose co-resident grid `Exchange.fit` measured."""
-    rows = min(BLOCK_R, triton.next_power_of_2(triton.cdiv(layer.max_tokens,
-                                                           tridist.world().world_size * layer.splits)))
+    rows = min(BLOCK_R, triton.next_power_of_2(triton.cdiv(layer.max_tokens, layer.ranks.world_size * layer.splits)))
     return {"BLOCK_R": rows, "BLOCK_W": block_w(layer.hidden, rows), "num_warps": 8}
 
 
@@ -66,42 +67,45 @@ class Exchange(Method):
     that sending programs of the same launch raise. At the first launch the splits shrink to what a
     co-resident grid can hold (`fit`); every launch then has the same grid, which their call epochs
     count on. `kind` names the allocations in the report of a wait that expires on them ("EPBuffer
-    dispatch staging")."""
+    dispatch staging"). The ranks are the layer's: the world, or a group, whose members alone
+    allocate the staging and whose handle the kernels get as their `group`."""
 
     def __init__(self, layer: Layer, kind: str):
         super().__init__()
         self.layer = layer
-        self.world = tridist.world()
+        self.ranks = layer.ranks
         self.kind = f"EPBuffer {kind}"
         self.splits = layer.splits
         self.fitted = False
 
     def symmetric(self, what: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed symmetric tensor of this method's, named `what` in wait reports."""
-        return self.own(tridist.symm_zeros(shape, dtype, name=f"{self.kind} {what}"))
+        return self.own(tridist.symm_zeros(shape, dtype, self.ranks.group, name=f"{self.kind} {what}"))
 
     def signals(self, what: str, count: int) -> torch.Tensor:
         """`count` signal words of this method's, named `what` in wait reports."""
-        return self.own(tridist.signals(count, name=f"{self.kind} {what}"))
+        return self.own(tridist.signals(count, self.ranks.group, name=f"{self.kind} {what}"))
 
     def fit(self, kernel, **args) -> None:
         """At the first call, shrink the splits to what a co-resident launch of `kernel` with these
         arguments can hold."""
         if not self.fitted:
-            self.splits = sizing.fit_coresident(kernel, self.splits, self.world.world_size, splits=self.splits,
-                                                   **args)
+            self.splits = sizing.fit_coresident(kernel, self.splits, self.ranks.world_size, splits=self.splits,
+                                                   group=self.ranks.handle, **args)
             self.fitted = True
 
     def start(self, kernel, coresident: bool = True, **args) -> None:
-        """Launch `kernel` over (world, splits); co-resident unless it only sends or only receives."""
+        """Launch `kernel` over (world, splits), within the layer's group; co-resident unless it only
+        sends or only receives."""
         self.fit(kernel, **args)
-        kernel[(self.world.world_size, self.splits)](splits=self.splits, coresident=coresident, **args)
+        kernel[(self.ranks.world_size, self.splits)](splits=self.splits, coresident=coresident,
+                                                     group=self.ranks.handle, **args)
 
 
 @triton.jit
 def sum_parts(stage, out_ptr, first, stop, hidden, present_ptr, weights_ptr, own_ptr, own_at_ptr, own_rows_ptr,
               max_tokens, experts_local, PARTS: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_W: tl.constexpr):
+              BLOCK_W: tl.constexpr, group=None):
     """What both combines end with: out[t] = the sum over j < PARTS, in j order, in fp32, of part j
     of token t, for the tokens t in [first, stop). Part j is there where present[t * PARTS + j] >= 0.
     The loop over the parts is unrolled, so that their loads are in flight together (a program may
@@ -114,9 +118,10 @@ def sum_parts(stage, out_ptr, first, stop, hidden, present_ptr, weights_ptr, own
       placed the pair);
     - else (normal mode): present holds the token's place among those sent to rank j; part j is
       what rank j sent, already weighted, in staging row j * max_tokens + t, or for j = this rank
-      in y's row own_at[0] + the place."""
-    me = dl.rank()
-    world = dl.num_ranks()
+      in y's row own_at[0] + the place.
+    Ranks (this one, j) are of `group`, if given."""
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     columns = tl.arange(0, BLOCK_W)[None, :]
     for token in range(first, stop, BLOCK_R):
         rows = token + tl.arange(0, BLOCK_R)

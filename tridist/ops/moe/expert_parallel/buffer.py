@@ -2,8 +2,9 @@
 outputs back, with top-k routing computed on the device (`EPBuffer`, DeepEP's shape of API). The
 front: the checks, the routing's ids, and the methods each kind of call builds at its first use.
 
-Experts are spread evenly: rank r holds experts r * E_local ... (r + 1) * E_local - 1. A token t
-with `topk_idx[t]` = its experts (-1: none) takes two ways, one per mode:
+Experts are spread evenly: rank r holds experts r * E_local ... (r + 1) * E_local - 1 (with a
+process group, rank r of the group). A token t with `topk_idx[t]` = its experts (-1: none) takes
+two ways, one per mode:
 
 - **normal mode** (prefill, training): a token goes once to every rank that holds one of its
   experts (`dispatch`, `combine`; kernels and protocol in `normal.py`);
@@ -26,10 +27,10 @@ import dataclasses
 
 import torch
 
-import tridist
 from tridist.runtime.tensors import check_tensor
 
 from ... import checks, sizing
+from ...ranks import ranks_of
 from .. import _sort
 from .._exchange import matrix_pad
 from ._routing import tokens_to_ranks
@@ -48,7 +49,8 @@ class EPHandle:
         mode: "normal" or "low_latency".
         tokens: the tokens this rank dispatched (T).
         topk: experts per token.
-        recv_src: for every row of recv_x, its source: normal mode source_rank * max_tokens + token;
+        recv_src: for every row of recv_x, its source (ranks of the buffer's group, if it has one):
+            normal mode source_rank * max_tokens + token;
             low-latency mode source_rank * max_tokens * topk + token * topk + k (int32).
         recv_layout: normal mode [2, world]: tokens received from each rank and their first row;
             low-latency mode [2, world, E_PAD]: pairs received from each (rank, local expert) and
@@ -72,8 +74,10 @@ class EPBuffer:
     low-latency mode (decode); the symmetric buffers of one layer shape. DeepEP's `Buffer`, as far
     as its single-node and multi-node calls go.
 
-    Build it on every rank at once; its calls are collectives (every rank calls the same method
-    in the same order). Each mode allocates its symmetric staging at its first call (a collective,
+    Build it on every rank at once (every rank of its group); its calls are collectives (every rank
+    calls the same method in the same order). With a group, the group's ranks are its world: the
+    experts spread over them, rank numbers and world_size in its arguments and results are the
+    group's, and other groups may run their own buffers meanwhile. Each mode allocates its symmetric staging at its first call (a collective,
     which cannot happen inside a CUDA-graph capture: call once before capturing). Calls need no
     host synchronisation (except `dispatch(..., sync=True)`), run back to back, and can be
     captured in CUDA graphs.
@@ -94,6 +98,8 @@ class EPBuffer:
         hidden: elements of a token (even; a multiple of 128 for fp8 dispatch).
         max_tokens_per_rank: the most tokens any rank passes to one call.
         dtype: of tokens and expert outputs: bf16 or fp16.
+        group: the ranks it runs among: a `torch.distributed` process group (`dist.new_group`, a
+            DeviceMesh's `get_group`), a `tridist.Group`, or None for the world.
 
     Attributes:
         dropped_expert_ids: int64 [1] on this rank's device: the expert ids out of range that
@@ -102,11 +108,12 @@ class EPBuffer:
 
     Raises:
         ValueError: sizes that are not positive ints, experts that do not split evenly across
-            ranks, an odd `hidden`, another dtype.
+            ranks, an odd `hidden`, another dtype, a rank that is not a member of `group`.
     """
 
-    def __init__(self, num_experts: int, hidden: int, max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16):
-        self.world = w = tridist.world()
+    def __init__(self, num_experts: int, hidden: int, max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16,
+                 group=None):
+        self.ranks = w = ranks_of(group)
         for name, value in (("num_experts", num_experts), ("hidden", hidden),
                             ("max_tokens_per_rank", max_tokens_per_rank)):
             if not isinstance(value, int) or value < 1:
@@ -125,7 +132,7 @@ class EPBuffer:
         self.layer = Layer(num_experts=num_experts, experts_local=experts_local, hidden=hidden,
                            max_tokens=max_tokens_per_rank, dtype=dtype, w_pad=matrix_pad(w.world_size),
                            e_pad=matrix_pad(experts_local),
-                           splits=max(1, sizing.programs_for(w.device) // w.world_size))
+                           splits=max(1, sizing.programs_for(w.device) // w.world_size), ranks=w)
         self._methods: dict = {}
         self._hook_pending = False
         self.dropped_expert_ids = torch.zeros(1, dtype=torch.int64, device=w.device)
@@ -153,13 +160,13 @@ class EPBuffer:
         out of range made -1 and counted in `dropped_expert_ids` (on the device)."""
         if checks.host_reads(topk_idx):
             return topk_idx
-        return _sort.drop_ids(topk_idx, self.num_experts, self.dropped_expert_ids)
+        return _sort.drop_ids(topk_idx, -1, self.num_experts, self.dropped_expert_ids)
 
     def _agree(self, call: str, topk_idx, check) -> None:
-        """`check()` (this rank's checks of its arguments) with the outcome shared by every rank,
-        which must make the same call with the same topk (`checks.agree`)."""
+        """`check()` (this rank's checks of its arguments) with the outcome shared by every rank of the
+        buffer's, which must make the same call with the same topk (`checks.agree`)."""
         topk = topk_idx.shape[-1] if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() else -1
-        checks.agree("EPBuffer", check, {"call": call, "experts per token (topk)": topk})
+        checks.agree("EPBuffer", check, {"call": call, "experts per token (topk)": topk}, group=self.ranks.group)
 
     def _check_tokens(self, x: torch.Tensor, tokens: int, name: str = "x") -> None:
         check_tensor(x, name)
@@ -192,8 +199,8 @@ class EPBuffer:
             tokens_per_expert int64 [num_experts]; is_token_in_rank bool [T, world_size]).
         """
         self._check_routing(topk_idx)
-        positions, routed = tokens_to_ranks(topk_idx, self.num_experts)
-        w = self.world
+        w = self.ranks
+        positions, routed = tokens_to_ranks(topk_idx, self.num_experts, w)
         return routed[:w.world_size].long(), routed[w.world_size:].long(), positions >= 0
 
     # ---- normal mode ----
@@ -244,7 +251,7 @@ class EPBuffer:
         Returns:
             out [T, hidden], in this rank's token order (zeros for a token with no expert).
         """
-        w = self.world
+        w = self.ranks
 
         def check() -> None:
             self._check_handle(handle, "normal")
@@ -325,7 +332,7 @@ class EPBuffer:
         Returns:
             out [T, hidden].
         """
-        w = self.world
+        w = self.ranks
 
         def check() -> None:
             self._check_handle(handle, "low_latency")

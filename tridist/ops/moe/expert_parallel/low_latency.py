@@ -73,31 +73,32 @@ class CombineStaging(NamedTuple):
 
 
 @triton.jit
-def await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits):
-    """A dispatch receiver's wait: every source's counts, then all of `peer`'s parts. Returns
-    `counts`, `stage` and `meta_stage` made to depend on the waits, for the loads that read them."""
-    counts = await_counts(arrivals_ptr, counts, dl.num_ranks(), epoch, splits)
+def await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits, group=None):
+    """A dispatch receiver's wait: every source's counts, then all of `peer`'s parts (ranks of
+    `group`, if given). Returns `counts`, `stage` and `meta_stage` made to depend on the waits, for
+    the loads that read them."""
+    counts = await_counts(arrivals_ptr, counts, dl.num_ranks(group), epoch, splits)
     arrived = arrivals_at_least(arrivals_ptr, peer, epoch * splits)
     return counts, dl.consume_token(stage, arrived), dl.consume_token(meta_stage, arrived)
 
 
 @triton.jit
-def await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout):
+def await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout, group=None):
     """The wait of a dispatch program that copies this rank's own rows from x: they go after the
     rows of the ranks before it, so the counts of those are all it needs (`writes_layout`: the
     program that also writes the whole layout, which waits for every rank's). No grid-wide wait:
-    at one rank, none at all."""
-    sources = dl.rank()
+    at one rank, none at all. Ranks of `group`, if given."""
+    sources = dl.rank(group)
     if writes_layout:
-        sources = dl.num_ranks()
+        sources = dl.num_ranks(group)
     return await_counts(arrivals_ptr, counts, sources, epoch, splits)
 
 
 @triton.jit
-def await_combine(arrivals_ptr, stage, epoch, splits):
-    """A combine receiver's wait: every program of every source has arrived. Returns `stage` made to
-    depend on the waits."""
-    for source in range(dl.num_ranks()):
+def await_combine(arrivals_ptr, stage, epoch, splits, group=None):
+    """A combine receiver's wait: every program of every source (of `group`, if given) has arrived.
+    Returns `stage` made to depend on the waits."""
+    for source in range(dl.num_ranks(group)):
         stage = dl.consume_token(stage, arrivals_at_least(arrivals_ptr, source, epoch * splits))
     return stage
 
@@ -148,8 +149,8 @@ def _pairs_to(idx_ptr, positions_ptr, pairs, inside, peer, experts_local, max_to
 def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, staging, recv, tokens, width,
                        max_tokens, experts_local, topk, local_world_size, splits, SEND: tl.constexpr,
                        RECEIVE: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_W: tl.constexpr):
-    """Low-latency mode. Grid (world, splits). x: T rows of `width` words; positions: each pair's
+                       BLOCK_W: tl.constexpr, group=None):
+    """Low-latency mode. Grid (world, splits), ranks of `group` if given. x: T rows of `width` words; positions: each pair's
     place among this rank's pairs of its expert; routed: pairs per expert [E]; pair_ids: 0, 1, ...
     (the meta word each pair sends). staging: a `DispatchStaging`; recv: a `Received`, recv_x
     [E_local, world * max_tokens] rows. SEND and RECEIVE: the two halves (both: one launch; apart:
@@ -159,8 +160,8 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
     epoch = call_epoch(calls_ptr)
     if not SEND:
         epoch -= 1  # the send launch of this call has counted it already
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     peer = tl.program_id(0)
     split = tl.program_id(1)
     stage = in_slot(staging_ptr, epoch, slot_numel)
@@ -181,18 +182,21 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
                 going, expert, place = _pairs_to(idx_ptr, positions_ptr, pairs, pairs < stop, peer, experts_local,
                                                  max_tokens)
                 target = (expert * world + me) * max_tokens + place
-                send_rows(x_ptr, pairs // topk, stage, target, going, width, peer, local_world_size, BLOCK_R, BLOCK_W)
-                send_rows(pair_ids_ptr, pairs, meta_stage, target, going, 1, peer, local_world_size, BLOCK_R, 2)
+                send_rows(x_ptr, pairs // topk, stage, target, going, width, peer, local_world_size, BLOCK_R, BLOCK_W,
+                          group)
+                send_rows(pair_ids_ptr, pairs, meta_stage, target, going, 1, peer, local_world_size, BLOCK_R, 2,
+                          group)
         per_expert = tl.load(routed_ptr + peer * experts_local + experts, mask=local, other=0)
         send_values(counts, me * E_PAD + experts, tl.minimum(per_expert, max_tokens), local, peer,
-                    local_world_size, E_PAD)
-        arrive(arrivals_ptr + me, peer, local_world_size)
+                    local_world_size, E_PAD, group)
+        arrive(arrivals_ptr + me, peer, local_world_size, group)
     if RECEIVE:
         writes_layout = (peer == 0) & (split == 0)
         if own_direct:
-            counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout)
+            counts = await_own_counts(arrivals_ptr, counts, epoch, splits, writes_layout, group)
         else:
-            counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits)
+            counts, stage, meta_stage = await_dispatch(arrivals_ptr, counts, stage, meta_stage, peer, epoch, splits,
+                                                       group)
         matrix, placed, mine, mine_at = expert_blocks(counts, peer, world, experts_local, W_PAD, E_PAD)
         sources = tl.arange(0, W_PAD)
         if own_direct:
@@ -225,15 +229,16 @@ def ll_dispatch_kernel(x_ptr, idx_ptr, positions_ptr, routed_ptr, pair_ids_ptr, 
 @jit
 def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr, positions_ptr, staging, out_ptr,
                       tokens, hidden, max_tokens, experts_local, local_world_size, splits, TOPK: tl.constexpr,
-                      W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Low-latency mode, the way back. Grid (world, splits). y: recv_x's layout, [E_local, world *
+                      W_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                      group=None):
+    """Low-latency mode, the way back. Grid (world, splits), ranks of `group` if given. y: recv_x's layout, [E_local, world *
     max_tokens] rows of `hidden`; positions: the dispatch's place of each of this rank's pairs among
     its pairs of the expert; staging: a `CombineStaging`, whose rows are per slot [max_tokens *
     TOPK]: row t * TOPK + k holds the output of this rank's pair (t, k). Program (p, s) sends part s
     of the pairs received from p (none from itself: the sum reads those from y), then sums part
     p * splits + s of this rank's tokens."""
     staging_ptr, arrivals_ptr, calls_ptr, slot_numel = staging
-    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
+    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel, group)
     experts = tl.arange(0, E_PAD)
     mine = tl.load(recv_layout_ptr + peer * E_PAD + experts)
     mine_at = tl.load(recv_layout_ptr + W_PAD * E_PAD + peer * E_PAD + experts)
@@ -244,14 +249,15 @@ def ll_combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, idx_ptr, weights_ptr
             inside = rows < stop
             _, source_rows = block_rows(rows, mine, mine_at, peer, world, max_tokens)
             pair = tl.load(recv_src_ptr + source_rows, mask=inside, other=0) - peer * max_tokens * TOPK
-            send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W)
-    arrive(arrivals_ptr + me, peer, local_world_size)
+            send_rows(y_ptr, source_rows, stage, pair, inside, hidden, peer, local_world_size, BLOCK_R, BLOCK_W,
+                      group)
+    arrive(arrivals_ptr + me, peer, local_world_size, group)
 
-    stage = await_combine(arrivals_ptr, stage, epoch, splits)
+    stage = await_combine(arrivals_ptr, stage, epoch, splits, group)
     first, stop = split_rows(tokens, peer * splits + split, world * splits)
     own_at = recv_layout_ptr + W_PAD * E_PAD + me * E_PAD  # where this rank's pairs start in each expert's block
     sum_parts(stage, out_ptr, first, stop, hidden, idx_ptr, weights_ptr, y_ptr, own_at, positions_ptr, max_tokens,
-              experts_local, TOPK, True, BLOCK_R, BLOCK_W)
+              experts_local, TOPK, True, BLOCK_R, BLOCK_W, group)
     finish_call(calls_ptr)
 
 
@@ -264,7 +270,7 @@ class LowLatencyDispatch(Exchange):
 
     def __init__(self, layer: Layer, topk: int, fp8: bool):
         super().__init__(layer, "ll_dispatch_fp8" if fp8 else "ll_dispatch")
-        w = self.world
+        w = self.ranks
         self.fp8 = fp8
         rows, self.width = layer.num_experts * layer.max_tokens, row_words(layer.hidden, fp8)
         checks.check_offsets("EPBuffer", 2 * rows * self.width)
@@ -295,9 +301,9 @@ class LowLatencyDispatch(Exchange):
         of range already made -1). Returns (a `Received`, its x made recv_x (`unpack`); positions,
         int32 [T * topk]: each pair's row among this rank's pairs of its expert; receive: None, or
         with `hook` the launch of the receive half, which the send half leaves to it)."""
-        layer, w = self.layer, self.world
+        layer, w = self.layer, self.ranks
         tokens, topk = topk_idx.shape
-        positions, routed = pairs_to_experts(topk_idx, layer.num_experts)
+        positions, routed = pairs_to_experts(topk_idx, layer.num_experts, w.device)
         slots = w.world_size * layer.max_tokens
         received = torch.empty((layer.experts_local, slots, 4 * self.width), dtype=torch.uint8, device=w.device)
         recv = Received(x=received.view(torch.int32),
@@ -337,7 +343,7 @@ class LowLatencyCombine(Exchange):
 
     def __init__(self, layer: Layer, topk: int):
         super().__init__(layer, "ll_combine")
-        w = self.world
+        w = self.ranks
         rows = layer.max_tokens * topk
         checks.check_offsets("EPBuffer", 2 * rows * layer.hidden)
         self.staging = CombineStaging(rows=self.symmetric("staging", (2, rows * layer.hidden), layer.dtype),
@@ -351,7 +357,7 @@ class LowLatencyCombine(Exchange):
         per token t of this rank, the sum over k of topk_weights[t, k] x the output of expert
         topk_idx[t, k], in k order (fp32). topk_idx, recv_src, recv_layout, positions: the
         dispatch's."""
-        layer, w = self.layer, self.world
+        layer, w = self.layer, self.ranks
         tokens, topk = topk_idx.shape
         out = torch.empty((max(tokens, 1), layer.hidden), dtype=layer.dtype, device=w.device)
         self.start(ll_combine_kernel, y_ptr=y, recv_src_ptr=recv_src, recv_layout_ptr=recv_layout,

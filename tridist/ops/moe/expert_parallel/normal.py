@@ -99,13 +99,13 @@ def reset_claims(claims_ptr, epoch):
 
 @triton.jit
 def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv, width, max_tokens, experts_local, topk,
-                    K_PAD: tl.constexpr, BLOCK_W: tl.constexpr):
+                    K_PAD: tl.constexpr, BLOCK_W: tl.constexpr, group=None):
     """Normal mode's receive of `source`'s tokens: x and meta rows `rows` (in its staging region, or
     the source's own x and meta where the source is this rank) to rows `out_rows` of `recv` (a
     `Received`), with the expert ids made local (-1 for other ranks' experts), the weights and the
-    token's origin."""
+    token's origin (ranks of `group`, if given)."""
     recv_x_ptr, recv_idx_ptr, recv_weights_ptr, recv_src_ptr, _, _ = recv
-    me = dl.rank()
+    me = dl.rank(group)
     meta_width = 2 * topk + 1
     copy_rows(x_ptr, rows, recv_x_ptr, out_rows, inside, width, BLOCK_W)
     k = tl.arange(0, K_PAD)[None, :]
@@ -124,8 +124,9 @@ def _receive_tokens(x_ptr, meta_ptr, rows, out_rows, inside, source, recv, width
 @jit
 def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, staging, recv, tokens, width, max_tokens,
                     experts_local, topk, local_world_size, splits, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                    K_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
-    """Normal mode. Grid (world, splits). x: T rows of `width` words; meta: T rows of 2 * topk + 1
+                    K_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
+                    group=None):
+    """Normal mode. Grid (world, splits), ranks of `group` if given. x: T rows of `width` words; meta: T rows of 2 * topk + 1
     int32 (expert ids, weight bits, token index); positions: [T, world] from routing (-1: not for
     that rank), order its inverse ([world, T]: the tokens for each rank in place order); routed:
     tokens per rank [world], then pairs per expert [world * E_local]. staging: a `DispatchStaging`,
@@ -133,7 +134,7 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
     local expert e; recv: a `Received`."""
     (staging_ptr, meta_staging_ptr, counts_ptr, arrivals_ptr, progress_ptr, claims_ptr, calls_ptr, slot_numel,
      meta_slot) = staging
-    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
+    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel, group)
     meta_width = 2 * topk + 1
     meta_stage = in_slot(meta_staging_ptr, epoch, meta_slot)
     counts = in_slot(counts_ptr, epoch, W_PAD * 2 * E_PAD)
@@ -148,8 +149,9 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
     pair_words = (words >= E_PAD) & (words - E_PAD < experts_local)
     routed = tl.load(routed_ptr + tl.where(words == 0, peer, world + peer * experts_local + words - E_PAD),
                      mask=(words == 0) | pair_words, other=0)
-    send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD)
-    arrive(arrivals_ptr + me, peer, local_world_size)
+    send_values(counts, me * 2 * E_PAD + words, routed, (words == 0) | pair_words, peer, local_world_size, 2 * E_PAD,
+                group)
+    arrive(arrivals_ptr + me, peer, local_world_size, group)
 
     if peer != me:
         first, stop = split_rows(tl.load(routed_ptr + peer), split, splits)
@@ -161,10 +163,10 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
                 going = places < chunk_end
                 rows = tl.load(order_ptr + peer.to(tl.int64) * tokens + places, mask=going, other=0)
                 send_rows(x_ptr, rows, stage + me * max_tokens * width, places, going, width, peer, local_world_size,
-                          BLOCK_R, BLOCK_W)
+                          BLOCK_R, BLOCK_W, group)
                 send_rows(meta_ptr, rows, meta_stage + me * max_tokens * meta_width, places, going, meta_width, peer,
-                          local_world_size, BLOCK_R, K_PAD)
-            raise_flag(progress, epoch * PROGRESS_EPOCH + chunk_end, peer, local_world_size)
+                          local_world_size, BLOCK_R, K_PAD, group)
+            raise_flag(progress, epoch * PROGRESS_EPOCH + chunk_end, peer, local_world_size, group)
     else:
         counts = await_counts(arrivals_ptr, counts, me, epoch, splits)
         received = tl.load(counts + sources * 2 * E_PAD, mask=sources < me, other=0)
@@ -174,7 +176,7 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
             rows = token + tl.arange(0, BLOCK_R)
             place = tl.load(positions_ptr + rows.to(tl.int64) * world + me, mask=rows < stop, other=-1)
             _receive_tokens(x_ptr, meta_ptr, rows, start + place, place >= 0, me, recv, width, max_tokens,
-                            experts_local, topk, K_PAD, BLOCK_W)
+                            experts_local, topk, K_PAD, BLOCK_W, group)
 
     # The peers' rows, by blocks of BLOCK_R places that every program claims in the order they
     # arrive: block c is block c // ((world - 1) x splits) of part (c // (world - 1)) % splits of the
@@ -199,7 +201,7 @@ def dispatch_kernel(x_ptr, meta_ptr, positions_ptr, order_ptr, routed_ptr, stagi
             _receive_tokens(dl.consume_token(stage + source * max_tokens * width, here),
                             dl.consume_token(meta_stage + source * max_tokens * meta_width, here), rows,
                             pick(before, source) + rows, rows < stop, source, recv, width, max_tokens, experts_local,
-                            topk, K_PAD, BLOCK_W)
+                            topk, K_PAD, BLOCK_W, group)
         block = claim(claims_ptr, epoch)
     if first_program:
         _, _, _, _, recv_layout_ptr, recv_per_expert_ptr = recv
@@ -229,12 +231,13 @@ def _rows_below(src_ptr, count, first, stop, BLOCK: tl.constexpr):
 @jit
 def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_ptr, progress_ptr, claims_ptr,
                    calls_ptr, out_ptr, tokens, hidden, max_tokens, slot_numel, local_world_size, splits,
-                   WORLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr):
-    """Normal mode, the way back. Grid (world, splits). y: the received tokens' outputs (rows of
+                   WORLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, CHUNK: tl.constexpr,
+                   group=None):
+    """Normal mode, the way back. Grid (world, splits), ranks of `group` if given. y: the received tokens' outputs (rows of
     `hidden`); per slot, staging is [world, max_tokens] rows: row (q, t) holds rank q's output for
     this rank's token t; progress: a word per (source, part); claims: this rank's two counters of
     blocks claimed (one per slot). WORLD: the world size, the parts of each sum."""
-    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel)
+    epoch, me, world, peer, split, stage = exchange_program(calls_ptr, staging_ptr, slot_numel, group)
     per_part = tl.cdiv(max_tokens, splits)
     if (peer == 0) & (split == 0):
         reset_claims(claims_ptr, epoch)
@@ -253,10 +256,10 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
                 inside = rows < chunk_end
                 token = tl.load(rows_from + rows, mask=inside, other=0) - peer * max_tokens
                 send_rows(y_ptr, start + rows, stage + me * max_tokens * hidden, token, inside, hidden, peer,
-                          local_world_size, BLOCK_R, BLOCK_W)
+                          local_world_size, BLOCK_R, BLOCK_W, group)
             last = tl.load(rows_from + chunk_end - 1) - peer * max_tokens
-            raise_flag(progress, epoch * PROGRESS_EPOCH + last + 1, peer, local_world_size)
-        raise_flag(progress, epoch * PROGRESS_EPOCH + stop, peer, local_world_size)
+            raise_flag(progress, epoch * PROGRESS_EPOCH + last + 1, peer, local_world_size, group)
+        raise_flag(progress, epoch * PROGRESS_EPOCH + stop, peer, local_world_size, group)
         # Every call hears from every peer (what makes two staging slots enough, `protocol.py`).
         dl.shmem.signal_wait_until(progress_ptr + peer * splits + split, dl.shmem.CMP_GE,
                                    epoch * PROGRESS_EPOCH + stop)
@@ -278,7 +281,7 @@ def combine_kernel(y_ptr, recv_src_ptr, recv_layout_ptr, positions_ptr, staging_
                 here = dl.consume_token(here, dl.shmem.signal_wait_until(progress_ptr + source * splits + part,
                                                                          dl.shmem.CMP_GE, target))
             sum_parts(here, out_ptr, first, stop, hidden, positions_ptr, positions_ptr, y_ptr,
-                      recv_layout_ptr + world + me, positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W)
+                      recv_layout_ptr + world + me, positions_ptr, max_tokens, 1, WORLD, False, BLOCK_R, BLOCK_W, group)
         block = claim(claims_ptr, epoch)
     finish_call(calls_ptr)
 
@@ -291,7 +294,7 @@ class NormalDispatch(Exchange):
 
     def __init__(self, layer: Layer, topk: int):
         super().__init__(layer, "dispatch")
-        w = self.world
+        w = self.ranks
         rows, width, meta_width = w.world_size * layer.max_tokens, layer.hidden // 2, 2 * topk + 1
         checks.check_offsets("EPBuffer", 2 * rows * max(width, meta_width))
         self.staging = DispatchStaging(
@@ -309,10 +312,10 @@ class NormalDispatch(Exchange):
         (`topk_idx`, ids out of range already made -1). Returns (a `Received`, with room for
         world x max_tokens tokens; positions, int32 [T, world]: each token's row among those sent to
         each rank, -1 where not sent, which the combine takes)."""
-        layer, w = self.layer, self.world
+        layer, w = self.layer, self.ranks
         tokens, topk = topk_idx.shape
         order = torch.empty((w.world_size, max(tokens, 1)), dtype=torch.int32, device=w.device)
-        positions, routed = tokens_to_ranks(topk_idx, layer.num_experts, order=order)
+        positions, routed = tokens_to_ranks(topk_idx, layer.num_experts, w, order=order)
         capacity = w.world_size * layer.max_tokens
         token_index = torch.arange(tokens, dtype=torch.int32, device=w.device)[:, None]
         meta = torch.cat([topk_idx.to(torch.int32), topk_weights.view(torch.int32), token_index], 1)
@@ -340,7 +343,7 @@ class NormalCombine(Exchange):
 
     def __init__(self, layer: Layer):
         super().__init__(layer, "combine")
-        w = self.world
+        w = self.ranks
         rows = w.world_size * layer.max_tokens
         checks.check_offsets("EPBuffer", 2 * rows * layer.hidden)
         self.slot_numel = rows * layer.hidden
@@ -354,7 +357,7 @@ class NormalCombine(Exchange):
         """Send each received token's output (y, rows as the dispatch's `Received`) back to its rank;
         returns [tokens, hidden]: per token of this rank, the sum of what every rank that got it sent,
         in rank order (fp32). recv_src, recv_layout, positions: the dispatch's."""
-        layer, w = self.layer, self.world
+        layer, w = self.layer, self.ranks
         out = torch.empty((max(tokens, 1), layer.hidden), dtype=layer.dtype, device=w.device)
         self.start(combine_kernel, y_ptr=y, recv_src_ptr=recv_src, recv_layout_ptr=recv_layout,
                    positions_ptr=nonempty(positions), staging_ptr=self.staging, progress_ptr=self.progress,

@@ -6,7 +6,9 @@ h is what `ag_moe` returned (P = world_size * T_r * topk rows grouped by expert,
 activation, N/world columns), w_shard (E x N/world x K) this rank's rows of every expert's down
 weights, topk_weights_shard (T_r x topk, float32) the weights of this rank's tokens. Rank r gets
 y_shard (T_r x K): for each of its tokens t, sum over k of topk_weights[t, k] * (h[row of (t, k)] @
-w[expert]), summed over the ranks (each holds a part of the N columns).
+w[expert]), summed over the ranks (each holds a part of the N columns). With a process group
+(`group=`), the ranks are the group's, as in the `ag_moe` call whose h and handle it takes. A pair
+that `ag_moe` dropped (an expert id out of range) adds nothing to its token's sum.
 
 Protocol (slots and call epochs as in `protocol.py`)
 - The GEMM (`moe_rs_gemm_kernel`) walks the tiles of h (`routing`'s walks). By source, phase by
@@ -51,6 +53,7 @@ from ... import checks, copy_engines, instances, protocol, sizing
 from ...protocol import after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, sync_program
 from ...gemm import grouped, persistent
 from ...method import Method
+from ...ranks import ranks_of
 from .. import policy
 from . import routing
 from .routing import DTYPES, MoEHandle
@@ -85,17 +88,18 @@ class CombineStaging(NamedTuple):
 def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_ptr, calls_ptr, N, K,
                        COUNT: tl.constexpr, W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       FLATTEN: tl.constexpr, ZERO_TAIL: tl.constexpr):
+                       FLATTEN: tl.constexpr, ZERO_TAIL: tl.constexpr, group=None):
     """products (P x N) = h (P x K, rows grouped by segment) @ w[expert] per segment; done_ptr: a
     count per source rank, two slots, raised with COUNT (by source with peers: the peers' combine
     beside the GEMM waits for them).
     `late` takes the tile's source inside a branch (always taken): flattened by Triton 3.6, a plain
     assignment there is handed on at the tile's first K step instead of its last, so each count
     would go to the tile's own source; in the branch the fused loop hands it on from the epilogue
-    (test_moe_rs_gemm_counts_each_tile_once; tests/test_triton_loops.py's "count in a branch")."""
+    (test_moe_rs_gemm_counts_each_tile_once; tests/test_triton_loops.py's "count in a branch").
+    Ranks of `group`, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     sources = tl.arange(0, W_PAD)
     if tl.program_id(0) == 0:
         tl.store(in_slot(done_ptr, epoch + 1, world) + sources, 0, mask=sources < world)
@@ -112,12 +116,12 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
                                     ZERO_TAIL)
         if COUNT:
             if late >= 0:
-                dl.notify(done + late, me, signal=1, sig_op="add")
+                dl.notify(done + late, me, signal=1, sig_op="add", group=group)
             if source >= 0:  # always: see the docstring
                 late = source
         persistent.store_tile(products_ptr, acc, row, tn * BLOCK_N, end, N, BLOCK_M, BLOCK_N)
     if late >= 0:
-        dl.notify(done + late, me, signal=1, sig_op="add")
+        dl.notify(done + late, me, signal=1, sig_op="add", group=group)
     finish_call(calls_ptr)
 
 
@@ -125,16 +129,18 @@ def moe_rs_gemm_kernel(h_desc, w_desc, products_ptr, counts_ptr, base_ptr, done_
 def _weighted_sum(products_ptr, row_of_pair_ptr, weights_ptr, pair0, t0, tokens, col, K, TOPK: tl.constexpr,
                   CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     """For tokens t0..t0+CHUNK (of `tokens`) whose pairs start at pair0 (global token * TOPK):
-    sum over k of weights[t, k] * products[row of pair (t, k), col:col+BLOCK_C], in fp32."""
+    sum over k of weights[t, k] * products[row of pair (t, k), col:col+BLOCK_C], in fp32; a pair
+    that has no row (-1: its id was dropped) adds nothing."""
     t = t0 + tl.arange(0, CHUNK)
     cols = col + tl.arange(0, BLOCK_C)
     mask = (t < tokens)[:, None] & (cols < K)[None, :]
     acc = tl.zeros((CHUNK, BLOCK_C), dtype=tl.float32)
     # Unrolled, so that the TOPK gathers, independent of each other, can all be in flight at once.
     for k in tl.static_range(TOPK):
-        rows = tl.load(row_of_pair_ptr + pair0 + t * TOPK + k, mask=t < tokens, other=0)
+        rows = tl.load(row_of_pair_ptr + pair0 + t * TOPK + k, mask=t < tokens, other=-1)
         weight = tl.load(weights_ptr + t * TOPK + k, mask=t < tokens, other=0.0)
-        values = tl.load(products_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        values = tl.load(products_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                         mask=mask & (rows >= 0)[:, None], other=0.0)
         acc += weight[:, None] * values.to(tl.float32)
     return acc
 
@@ -149,19 +155,19 @@ def _piece_offsets(col, span, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
 def moe_combine_kernel(gemm, row_of_pair_ptr, counts_ptr, weights_ptr, staging, out_ptr, tokens, K, local_world_size,
                        spans, span, TOPK: tl.constexpr, GEMM_BLOCK_M: tl.constexpr, OWN: tl.constexpr,
                        W_PAD: tl.constexpr, E_PAD: tl.constexpr, BY_EXPERT: tl.constexpr, CHUNK: tl.constexpr,
-                       BLOCK_C: tl.constexpr):
+                       BLOCK_C: tl.constexpr, group=None):
     """OWN=False: the combine for the peers; OWN=True: of this rank's own tokens (see the module
     docstring). gemm: the GEMM's `Products`; row_of_pair, counts: the call's `MoEHandle`; weights:
     this rank's topk weights; staging: a `CombineStaging`. The work comes in pieces: CHUNK tokens by
     `span` columns (`spans` of them across K), piece p = chunk * spans + j. The weights' exchange
     has rows `weights_row` apart; partials: rank src's sums at row src, piece after piece, each
     CHUNK x span contiguous; send: this rank's sums for peers on other nodes, laid out as partials'
-    rows."""
+    rows. Ranks (and `local_world_size`) of `group`, if given."""
     products_ptr, done_ptr, gemm_tiles_n = gemm
     partials_ptr, send_ptr, exchange_ptr, weights_row, flags_ptr, calls_ptr, slot_numel = staging
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     pieces = tl.cdiv(tokens, CHUNK) * spans
     flags = in_slot(flags_ptr, epoch, world * pieces + world)
     weights_flags = flags + world * pieces
@@ -174,7 +180,8 @@ def moe_combine_kernel(gemm, row_of_pair_ptr, counts_ptr, weights_ptr, staging, 
             sync_program()  # pushed below by other threads than stored it
             for step in range(1, world):
                 push_slice(exchange + me * weights_row, exchange + me * weights_row, 0, tokens * TOPK,
-                           weights_flags + me, epoch, (me + step) % world, local_world_size, WEIGHTS_BLOCK)
+                           weights_flags + me, epoch, (me + step) % world, local_world_size, WEIGHTS_BLOCK,
+                           group=group)
         first = (me + 1) % world
         row_tiles, phase_ends = routing.phases(counts_ptr, first, world, W_PAD, E_PAD, GEMM_BLOCK_M, BY_EXPERT)
         for j in range(world - 1):
@@ -196,16 +203,17 @@ def moe_combine_kernel(gemm, row_of_pair_ptr, counts_ptr, weights_ptr, staging, 
                                           first_col + col, K, TOPK, CHUNK, BLOCK_C)
                     at = _piece_offsets(col, span, CHUNK, BLOCK_C)
                     if same_node:
-                        tl.store(dl.symm_at(to, source) + at, total.to(partials_ptr.dtype.element_ty))
+                        tl.store(dl.symm_at(to, source, group) + at, total.to(partials_ptr.dtype.element_ty))
                     else:
                         tl.store(staged + at, total.to(partials_ptr.dtype.element_ty))
                 flag = flags + me * pieces + piece
                 if same_node:
-                    dl.notify(flag, source, signal=epoch, sig_op="set")
+                    dl.notify(flag, source, signal=epoch, sig_op="set", group=group)
                 else:
                     sync_program()  # the whole block puts what its threads stored
                     nbytes = CHUNK * span * (partials_ptr.dtype.element_ty.primitive_bitwidth // 8)
-                    dl.shmem.putmem_signal_nbi_block(to, staged, nbytes, flag, epoch, dl.shmem.SIGNAL_SET, source)
+                    dl.shmem.putmem_signal_nbi_block(to, staged, nbytes, flag, epoch, dl.shmem.SIGNAL_SET, source,
+                                                     group)
     else:
         for piece in range(tl.program_id(0), pieces, tl.num_programs(0)):
             t0 = (piece // spans) * CHUNK
@@ -229,16 +237,17 @@ def moe_combine_kernel(gemm, row_of_pair_ptr, counts_ptr, weights_ptr, staging, 
 
 class GemmCombine(Method):
     """moe_rs's method for h of `n` columns, `experts` x n x k down weights and `tokens` tokens of
-    `topk` experts per rank: the grouped GEMM (`moe_rs_gemm_kernel`, at `config`, its tiles walked
-    by expert or by source: `by_expert`), the combine for the peers (on `comm_programs` programs
-    beside the GEMM by source, after it by expert) and the combine of the own tokens."""
+    `topk` experts per rank, among `ranks` (an `ops.ranks.Ranks`): the grouped GEMM
+    (`moe_rs_gemm_kernel`, at `config`, its tiles walked by expert or by source: `by_expert`), the
+    combine for the peers (on `comm_programs` programs beside the GEMM by source, after it by
+    expert) and the combine of the own tokens."""
 
     name = "gemm_combine"
 
     def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype, comm_programs: int,
-                 config: dict, by_expert: bool):
+                 config: dict, by_expert: bool, ranks):
         super().__init__()
-        self.world = w = tridist.world()
+        self.ranks = w = ranks
         self.tokens, self.n, self.k, self.experts, self.topk = tokens, n, k, experts, topk
         self.config, self.by_expert, self.comm_programs = config, by_expert, comm_programs
         self.peers = w.world_size > 1  # the peers' tokens get a combine of their own
@@ -257,12 +266,15 @@ class GemmCombine(Method):
         self.pieces = chunks * self.spans
         row = self.pieces * self.chunk * self.span
         checks.check_offsets("moe_rs", 2 * w.world_size * row)
-        workspace = self.own(protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1)))
+        workspace = self.own(protocol.Workspace(w.world_size * row, dtype, w.world_size * (self.pieces + 1),
+                                                 group=w.group))
         weights_row = sizing.row_stride(tokens * topk)
-        exchange = self.own(tridist.symm_empty((2 * w.world_size * weights_row,), torch.float32))
-        send = self.own(tridist.symm_empty((w.world_size * row,), dtype)) if w.nnodes > 1 else workspace.staging
+        exchange = self.own(tridist.symm_empty((2 * w.world_size * weights_row,), torch.float32, w.group))
+        send = workspace.staging
+        if w.nnodes > 1:
+            send = self.own(tridist.symm_empty((w.world_size * row,), dtype, w.group))
         self.gemm = Products(products=torch.empty((w.world_size * tokens * topk, k), dtype=dtype, device=w.device),
-                             done=self.own(tridist.signals(2 * w.world_size)),
+                             done=self.own(tridist.signals(2 * w.world_size, w.group)),
                              tiles_n=triton.cdiv(k, config["BLOCK_N"]))
         self.gemm_calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         # The two combines share the staging, each launch counting its own calls.
@@ -275,7 +287,7 @@ class GemmCombine(Method):
     def launch(self, h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
                out: torch.Tensor) -> None:
         """One call into `out` (tokens x K)."""
-        w, config = self.world, self.config
+        w, config = self.ranks, self.config
         h_desc = TensorDescriptor.from_tensor(h, [config["BLOCK_M"], config["BLOCK_K"]])
         bound = w.world_size * (triton.cdiv(self.tokens * self.topk, config["BLOCK_M"]) + self.experts) * \
             triton.cdiv(self.k, config["BLOCK_N"])
@@ -284,12 +296,12 @@ class GemmCombine(Method):
             h_desc=h_desc, w_desc=grouped.weight_descriptor(w_shard, config), products_ptr=self.gemm.products,
             counts_ptr=handle.padded_counts, base_ptr=handle.padded_base, done_ptr=self.gemm.done,
             calls_ptr=self.gemm_calls, N=self.k, K=self.n, COUNT=self.overlap, W_PAD=w_pad, E_PAD=e_pad,
-            BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), **config)
+            BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), group=w.handle, **config)
         args = dict(gemm=self.gemm, row_of_pair_ptr=handle.row_of_pair, counts_ptr=handle.padded_counts,
                     weights_ptr=topk_weights_shard, out_ptr=out, tokens=self.tokens, K=self.k,
                     local_world_size=w.local_world_size, spans=self.spans, span=self.span, TOPK=self.topk,
                     GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad, BY_EXPERT=self.by_expert,
-                    CHUNK=self.chunk, BLOCK_C=self.block_c)
+                    CHUNK=self.chunk, BLOCK_C=self.block_c, group=w.handle)
         if self.peers:
             programs = self.comm_programs if self.overlap else self.programs
             with self.side.fork() if self.overlap else contextlib.nullcontext():
@@ -304,32 +316,34 @@ class MoEReduceScatter:
     of `topk` experts per rank, with its buffers allocated once; one instance per stream.
     `comm_programs`: the programs of the peers' combine, beside the GEMM (default
     `policy.MOE_RS_COMM_SHARE`'s part of the SMs; by expert it runs after the GEMM, on every SM);
-    `config`, `tile_order`: as for `AllGatherMoE`."""
+    `config`, `tile_order`: as for `AllGatherMoE`; `group`: as for `moe_rs`."""
 
     def __init__(self, tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype,
-                 comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto"):
+                 comm_programs: int | None = None, config: dict | str | None = None, tile_order: str = "auto",
+                 group=None):
         routing.check_build("moe_rs", tokens, topk, experts, n, k, dtype)
         if comm_programs is not None:
             checks.check_programs(comm_programs, "comm_programs", "the programs of the peers' combine")
-        self.world = w = tridist.world()
+        self.ranks = w = ranks_of(group)
         self.tokens, self.n, self.k, self.experts, self.topk, self.dtype = tokens, n, k, experts, topk, dtype
         self.pairs = w.world_size * tokens * topk
         checks.check_offsets("moe_rs", max(self.pairs * max(n, k), 2 * w.world_size * tokens * k))
-        self.by_expert = policy.choose_tile_order(tile_order, self.pairs, experts, policy.MOE_RS_SOURCE_ROWS)
+        self.by_expert = policy.choose_tile_order(tile_order, self.pairs, experts, policy.MOE_RS_SOURCE_ROWS, w)
         self.config = routing.moe_config(
             config, "moe_rs", (tokens, n, k, experts, topk, str(dtype), comm_programs, self.by_expert),
-            lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c, tile_order)),
-            lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w.device), w.device, self.pairs, experts, k,
-            dtype)
+            lambda c: _Tuning(MoEReduceScatter(tokens, n, k, experts, topk, dtype, comm_programs, c, tile_order,
+                                               group)),
+            lambda: _Tuning.inputs(tokens, n, k, experts, topk, dtype, w), w.device, self.pairs, experts, k,
+            dtype, w)
         self.comm_programs = policy.moe_rs_comm_programs(comm_programs, sizing.programs_for(w.device))
         self.method = GemmCombine(tokens, n, k, experts, topk, dtype, self.comm_programs, self.config,
-                                  self.by_expert)
+                                  self.by_expert, w)
 
     def __call__(self, h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's tokens' outputs, as `moe_rs` (which keeps an instance of this class per shape
         and stream): `out`, if given, is the tokens x K result's storage."""
-        w = self.world
+        w = self.ranks
 
         def check() -> None:
             routing.check_routing(topk_weights_shard, "topk_weights_shard", self.tokens, self.topk, torch.float32)
@@ -346,7 +360,7 @@ class MoEReduceScatter:
             if out is not None:
                 checks.check_output(out, (self.tokens, self.k), self.dtype)
 
-        checks.agree("moe_rs", check, {"shape and dtype of h": checks.shape_of(h)})
+        checks.agree("moe_rs", check, {"shape and dtype of h": checks.shape_of(h)}, group=self.ranks.group)
         if out is None:
             out = torch.empty((self.tokens, self.k), dtype=self.dtype, device=h.device)
         self.method.launch(h, w_shard, handle, topk_weights_shard, out)
@@ -365,14 +379,15 @@ class _Tuning:
         self.op = op
 
     @staticmethod
-    def inputs(tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype, device: torch.device):
-        router = routing.Router(tokens, topk, experts)
+    def inputs(tokens: int, n: int, k: int, experts: int, topk: int, dtype: torch.dtype, ranks):
+        device = ranks.device
+        router = routing.Router(tokens, topk, experts, ranks)
         handle = router(routing.random_routing(tokens, topk, experts, device))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        tridist.barrier_all()
+        tridist.barrier_all(ranks.group)
         router.free()
-        pairs = tridist.world().world_size * tokens * topk
+        pairs = ranks.world_size * tokens * topk
         return (torch.randn(pairs, n, device=device).to(dtype), torch.randn(experts, n, k, device=device).to(dtype),
                 handle, torch.rand(tokens, topk, device=device))
 
@@ -398,9 +413,10 @@ def check_handle(handle, world_size: int, tokens: int, topk: int, experts: int, 
 
 
 def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weights_shard: torch.Tensor,
-           out: torch.Tensor | None = None, config: dict | str | None = None, tile_order: str = "auto") -> torch.Tensor:
+           out: torch.Tensor | None = None, config: dict | str | None = None, tile_order: str = "auto",
+           group=None) -> torch.Tensor:
     """The down projection of a tensor-parallel MoE layer: the grouped GEMM, the top-k weighted sum
-    and the reduce-scatter to the tokens' owners, overlapped. A collective.
+    and the reduce-scatter to the tokens' owners, overlapped. A collective (of `group`'s ranks).
 
     Args:
         h: what `ag_moe` returned (after any activation): (world_size * T_r * topk) x N/world, bf16 or
@@ -414,14 +430,18 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
             GEMM goes on; each expert's weights read once per rank), "expert" (each expert's rows of
             every rank together, its weights read once; the sums sent after the GEMM), or "auto"
             (with peers by expert, the faster at every layer measured: `policy.MOE_RS_SOURCE_ROWS`).
+        group: the ranks it runs among: the `group` of the `ag_moe` call that made h and the
+            handle (a `torch.distributed` process group, a `tridist.Group`, or None for the world).
 
     Returns:
         y_shard, T_r x K: for each of this rank's tokens, sum over k of topk_weights[t, k] *
-        (h[row of (t, k)] @ w[expert]), summed over the ranks; products rounded to h's dtype before the
-        sums (each rank's partial sums too, as gemm_rs sends them), sums in fp32.
+        (h[row of (t, k)] @ w[expert]), summed over the ranks (a pair that ag_moe dropped adds
+        nothing); products rounded to h's dtype before the sums (each rank's partial sums too, as
+        gemm_rs sends them), sums in fp32.
 
-    N/world and K must be multiples of 8. Keeps one `MoEReduceScatter` per shape and stream. Raises
-    ValueError before launching anything for shapes, dtypes, layouts or a handle it does not take.
+    N/world and K must be multiples of 8. Keeps one `MoEReduceScatter` per shape, group and stream.
+    Raises ValueError before launching anything for shapes, dtypes, layouts or a handle it does not
+    take, or on a rank that is not a member of `group`.
     """
     def check() -> None:
         checks.check_input(h, "h", DTYPES)
@@ -432,14 +452,15 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
                              f"{tuple(topk_weights_shard.shape)}")
 
     shape_of = checks.shape_of
+    ranks = ranks_of(group)  # a rank outside the group is refused here, before anything else
     checks.agree("moe_rs", check, {"shape and dtype of h": shape_of(h), "shape of w_shard": shape_of(w_shard),
                                       "shape of topk_weights_shard": shape_of(topk_weights_shard),
-                                      "config": repr(config), "tile_order": tile_order})
+                                      "config": repr(config), "tile_order": tile_order}, group=ranks.group)
     (tokens, topk), (experts, n, k) = topk_weights_shard.shape, w_shard.shape
     op = instances.instance(lambda: MoEReduceScatter(tokens, n, k, experts, topk, h.dtype, config=config,
-                                                     tile_order=tile_order),
+                                                     tile_order=tile_order, group=ranks.group),
                             MoEReduceScatter, tokens, n, k, experts, topk, h.dtype, repr(config), tile_order,
-                            device=h.device)
+                            ranks.key, device=h.device)
     return op(h, w_shard, handle, topk_weights_shard, out)
 
 

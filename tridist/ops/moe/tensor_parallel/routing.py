@@ -7,11 +7,15 @@ routed to expert topk_idx[g, k]. h has a row per pair, the pairs sorted stably b
 after expert, and within an expert by source rank, then token, then k. Segment (s, e), the rows of
 expert e that rank s's tokens send, starts at row base[s, e] and holds counts[s, e] rows. offs[e]
 (the cumulative row ends per expert) is what `grouped_gemm` takes, so h can also go through it.
+A pair whose id was dropped (out of range, where the host could not check it: `ag_moe`) has no
+row: its id reads -1 here, and the rows past offs[E-1], one per dropped pair, hold none. Ranks
+are those the op runs among: the world, or a process group (rank s of the group).
 
 Protocol (`route_kernel`, one program per rank and call; epochs and slots as in `protocol.py`):
 1. The rank sorts its own pairs by expert (`_sort`, two launches before `route_kernel`'s) and
    writes them into row `rank` of this call's slot of the symmetric `exchange` buffer: each pair's
-   expert, its position among this rank's pairs of that expert, and the count per expert.
+   expert (-1: dropped), its position among this rank's pairs of that expert, and the count per
+   expert.
 2. It sends that row to every peer (stores through symm_at on this node, an NVSHMEM put with the
    signal attached to another) with flag (slot, rank) raised to the call epoch there, then waits
    for every peer's flag. Every call waits for every peer, so two slots need no handshake.
@@ -35,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -50,29 +53,28 @@ PUSH_BLOCK = tl.constexpr(1024)  # int32 words a step of the exchange moves
 
 @jit
 def route_kernel(idx_ptr, sorted_ptr, exchange_ptr, flags_ptr, calls_ptr, layout_ptr, pairs, E, row, slot_numel,
-                 local_world_size, E_PAD: tl.constexpr):
-    """One program. `pairs` = T_r * topk per rank; `sorted_ptr`: this rank's pairs sorted by
-    `_sort` (a position each, then the count per expert); exchange rows `row` int32 apart (2 pairs +
-    E_PAD used); `layout_ptr`: the call's `MoEHandle.layout` (see there)."""
+                 local_world_size, E_PAD: tl.constexpr, group=None):
+    """One program. `idx_ptr`: this rank's expert ids, in [0, E) or -1 (dropped); `pairs` = T_r *
+    topk per rank; `sorted_ptr`: this rank's pairs sorted by `_sort` (a position each, then the
+    count per expert); exchange rows `row` int32 apart (2 pairs + E_PAD used); `layout_ptr`: the
+    call's `MoEHandle.layout` (see there). Ranks of `group`, if given."""
     epoch = call_epoch(calls_ptr)
-    me = dl.rank()
-    world = dl.num_ranks()
+    me = dl.rank(group)
+    world = dl.num_ranks(group)
     stage = in_slot(exchange_ptr, epoch, slot_numel)
     flags = in_slot(flags_ptr, epoch, world)
     own = stage + me * row
     for start in range(0, pairs, PUSH_BLOCK):
         p = start + tl.arange(0, PUSH_BLOCK)
         mask = p < pairs
-        # Clamped as `_sort` clamped them (ids the host could not check must not index out of bounds).
-        expert = tl.minimum(tl.maximum(tl.load(idx_ptr + p, mask=mask, other=0), 0), E - 1).to(tl.int32)
-        tl.store(own + p, expert, mask=mask)
+        tl.store(own + p, tl.load(idx_ptr + p, mask=mask).to(tl.int32), mask=mask)
         tl.store(own + pairs + p, tl.load(sorted_ptr + p, mask=mask), mask=mask)
     experts = tl.arange(0, E_PAD)
     tl.store(own + 2 * pairs + experts, tl.load(sorted_ptr + pairs + experts, mask=experts < E, other=0))
     sync_program()  # the row is read back below, by other threads than stored it
     for step in range(1, world):
         push_slice(stage + me * row, stage + me * row, 0, 2 * pairs + E_PAD, flags + me, epoch, (me + step) % world,
-                   local_world_size, PUSH_BLOCK)
+                   local_world_size, PUSH_BLOCK, group=group)
     for step in range(1, world):
         stage = after_flags(stage, flags + (me + step) % world, 1, epoch)
     # Step 3: counts, segment bases and offs, from every rank's counts.
@@ -99,13 +101,18 @@ def route_kernel(idx_ptr, sorted_ptr, exchange_ptr, flags_ptr, calls_ptr, layout
         for start in range(0, pairs, PUSH_BLOCK):
             p = start + tl.arange(0, PUSH_BLOCK)
             mask = p < pairs
-            expert = tl.load(stage + s * row + p, mask=mask, other=0)
-            at = tl.load(base_out + s * E_PAD + expert, mask=mask, other=0) + \
-                tl.load(stage + s * row + pairs + p, mask=mask, other=0)
+            expert = tl.load(stage + s * row + p, mask=mask, other=-1)
+            routed = mask & (expert >= 0)
+            at = tl.load(base_out + s * E_PAD + expert, mask=routed, other=0) + \
+                tl.load(stage + s * row + pairs + p, mask=routed, other=0)
             pair = s * pairs + p
-            tl.store(pair_of_row + at, pair, mask=mask)
-            tl.store(row_of_pair + pair, at, mask=mask)
+            tl.store(pair_of_row + at, pair, mask=routed)
+            tl.store(row_of_pair + pair, tl.where(routed, at, -1), mask=mask)
             tl.store(routing + pair, expert, mask=mask)
+    # The rows that dropped pairs leave, past the last expert's: no pair.
+    for start in range(tl.sum(total, 0), world * pairs, PUSH_BLOCK):
+        rows = start + tl.arange(0, PUSH_BLOCK)
+        tl.store(pair_of_row + rows, -1, mask=rows < world * pairs)
     dl.shmem.quiet()
     finish_call(calls_ptr)
 
@@ -113,20 +120,27 @@ def route_kernel(idx_ptr, sorted_ptr, exchange_ptr, flags_ptr, calls_ptr, layout
 @dataclasses.dataclass
 class MoEHandle:
     """What `ag_moe` returns beside h, and `moe_rs` takes: the routing of one call, on the device.
+    Ranks and world_size are those of the group the call ran in (the world, or a process group).
 
     Attributes (views of one int32 tensor, `layout`; P = world_size * tokens * topk pairs):
-        pair_of_row: [P], the pair (global token * topk + k) that each row of h holds.
-        row_of_pair: [P], the inverse: the row of h of each pair.
-        topk_idx: [world_size * tokens, topk], every rank's routing, gathered (int32).
+        pair_of_row: [P], the pair (global token * topk + k) that each row of h holds (-1 for the
+            rows past offs[-1]: as many as pairs were dropped).
+        row_of_pair: [P], the inverse: the row of h of each pair (-1: dropped).
+        topk_idx: [world_size * tokens, topk], every rank's routing, gathered (int32; -1 where
+            an id out of range was dropped).
         counts: [world_size, experts], the rows of h that rank s's tokens send to expert e.
         base: [world_size, experts], the first of those rows.
         offs: [experts], the cumulative row ends per expert, as `grouped_gemm` takes them.
+        dropped_expert_ids: the `AllGatherMoE.dropped_expert_ids` of the op that routed the call
+            (int64 [1] on the device: the ids it dropped since it was built), or None for a
+            handle made from a layout alone (`torch.ops.tridist.moe_rs`).
     """
     layout: torch.Tensor
     world_size: int
     tokens: int
     topk: int
     experts: int
+    dropped_expert_ids: torch.Tensor | None = None
 
     @property
     def pairs(self) -> int:
@@ -182,32 +196,33 @@ class MoEHandle:
 
 class Router:
     """The routing step of an ag_moe instance for `tokens` tokens per rank, `topk` experts each, of
-    `experts`: its symmetric exchange buffer, flags and calls counter."""
+    `experts`, among `ranks` (an `ops.ranks.Ranks`): its symmetric exchange buffer, flags and calls
+    counter."""
 
-    def __init__(self, tokens: int, topk: int, experts: int):
-        self.world = w = tridist.world()
+    def __init__(self, tokens: int, topk: int, experts: int, ranks):
+        self.ranks = w = ranks
         self.tokens, self.topk, self.experts = tokens, topk, experts
         self.pairs = tokens * topk
         self.e_pad = triton.next_power_of_2(experts)
         self.row = sizing.row_stride(2 * self.pairs + self.e_pad)
         checks.check_offsets("ag_moe", max(2 * w.world_size * self.row, 3 * w.world_size * self.pairs))
-        self.workspace = protocol.Workspace(w.world_size * self.row, torch.int32, w.world_size)
+        self.workspace = protocol.Workspace(w.world_size * self.row, torch.int32, w.world_size, group=w.group)
 
-    def __call__(self, topk_idx: torch.Tensor) -> MoEHandle:
-        """Queue the routing of this call's `topk_idx` (this rank's, tokens x topk int64); returns
-        its handle, filled once the queued kernel has run."""
-        w = self.world
+    def __call__(self, topk_idx: torch.Tensor, dropped_expert_ids: torch.Tensor | None = None) -> MoEHandle:
+        """Queue the routing of this call's `topk_idx` (this rank's, tokens x topk int64, ids in
+        [0, experts) or -1 for a pair that goes nowhere); returns its handle, filled once the queued
+        kernel has run, which carries `dropped_expert_ids` (the op's counter of the -1s)."""
+        w = self.ranks
         layout = torch.empty(MoEHandle.numel(w.world_size, self.tokens, self.topk, self.experts), dtype=torch.int32,
                              device=w.device)
         ws = self.workspace
         own = torch.empty(self.pairs + self.experts, dtype=torch.int32, device=w.device)
-        _sort.sort(topk_idx.view(-1), own[:self.pairs], own[self.pairs:], self.experts, 1, one_group=True,
-                   clamp=True)
+        _sort.sort(topk_idx.view(-1), own[:self.pairs], own[self.pairs:], self.experts, 1, one_group=True)
         route_kernel[(1,)](idx_ptr=topk_idx, sorted_ptr=own, exchange_ptr=ws.staging, flags_ptr=ws.flags,
                            calls_ptr=ws.calls, layout_ptr=layout, pairs=self.pairs, E=self.experts, row=self.row,
                            slot_numel=ws.slot_numel, local_world_size=w.local_world_size, E_PAD=self.e_pad,
-                           num_warps=8)
-        return MoEHandle(layout, w.world_size, self.tokens, self.topk, self.experts)
+                           num_warps=8, group=w.handle)
+        return MoEHandle(layout, w.world_size, self.tokens, self.topk, self.experts, dropped_expert_ids)
 
     def free(self) -> None:
         self.workspace.free()
@@ -251,13 +266,15 @@ def check_build(op: str, tokens: int, topk: int, experts: int, k: int, n: int, d
 
 
 def moe_config(config, name: str, key, make_op, make_inputs, device: torch.device, pairs: int, experts: int, n: int,
-               dtype: torch.dtype) -> dict:
-    """The GEMM config of an MoE op over `pairs` rows of h in world_size x experts segments (see
-    `persistent.resolve_config`; candidates `grouped.configs`)."""
-    segments = tridist.world().world_size * experts
+               dtype: torch.dtype, ranks) -> dict:
+    """The GEMM config of an MoE op over `pairs` rows of h in world_size x experts segments of
+    `ranks` (an `ops.ranks.Ranks`; "tune" times among them: see `persistent.resolve_config`;
+    candidates `grouped.configs`)."""
+    segments = ranks.world_size * experts
     return persistent.resolve_config(config, name, key, make_op, make_inputs, device, pairs, n, dtype=dtype,
                                      candidates=grouped.configs(device, dtype),
-                                     default=grouped.default_config(device, pairs, segments, n, dtype))
+                                     default=grouped.default_config(device, pairs, segments, n, dtype),
+                                     group=ranks.group)
 
 
 def random_routing(tokens: int, topk: int, experts: int, device: torch.device) -> torch.Tensor:
