@@ -96,8 +96,9 @@ block-table entry out of range points at.
   place, declared as mutating x),
   `torch.ops.tridist.ag_gemm(a_shard, b, comm="auto")`, `torch.ops.tridist.gemm_rs(a, b)`,
   `torch.ops.tridist.gemm_ar(a, b, method="auto")` (the GEMMs also with `scale_a`, `scale_b` for
-  fp8), and the MoE and all-to-all ops (their family pages list them). Each returns new tensors
-  (no `out=`, nothing in place) but `all_reduce_`, and the GEMMs run their default config.
+  fp8), and the MoE and all-to-all ops (their family pages list them), all in
+  [`torch_ops`][tridist.ops.torch_ops]. Each returns new tensors (no `out=`, nothing in place) but
+  `all_reduce_`, the GEMMs run their default config, and all of them run on the world.
 """
 from .attention import FlashDecode, flash_decode
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, all_reduce_, reduce_scatter
@@ -105,6 +106,7 @@ from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm
 from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
                   all_to_all_v_2d, all_to_all_v_2d_offset, moe_rs)
 from .stencil import Jacobi2D, jacobi_reference
+from . import torch_ops  # noqa: F401,E402 - registers torch.ops.tridist.*
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "all_reduce_",
            "ReduceScatter", "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",

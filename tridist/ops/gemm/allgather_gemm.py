@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -219,17 +218,3 @@ def ag_gemm(a_shard: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
     """
     op = persistent.cached(AllGatherGEMM, a_shard, b, config, "a_shard", group=group, comm=comm)
     return op(a_shard, b, out, scale_a, scale_b)
-
-
-@torch.library.custom_op("tridist::ag_gemm", mutates_args=())
-def ag_gemm_op(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto", scale_a: torch.Tensor | None = None,
-               scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """`ag_gemm` as a PyTorch custom op (`torch.ops.tridist.ag_gemm`), for torch.compile."""
-    return ag_gemm(a_shard, b, comm=comm, scale_a=scale_a, scale_b=scale_b)
-
-
-@ag_gemm_op.register_fake
-def _ag_gemm_shape(a_shard: torch.Tensor, b: torch.Tensor, comm: str = "auto", scale_a: torch.Tensor | None = None,
-                   scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    return a_shard.new_empty((tridist.world().world_size * a_shard.shape[0], b.shape[1]),
-                             dtype=persistent.out_dtype(a_shard.dtype))

@@ -177,15 +177,3 @@ def all_gather(x: torch.Tensor, out: torch.Tensor | None = None, method: str = "
     op = instances.instance(lambda: AllGather(x.numel(), x.dtype, method, symmetric_out=symmetric, group=group),
                             AllGather, x.numel(), x.dtype, method, symmetric, ranks.key, device=x.device)
     return op(x, out)
-
-
-@torch.library.custom_op("tridist::all_gather", mutates_args=())
-def all_gather_op(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    """`all_gather` as a PyTorch custom op (`torch.ops.tridist.all_gather`), for torch.compile."""
-    return all_gather(x, method=method)
-
-
-@all_gather_op.register_fake
-def _all_gather_shape(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    n = tridist.world().world_size
-    return x.new_empty((n * x.shape[0], *x.shape[1:]) if x.dim() else (n,))

@@ -203,26 +203,3 @@ def all_reduce_(x: torch.Tensor, method: str = "auto", group=None) -> torch.Tens
         ValueError, TypeError: as `all_reduce`.
     """
     return all_reduce(x, out=x, method=method, group=group)
-
-
-@torch.library.custom_op("tridist::all_reduce", mutates_args=())
-def all_reduce_op(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    """`all_reduce` (out of place) as a PyTorch custom op (`torch.ops.tridist.all_reduce`)."""
-    return all_reduce(x, method=method)
-
-
-@all_reduce_op.register_fake
-def _all_reduce_shape(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("tridist::all_reduce_", mutates_args=("x",))
-def all_reduce_in_place_op(x: torch.Tensor, method: str = "auto") -> None:
-    """`all_reduce_` (in place) as a PyTorch custom op (`torch.ops.tridist.all_reduce_`), which
-    torch.compile knows to mutate `x`."""
-    all_reduce_(x, method=method)
-
-
-@all_reduce_in_place_op.register_fake
-def _all_reduce_in_place_shape(x: torch.Tensor, method: str = "auto") -> None:
-    return None

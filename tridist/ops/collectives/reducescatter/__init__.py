@@ -8,8 +8,6 @@ package, with its protocol in its docstring: `ll`, `one_shot`, `ce`, `two_d` ("2
 """
 import torch
 
-import tridist
-
 from ... import checks, instances, sizing
 from ...checks import check_input, check_output, shape_of
 from ...sizing import row_stride
@@ -168,14 +166,3 @@ def reduce_scatter(x: torch.Tensor, out: torch.Tensor | None = None, method: str
     op = instances.instance(lambda: ReduceScatter(x.numel(), x.dtype, method, group=group), ReduceScatter,
                             x.numel(), x.dtype, method, ranks.key, device=x.device)
     return op(x, out)
-
-
-@torch.library.custom_op("tridist::reduce_scatter", mutates_args=())
-def reduce_scatter_op(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    """`reduce_scatter` as a PyTorch custom op (`torch.ops.tridist.reduce_scatter`)."""
-    return reduce_scatter(x, method=method)
-
-
-@reduce_scatter_op.register_fake
-def _reduce_scatter_shape(x: torch.Tensor, method: str = "auto") -> torch.Tensor:
-    return x.new_empty((x.shape[0] // tridist.world().world_size, *x.shape[1:]))

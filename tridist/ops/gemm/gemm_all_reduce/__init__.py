@@ -141,16 +141,3 @@ def gemm_ar(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, m
             take, or on a rank that is not a member of `group`.
     """
     return persistent.cached(GemmAllReduce, a, b, config, group=group, method=method)(a, b, out, scale_a, scale_b)
-
-
-@torch.library.custom_op("tridist::gemm_ar", mutates_args=())
-def gemm_ar_op(a: torch.Tensor, b: torch.Tensor, method: str = "auto", scale_a: torch.Tensor | None = None,
-               scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """`gemm_ar` as a PyTorch custom op (`torch.ops.tridist.gemm_ar`), for torch.compile."""
-    return gemm_ar(a, b, method=method, scale_a=scale_a, scale_b=scale_b)
-
-
-@gemm_ar_op.register_fake
-def _gemm_ar_shape(a: torch.Tensor, b: torch.Tensor, method: str = "auto", scale_a: torch.Tensor | None = None,
-                   scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=persistent.out_dtype(a.dtype))

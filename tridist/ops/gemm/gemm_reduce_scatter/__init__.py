@@ -18,7 +18,6 @@ given) picks (`policy.choose_gemm_rs`).
 """
 import torch
 
-import tridist
 
 from ...ranks import ranks_of
 from .. import persistent, policy
@@ -140,16 +139,3 @@ def gemm_rs(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, c
             on a rank that is not a member of `group`.
     """
     return persistent.cached(GemmReduceScatter, a, b, config, group=group)(a, b, out, scale_a, scale_b)
-
-
-@torch.library.custom_op("tridist::gemm_rs", mutates_args=())
-def gemm_rs_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
-               scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    """`gemm_rs` as a PyTorch custom op (`torch.ops.tridist.gemm_rs`), for torch.compile."""
-    return gemm_rs(a, b, scale_a=scale_a, scale_b=scale_b)
-
-
-@gemm_rs_op.register_fake
-def _gemm_rs_shape(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor | None = None,
-                   scale_b: torch.Tensor | None = None) -> torch.Tensor:
-    return a.new_empty((a.shape[0] // tridist.world().world_size, b.shape[1]), dtype=persistent.out_dtype(a.dtype))

@@ -19,7 +19,6 @@ rank p):
 """
 import torch
 
-import tridist
 from tridist.runtime.tensors import check_tensor
 
 from ... import checks, instances, sizing
@@ -209,50 +208,3 @@ def all_to_all_v_2d_offset(x: torch.Tensor, in_splits_offsets: torch.Tensor, out
         received from expert e of rank s, and where they start in `out`.
     """
     return _call(x, in_splits_offsets, out, "in_splits_offsets", "expert_offset", 1, group)
-
-
-def _new_out(x: torch.Tensor, out_rows: int) -> torch.Tensor:
-    return x.new_empty((out_rows, *x.shape[1:]))
-
-
-@torch.library.custom_op("tridist::all_to_all_v", mutates_args=())
-def all_to_all_v_op(x: torch.Tensor, in_splits: torch.Tensor, out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`all_to_all_v` as a PyTorch custom op (`torch.ops.tridist.all_to_all_v`), for torch.compile:
-    `out` is a new tensor of `out_rows` rows; returns (out, out_splits_offsets)."""
-    out = _new_out(x, out_rows)
-    return out, all_to_all_v(x, in_splits, out)
-
-
-@all_to_all_v_op.register_fake
-def _all_to_all_v_shape(x: torch.Tensor, in_splits: torch.Tensor, out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _new_out(x, out_rows), in_splits.new_empty((2, tridist.world().world_size))
-
-
-@torch.library.custom_op("tridist::all_to_all_v_2d", mutates_args=())
-def all_to_all_v_2d_op(x: torch.Tensor, in_splits: torch.Tensor, out_rows: int,
-                       major_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """`all_to_all_v_2d` as a custom op (`torch.ops.tridist.all_to_all_v_2d`): returns (out,
-    out_splits_offsets)."""
-    out = _new_out(x, out_rows)
-    return out, all_to_all_v_2d(x, in_splits, out, major_align)
-
-
-@all_to_all_v_2d_op.register_fake
-def _all_to_all_v_2d_shape(x: torch.Tensor, in_splits: torch.Tensor, out_rows: int,
-                           major_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    return _new_out(x, out_rows), in_splits.new_empty((2, in_splits.shape[0]))
-
-
-@torch.library.custom_op("tridist::all_to_all_v_2d_offset", mutates_args=())
-def all_to_all_v_2d_offset_op(x: torch.Tensor, in_splits_offsets: torch.Tensor,
-                              out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`all_to_all_v_2d_offset` as a custom op (`torch.ops.tridist.all_to_all_v_2d_offset`): returns
-    (out, out_splits_offsets)."""
-    out = _new_out(x, out_rows)
-    return out, all_to_all_v_2d_offset(x, in_splits_offsets, out)
-
-
-@all_to_all_v_2d_offset_op.register_fake
-def _all_to_all_v_2d_offset_shape(x: torch.Tensor, in_splits_offsets: torch.Tensor,
-                                  out_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _new_out(x, out_rows), in_splits_offsets.new_empty(tuple(in_splits_offsets.shape))

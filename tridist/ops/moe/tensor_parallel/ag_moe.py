@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -301,21 +300,3 @@ def ag_moe(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.T
                             AllGatherMoE, tokens, k, n, experts, topk, x_shard.dtype, comm, repr(config), tile_order,
                             ranks.key, device=x_shard.device)
     return op(x_shard, topk_idx_shard, w_shard, out)
-
-
-@torch.library.custom_op("tridist::ag_moe", mutates_args=())
-def ag_moe_op(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor,
-              comm: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """`ag_moe` as a PyTorch custom op (`torch.ops.tridist.ag_moe`), for torch.compile: returns h and
-    the handle's `layout`, which `torch.ops.tridist.moe_rs` takes."""
-    h, handle = ag_moe(x_shard, topk_idx_shard, w_shard, comm=comm)
-    return h, handle.layout
-
-
-@ag_moe_op.register_fake
-def _ag_moe_shape(x_shard: torch.Tensor, topk_idx_shard: torch.Tensor, w_shard: torch.Tensor,
-                  comm: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    world_size = tridist.world().world_size
-    (tokens, topk), (experts, _, n) = topk_idx_shard.shape, w_shard.shape
-    return (x_shard.new_empty((world_size * tokens * topk, n)),
-            x_shard.new_empty((MoEHandle.numel(world_size, tokens, topk, experts),), dtype=torch.int32))

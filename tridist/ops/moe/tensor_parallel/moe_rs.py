@@ -462,19 +462,3 @@ def moe_rs(h: torch.Tensor, w_shard: torch.Tensor, handle: MoEHandle, topk_weigh
                             MoEReduceScatter, tokens, n, k, experts, topk, h.dtype, repr(config), tile_order,
                             ranks.key, device=h.device)
     return op(h, w_shard, handle, topk_weights_shard, out)
-
-
-@torch.library.custom_op("tridist::moe_rs", mutates_args=())
-def moe_rs_op(h: torch.Tensor, w_shard: torch.Tensor, layout: torch.Tensor,
-              topk_weights_shard: torch.Tensor) -> torch.Tensor:
-    """`moe_rs` as a PyTorch custom op (`torch.ops.tridist.moe_rs`), for torch.compile: takes the
-    handle's `layout`, as `torch.ops.tridist.ag_moe` returns it."""
-    (tokens, topk), experts = topk_weights_shard.shape, w_shard.shape[0]
-    handle = MoEHandle(layout, tridist.world().world_size, tokens, topk, experts)
-    return moe_rs(h, w_shard, handle, topk_weights_shard)
-
-
-@moe_rs_op.register_fake
-def _moe_rs_shape(h: torch.Tensor, w_shard: torch.Tensor, layout: torch.Tensor,
-                  topk_weights_shard: torch.Tensor) -> torch.Tensor:
-    return h.new_empty((topk_weights_shard.shape[0], w_shard.shape[2]))
