@@ -44,8 +44,8 @@ export TRITON_CACHE_DIR=$PWD/.triton-cache
 mkdir -p .triton-cache
 export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
 # The kernels the suite and the stress runs compiled on 2026-11-26 (one H100 and 4 x H100, worlds 2
-# to 2x2, with and without TRIDIST_DEBUG), so that a bare machine precompiles them on every core at
-# once. Refresh it from a returned cache (entries repeat in a log; precompile reads each once):
+# to 2x2, with and without TRIDIST_DEBUG; carried over the layout of 2026-11-28, 1631 of them), so that
+# a bare machine precompiles them on every core at once. Refresh it from a returned cache (entries repeat in a log; precompile reads each once):
 #   gzip -9 -c .triton-cache/compile-log.jsonl > tests/gpu-compile-log.jsonl.gz
 gunzip -c tests/gpu-compile-log.jsonl.gz >> "$TRIDIST_COMPILE_LOG"  # precompile reads each entry once
 gpus=$(nvidia-smi -L | wc -l)
