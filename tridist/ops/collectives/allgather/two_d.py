@@ -22,7 +22,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ... import sizing
-from ...protocol import Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, placement, push_slice, split_bounds
+from ...protocol import (Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, placement, push_slice,
+                         split_bounds)
 from ...sizing import row_stride
 from ...method import Method
 

@@ -25,7 +25,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ... import sizing
-from ...protocol import Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, split_bounds, sync_program
+from ...protocol import (Workspace, after_flags, call_epoch, copy_slice, finish_call, in_slot, push_slice, split_bounds,
+                         sync_program)
 from ...sizing import row_stride
 from ...method import Method
 from .._sums import send_chunks, sum_slice

@@ -23,7 +23,8 @@ import tridist.language as dl
 from tridist.runtime.jit import jit
 
 from ... import sizing
-from ...protocol import Workspace, after_flags, call_epoch, finish_call, in_slot, placement, push_slice, split_bounds, sync_program
+from ...protocol import (Workspace, after_flags, call_epoch, finish_call, in_slot, placement, push_slice, split_bounds,
+                         sync_program)
 from ...sizing import row_stride
 from ...method import Method
 from .._sums import sum_rows
