@@ -77,7 +77,8 @@ def ag_gemm_kernel(own_desc, a_desc, b_desc, scale_a_ptr, scale_b_ptr, out_ptr, 
             arrived = shard
         # Rows past the shard's end belong to the next shard, perhaps not there yet: they are
         # multiplied (rows are independent) but never stored.
-        acc = persistent.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = persistent.tile_product(a_desc, b_desc, slot * slot_rows + row, tn * BLOCK_N, K, BLOCK_M, BLOCK_N,
+                                      BLOCK_K)
         persistent.store_tile(out_ptr, acc * scale, row, tn * BLOCK_N, (shard + 1) * m_shard, N, BLOCK_M, BLOCK_N)
     finish_call(calls_ptr)
 
@@ -141,8 +142,8 @@ class AllGatherGEMM:
         self.config = persistent.resolve_config(
             config, "ag_gemm", (m_shard, k, n, str(dtype), self.comm, comm_programs),
             lambda c: AllGatherGEMM(m_shard, k, n, dtype, self.comm, comm_programs, c, group),
-            lambda: persistent.random_operands(m_shard, k, n, dtype, w.device), w.device, self.m, n, shards=w.world_size,
-            dtype=dtype, group=w.group)
+            lambda: persistent.random_operands(m_shard, k, n, dtype, w.device), w.device, self.m, n,
+            shards=w.world_size, dtype=dtype, group=w.group)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
         self.gather = ShardGather(m_shard, k, dtype, self.comm, comm_programs, ranks=w)
         self.a_desc = TensorDescriptor.from_tensor(self.gather.gathered, [self.config["BLOCK_M"], self.config["BLOCK_K"]])
