@@ -586,7 +586,7 @@ def test_two_streams(world, gather, scatter):
 
 @pytest.mark.parametrize("op, nbytes, ranks, nodes, method", [
     ("all_gather", 4 << 10, 2, 1, "ll"), ("all_gather", 1 << 20, 4, 1, "ll"), ("all_gather", 6, 2, 1, "push"),
-    ("all_gather", 16 << 20, 4, 1, "push"), ("all_gather", 64 << 20, 4, 1, "ring"), ("all_gather", 64 << 20, 2, 1, "push"),
+    ("all_gather", 16 << 20, 4, 1, "2d"), ("all_gather", 16 << 20, 2, 1, "push"), ("all_gather", 64 << 20, 4, 1, "ring"), ("all_gather", 64 << 20, 2, 1, "push"),
     ("all_gather", 256 << 20, 2, 1, "push"), ("all_gather", 256 << 20, 4, 1, "ring"), ("all_gather", 4 << 10, 4, 2, "2d"),
     ("reduce_scatter", 4 << 10, 2, 1, "ll"), ("reduce_scatter", 1 << 20, 4, 1, "ll"),
     ("reduce_scatter", 12, 2, 1, "one_shot"),

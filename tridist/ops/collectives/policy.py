@@ -23,6 +23,13 @@ one-shot at 4 MB, two-shot from 16 MB). From 3 ranks on one node the two-shot ta
 directly: one-shot receives (n-1)/2 times its bytes ("4 x H200 (NV18)": at 1 MB two-shot 20.8 us,
 one-shot 23.4)."""
 
+TWO_D_ONE_NODE_RANKS = 4
+"""From this many ranks on one node, an all-gather larger than LL's range and smaller than
+`RING_MIN_GATHERED_BYTES` runs the `2d` method (on one node, its node-local half alone: each
+rank's programs spread the shard to every peer in whole tasks, without the push's slices): at 4 and
+16 MB it beat the push by 7 and 9 % ("4 x H200 (NV18)"); with 2 ranks the push was as fast or faster
+("2 x H200 (NV18)")."""
+
 RING_MIN_GATHERED_BYTES = 64 << 20
 """From 4 ranks on one node, an all-gather of at least this many bytes in all runs as a ring: each
 rank then sends to one neighbour, and at 64 and 256 MB that beat the push, which sends to every
@@ -46,7 +53,8 @@ def choose_all_gather(total_bytes: int, ranks, symmetric_out: bool = False) -> s
     across nodes); `"ll"` up to `LL_MAX_GATHERED_BYTES` when every shard is whole 4-byte words;
     `"ce"` into a symmetric `out` above `CE_SYMMETRIC_MIN_BYTES`; else `"push"`. The copy engines
     are otherwise left to callers that keep the SMs busy with other work: on their own the SM
-    methods are faster. From 4 ranks, `"ring"` from `RING_MIN_GATHERED_BYTES`."""
+    methods are faster. From 4 ranks, `"ring"` from `RING_MIN_GATHERED_BYTES`, and `"2d"` between
+    LL's range and it (`TWO_D_ONE_NODE_RANKS`)."""
     if ranks.nnodes > 1:
         return "2d"
     if total_bytes <= LL_MAX_GATHERED_BYTES and total_bytes % (4 * ranks.world_size) == 0:
@@ -55,6 +63,8 @@ def choose_all_gather(total_bytes: int, ranks, symmetric_out: bool = False) -> s
         return "ce"
     if ranks.world_size >= 4 and total_bytes >= RING_MIN_GATHERED_BYTES:
         return "ring"
+    if ranks.world_size >= TWO_D_ONE_NODE_RANKS and total_bytes > LL_MAX_GATHERED_BYTES:
+        return "2d"
     return "push"
 
 
