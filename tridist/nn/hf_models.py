@@ -179,9 +179,9 @@ def _same_weights(model: nn.Module, ranks: Ranks) -> None:
     without any error. Two numbers a parameter: the sum of its elements and of every 61st, in fp64
     (summed alike on every rank, so equal weights give equal bits)."""
     names = [name for name, _ in model.named_parameters()]
-    sums = [torch.stack([p.sum(dtype=torch.float64), p.reshape(-1)[::61].sum(dtype=torch.float64)]).cpu()
-            for _, p in model.named_parameters()]
-    prints = [tuple(pair.tolist()) for pair in sums]
+    sums = torch.stack([torch.stack([p.sum(dtype=torch.float64), p.reshape(-1)[::61].sum(dtype=torch.float64)])
+                        for _, p in model.named_parameters()])
+    prints = [tuple(pair) for pair in sums.tolist()]  # one copy to the host for all of them
     everyone = ranks.allgather_objects(prints)
     for index, name in enumerate(names):
         values = [prints[index] for prints in everyone]

@@ -92,13 +92,12 @@ class CopyEnginePush:
     its flags zeroed.
     """
 
-    def __init__(self, numel: int, dtype: torch.dtype, row: int | None = None, name: str | None = None,
-                 ranks=None):
-        """`row`: elements from one row of staging to the next (at least `numel`; default `numel`
-        rounded up to whole 64-element blocks); `name`: as `Workspace`'s; `ranks` (an
-        `ops.ranks.Ranks`, default the world): the ranks that exchange, rows and peers counted in them."""
-        self.world = w = ranks or tridist.world()
-        group = getattr(ranks, "group", None)
+    def __init__(self, numel: int, dtype: torch.dtype, ranks, row: int | None = None, name: str | None = None):
+        """`ranks` (an `ops.ranks.Ranks`): the ranks that exchange, rows and peers counted in them;
+        `row`: elements from one row of staging to the next (at least `numel`; default `numel`
+        rounded up to whole 64-element blocks); `name`: as `Workspace`'s."""
+        self.world = w = ranks
+        group = ranks.group
         self.chunk = row_stride(max(pieces.chunk_bytes // dtype.itemsize, 1))
         self.chunks = triton.cdiv(numel, self.chunk)
         self.row = row_stride(numel) if row is None else row

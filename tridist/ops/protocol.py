@@ -130,17 +130,16 @@ class PacketRows(Workspace):
     """Staging for the low-latency (LL) methods: per slot, a row of `words` packets for each rank
     (`dl.ll`: a 4-byte word and its flag in 8 bytes), moved by `splits` programs per row. `what`
     names the op in the error raised where the data is not whole 4-byte words; `ranks` (an
-    `ops.ranks.Ranks`, default the world) the ranks it runs among."""
+    `ops.ranks.Ranks`) the ranks it runs among."""
 
-    def __init__(self, what: str, nbytes: int, programs: int, ranks=None):
-        w = ranks or tridist.world()
+    def __init__(self, what: str, nbytes: int, programs: int, ranks):
         if nbytes % 4:
             raise ValueError(f"{what} method 'll' moves 4-byte words: each rank's part must be a multiple of 4 "
                              f"bytes, got {nbytes}")
         self.words = nbytes // 4
         self.splits = splits_for(self.words, LL_BLOCK, programs)
         self.row = row_stride(self.words)
-        super().__init__(w.world_size * self.row, torch.int64, 1, f"{what} ll", getattr(ranks, "group", None))
+        super().__init__(ranks.world_size * self.row, torch.int64, 1, f"{what} ll", ranks.group)
 
 
 @triton.jit

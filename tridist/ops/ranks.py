@@ -68,16 +68,17 @@ def ranks_of(group=None) -> Ranks:
         TypeError: `group` is not a process group.
     """
     w = tridist.world()
-    g = groups.resolve(group)
-    key = (id(w), w.rank, w.world_size, w.nnodes, g)
+    # Keyed by the argument itself: resolving a ProcessGroup asks torch.distributed for its ranks,
+    # and every call of an op asks for its Ranks.
+    key = (id(w), w.rank, w.world_size, w.nnodes, group)
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    _cache[key] = ranks = _ranks(w, g)
+    _cache[key] = ranks = _ranks(w, groups.resolve(group))
     return ranks
 
 
-_cache: dict = {}  # (the world, the group) -> Ranks: ops ask at every call
+_cache: dict = {}  # (the world, the group argument) -> Ranks
 
 
 def _ranks(w, g) -> Ranks:

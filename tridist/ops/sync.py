@@ -66,8 +66,8 @@ def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None, group=None)
     """
     world()
     g = groups.resolve(group)
-    if g is not None and g.key not in _group_barriers:  # the members allocate its slots together, here
-        _group_barriers[g.key] = Barrier(g)
+    if g is not None and g not in _group_barriers:  # the members allocate its slots together, here
+        _group_barriers[g] = Barrier(g)
     if is_emulator():
         _barrier(g)
         return
@@ -75,13 +75,15 @@ def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None, group=None)
         _barrier(g)
 
 
-_group_barriers: dict = {}  # group key -> its Barrier, for `barrier_all_on_stream(group=...)`, kept for the job
+# Group -> its Barrier, for `barrier_all_on_stream(group=...)`. Keyed by the Group object, which a
+# finalize retires (`groups.forget`), so that a later world never meets a barrier of an old heap.
+_group_barriers: dict = {}
 
 
 def _barrier(g) -> None:
     """Queue the barrier of the world (g None) or of the group g on the current stream."""
     if g is not None:
-        _group_barriers[g.key]()
+        _group_barriers[g]()
     elif config.debug() and not is_emulator():
         _bounded_barrier_kernel[(1,)](*bounded_barrier())
     else:

@@ -87,7 +87,7 @@ class CopyEngineGather(ShardGather):
     def __init__(self, m_shard: int, k: int, dtype: torch.dtype, comm: str = "ce", comm_programs: int | None = None,
                  ranks: Ranks | None = None):
         super().__init__(m_shard, k, dtype, comm, comm_programs, ranks)
-        self.push = self.own(copy_engines.CopyEnginePush(m_shard * k, dtype, row=m_shard * k, ranks=self.ranks))
+        self.push = self.own(copy_engines.CopyEnginePush(m_shard * k, dtype, self.ranks, row=m_shard * k))
         self.gathered = self.push.staging.view(self.slot_rows, k)
         self.flags, self.flags_per_shard = self.push.flags, self.push.chunks
         self.gemm_programs = sizing.programs_for(self.ranks.device)

@@ -33,7 +33,7 @@ class CopyEngines(Method):
         self.block, self.splits, self.warps = sizing.steps_for(numel, dtype.itemsize,
                                                                   max(1, programs // ranks.world_size),
                                                                   sizing.CE_STEP_BYTES)
-        self.transfer = self.own(CopyEnginePush(numel, dtype, name="all_gather ce", ranks=ranks))
+        self.transfer = self.own(CopyEnginePush(numel, dtype, ranks, name="all_gather ce"))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         transfer, ranks = self.transfer, self.ranks

@@ -40,8 +40,8 @@ class CopyEngines(Method):
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
                                                                   max(1, programs // ranks.world_size),
                                                                   sizing.CE_STEP_BYTES)
-        self.scatter = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce scatter", ranks=ranks))
-        self.gather = self.own(CopyEnginePush(self.chunk, dtype, name="all_reduce ce gather", ranks=ranks))
+        self.scatter = self.own(CopyEnginePush(self.chunk, dtype, ranks, name="all_reduce ce scatter"))
+        self.gather = self.own(CopyEnginePush(self.chunk, dtype, ranks, name="all_reduce ce gather"))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ranks, m, n = self.ranks, self.chunk, self.numel

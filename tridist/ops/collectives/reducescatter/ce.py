@@ -31,7 +31,7 @@ class CopyEngines(Method):
         self.block, self.splits, self.warps = sizing.steps_for(self.chunk, dtype.itemsize,
                                                                   max(1, programs // ranks.world_size),
                                                                   sizing.CE_STEP_BYTES)
-        self.transfer = self.own(CopyEnginePush(self.chunk, dtype, name="reduce_scatter ce", ranks=ranks))
+        self.transfer = self.own(CopyEnginePush(self.chunk, dtype, ranks, name="reduce_scatter ce"))
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         transfer = self.transfer
