@@ -129,13 +129,13 @@ class Runner:
     def _eager(self, call, op_cases) -> list[str]:
         lanes = self.sides if call.mode == "streams" else [None]
         trials = [[op_cases.trial(call, self.world) for _ in range(call.repeats)] for _ in lanes]
-        instances = [row[0].build() if call.form == "class" else None for row in trials]
+        built = [row[0].build() if call.form == "class" else None for row in trials]
         expected = [[trial.fill(cases.seed_of(self.seed, call.index, lane, repeat))
                      for repeat, trial in enumerate(row)] for lane, row in enumerate(trials)]
         outputs = []
         for lane, stream in enumerate(lanes):
             with _on(stream):
-                outputs.append([trial.call(instances[lane]) for trial in trials[lane]])
+                outputs.append([trial.call(built[lane]) for trial in trials[lane]])
         for stream in lanes:
             _join(stream)
         problems = []
@@ -143,7 +143,7 @@ class Runner:
             for repeat, out in enumerate(row):
                 where = f"stream {lane + 1}, " * (len(lanes) > 1) + f"call {repeat + 1} of {call.repeats}"
                 problems += self._check(call, out, expected[lane][repeat], where)
-        self._release(call, instances, [t for row in trials for t in row])
+        self._release(call, built, [t for row in trials for t in row])
         return problems
 
     def _graph(self, call, op_cases) -> list[str]:
@@ -173,11 +173,11 @@ class Runner:
         problem = cases.mismatch(out, expected)
         return [f"{where}: {problem}"] if problem else []
 
-    def _release(self, call, instances, trials) -> None:
+    def _release(self, call, built, trials) -> None:
         """Free what this call built, once every rank is past it (a peer may still read this
         rank's staging, e.g. the "pull" all-gather)."""
         tridist.barrier_all()
-        for instance in instances:
+        for instance in built:
             if instance is not None:
                 instance.free()
         for trial in trials:
