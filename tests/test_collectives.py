@@ -584,6 +584,40 @@ def test_two_streams(world, gather, scatter):
     world.run(_two_streams, calls=20, gather=gather, scatter=scatter)
 
 
+def _call_order(w):
+    """An op called on a second stream starts after the one called before it on the first stream,
+    here held back by a 200 ms sleep queued before it."""
+    n = 1 << 16
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    a, b = ops.AllGather(n, torch.float32), ops.AllGather(n, torch.float32)  # one instance per stream
+    x = torch.full((n,), float(w.rank), device=w.device)
+    for stream in (first, second):
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(first):
+        tridist.sleep_async(200_000)
+        out_a = a(x)
+    with torch.cuda.stream(second):
+        out_b = b(x)
+        done = second.record_event()
+    done.synchronize()
+    assert first.query(), "the all-gather called second ended before the one called first (ops.call_order)"
+    torch.cuda.synchronize()
+    assert torch.equal(out_a, out_b) and torch.equal(out_b.view(w.world_size, n)[:, 0].cpu(),
+                                                      torch.arange(w.world_size, dtype=torch.float32))
+    tridist.barrier_all()
+    a.free()
+    b.free()
+
+
+def test_ops_start_in_call_order(world):
+    """Ops called on two streams start on the GPU in the order they were called (`ops.call_order`):
+    otherwise two ranks may start them in different orders, each holding the SMs that its peer's
+    first kernel needs, and hang (two ring all-gathers in `tridist stress` did, on two GPUs)."""
+    if world.backend == "emulator":
+        pytest.skip("streams need GPUs")
+    world.run(_call_order)
+
+
 @pytest.mark.parametrize("op, nbytes, ranks, nodes, method", [
     ("all_gather", 4 << 10, 2, 1, "ll"), ("all_gather", 1 << 20, 4, 1, "ll"), ("all_gather", 6, 2, 1, "push"),
     ("all_gather", 16 << 20, 4, 1, "2d"), ("all_gather", 16 << 20, 2, 1, "push"), ("all_gather", 64 << 20, 4, 1, "ring"), ("all_gather", 64 << 20, 2, 1, "push"),

@@ -17,10 +17,12 @@ What holds for every op:
   allocates symmetric memory), call it any number of times on one stream, and `free()` it (on
   every rank) to give its buffers back. One instance must not serve two streams at once.
 - **Collective.** Every rank calls an op with the same shapes, dtypes and options, in the same
-  order. Ops that wait on their peers must be queued in the same order on every rank also when
-  they run on several streams (as with NCCL): a kernel that waits holds its SMs, and the GEMMs
-  take whole SMs, so if one rank runs op A's kernel and a peer runs op B's first, each can wait
-  for a kernel its peer has no room to start. Kernels whose programs wait on each other
+  order, also when the calls are on several streams. The ops start on the GPU in the order they
+  were called, whatever their streams ([`call_order`][tridist.ops.call_order]: an op called on
+  another stream than the previous op waits for what that stream had queued), since a kernel
+  that waits holds its SMs: if one rank started op A's kernel and a peer op B's, each could wait
+  for a kernel its peer has no room to start. So two ops on two streams do not overlap each other;
+  each overlaps compute on other streams as before. Kernels whose programs wait on each other
   (`gemm_rs`, the `2d` all-gather across nodes) launch co-resident (`kernel[grid](...,
   coresident=True)`, see `tridist.coresident_programs`) and shrink their persistent grid to what
   can be resident at their first call, also when ranks share a GPU.

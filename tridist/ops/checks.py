@@ -12,6 +12,7 @@ from tridist.runtime.backend import is_emulator
 from tridist.runtime.tensors import check_tensor
 from tridist.runtime.world import heap
 
+from . import call_order
 from .ranks import ranks_of
 
 
@@ -81,7 +82,10 @@ def agree(op: str, local=None, same: dict | None = None, group=None):
 
     With `group` (a process group or `tridist.Group`: the op's `group=`), the members gather among
     themselves, and their group is one of the values that must be the same; errors name world ranks.
-    A rank outside the group gets its ValueError alone, before anything is gathered."""
+    A rank outside the group gets its ValueError alone, before anything is gathered.
+
+    Once the checks pass, the call takes its turn among this process's ops (`call_order`): an op
+    called on another stream than the previous one starts on the GPU after it."""
     same = same or {}
     error = result = None
     try:
@@ -95,6 +99,7 @@ def agree(op: str, local=None, same: dict | None = None, group=None):
     if capturing() or not (config.debug() or is_emulator() or key not in _agreed):
         if error is not None:
             raise error
+        call_order.take_turn()
         return result
     mine = (None if error is None else (type(error).__name__, str(error)), tuple(same.values()))
     everyone = ranks.allgather_objects(mine)
@@ -112,6 +117,7 @@ def agree(op: str, local=None, same: dict | None = None, group=None):
             listed = ", ".join(f"rank {ranks.ranks[rank]}: {value}" for rank, value in enumerate(values))
             raise ValueError(f"{op}: ranks passed different {what} ({listed}); every rank must pass the same")
     _agreed.add(key)
+    call_order.take_turn()
     return result
 
 

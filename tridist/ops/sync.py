@@ -10,6 +10,7 @@ from ..runtime.backend import is_emulator
 from ..runtime.jit import jit
 from ..runtime.tensors import signals, symm_free
 from ..runtime.world import bounded_barrier, world
+from . import call_order
 
 
 @jit
@@ -72,6 +73,7 @@ def barrier_all_on_stream(stream: "torch.cuda.Stream | None" = None, group=None)
         _barrier(g)
         return
     with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        call_order.take_turn()
         _barrier(g)
 
 

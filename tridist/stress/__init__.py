@@ -11,7 +11,7 @@ over contiguous and paged caches; Jacobi2D's runs, host-loop and fused), through
 through the classes, sizes from one element to several MB per rank (a few KB in the emulator),
 every dtype each op takes, in and out of place, into symmetric buffers and regular ones, eager,
 captured in a CUDA graph and replayed with new inputs (GPUs; not Jacobi2D, whose load synchronises
-on the host), two instances at once on two streams, and calls back to back with no host
+on the host), two instances on two streams (ordered only by `ops.call_order`), and calls back to back with no host
 synchronisation. `cases.py` says how calls are drawn and checked, and where a new op family adds
 its cases; `rank.py` how they run.
 

@@ -46,8 +46,8 @@ class Call:
         "class" (an instance built for this call and freed after it).
     in_place, symmetric: the op's own meaning (`OpCases.draw`).
     mode: "eager"; "graph": captured in a CUDA graph and replayed with new inputs (GPUs); "streams":
-        two instances at once on two side streams (in the emulator, which has no streams, one
-        after the other).
+        two instances on two side streams, with nothing between them but the ops' own ordering
+        (`ops.call_order`; in the emulator, which has no streams, one after the other).
     repeats: calls back to back with no host synchronisation (eager, streams), or graph replays.
     """
 

@@ -12,7 +12,7 @@ import torch
 
 import tridist
 
-from .. import checks, sizing
+from .. import call_order, checks, sizing
 from ..ranks import ranks_of
 from ._halo import Domain
 from .fused import Fused
@@ -88,6 +88,7 @@ class Jacobi2D:
             raise ValueError(f"Jacobi2D.run takes a positive int number of iterations, got {iterations!r}")
         if self.iterations + iterations >= checks.INDEX_LIMIT:
             raise ValueError("Jacobi2D counts iterations in 32 bits: load the state again to count from 1")
+        call_order.take_turn()
         self.methods[method].launch(self.iterations + 1, iterations)
         self.iterations += iterations
         return self.solution()

@@ -13,7 +13,6 @@ it are in), except with a receive hook: the send and the receive are then two la
 token sums topk_weights[t, k] x its pairs, in k order (`_staging.sum_parts`; the pairs of its own
 experts read where the dispatch put them, in y).
 """
-import functools
 from typing import NamedTuple
 
 import torch
@@ -23,7 +22,7 @@ import triton.language as tl
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
-from ... import checks
+from ... import call_order, checks
 from ...protocol import call_epoch, finish_call, in_slot
 from .._exchange import (arrivals_at_least, arrive, await_counts, chunk_of, copy_rows, exchange_program, gather,
                          send_rows, send_values, split_rows)
@@ -316,13 +315,15 @@ class LowLatencyDispatch(Exchange):
                     local_world_size=w.local_world_size, W_PAD=layer.w_pad, E_PAD=layer.e_pad, BLOCK_R=BLOCK_R,
                     BLOCK_W=block_w(self.width), num_warps=8)
         self.fit(ll_dispatch_kernel, SEND=True, RECEIVE=True, **args)
-        receive = None
-        if hook:
-            self.start(ll_dispatch_kernel, coresident=False, SEND=True, RECEIVE=False, **args)
-            receive = functools.partial(self.start, ll_dispatch_kernel, coresident=False, SEND=False, RECEIVE=True,
-                                        **args)
-        else:
+        if not hook:
             self.start(ll_dispatch_kernel, SEND=True, RECEIVE=True, **args)
+            return recv._replace(x=self.unpack(received)), positions, None
+
+        def receive():  # it waits on the peers' sends, so it takes its turn as an op does
+            call_order.take_turn()
+            self.start(ll_dispatch_kernel, coresident=False, SEND=False, RECEIVE=True, **args)
+
+        self.start(ll_dispatch_kernel, coresident=False, SEND=True, RECEIVE=False, **args)
         return recv._replace(x=self.unpack(received)), positions, receive
 
     def unpack(self, received: torch.Tensor):
