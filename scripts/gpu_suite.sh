@@ -43,10 +43,11 @@ export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAS
 export TRITON_CACHE_DIR=$PWD/.triton-cache
 mkdir -p .triton-cache
 export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
-# The kernels the suite and the stress runs compiled on 2026-11-26 (one H100 and 4 x H100, worlds 2
-# to 2x2, with and without TRIDIST_DEBUG; carried over the layout of 2026-11-28, 1631 of them), so that
-# a bare machine precompiles them on every core at once. Refresh it from a returned cache (entries repeat in a log; precompile reads each once):
-#   gzip -9 -c .triton-cache/compile-log.jsonl > tests/gpu-compile-log.jsonl.gz
+# The kernels the suite and the stress runs compiled (2026-11-26 on H100s, with and without
+# TRIDIST_DEBUG, carried over to the layout of 2026-11-28; then the suite on 4 x H200 at worlds 2,
+# 2x1, 4 and 2x2 on 2026-11-28: 2367 distinct entries), so that a bare machine precompiles them on
+# every core at once. Refresh it from a returned cache (entries repeat; precompile reads each once):
+#   awk '!seen[$0]++' .triton-cache/compile-log.jsonl | gzip -9 > tests/gpu-compile-log.jsonl.gz
 gunzip -c tests/gpu-compile-log.jsonl.gz >> "$TRIDIST_COMPILE_LOG"  # precompile reads each entry once
 gpus=$(nvidia-smi -L | wc -l)
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(tr , '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -403,3 +404,15 @@ def test_xdist_workers_take_a_gpu_each(monkeypatch):
     monkeypatch.setenv("TRIDIST_BACKEND", "emulator")
     pin_worker_gpu()  # the emulator has no GPUs to share out
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_rendezvous_port_is_outside_the_ephemeral_range():
+    """Rank 0's store port is drawn below the ports the system hands out to other sockets, which
+    another job's bootstraps could take between the draw and rank 0's bind."""
+    from tridist.runtime.launcher import _first_ephemeral_port, _free_port
+
+    for _ in range(20):
+        port = _free_port()
+        assert 10000 <= port < _first_ephemeral_port()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

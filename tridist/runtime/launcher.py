@@ -21,6 +21,7 @@ change nothing there.
 """
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -136,9 +137,29 @@ def _run_on_gpus(nproc: int, command: list[str], env: dict, ranks_per_gpu: int |
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for rank 0's TCP store, drawn at random below the range the system hands out
+    to sockets that ask for any port. A port from that range, free when checked here, can be taken
+    before rank 0 binds it by any socket another job opens meanwhile (NCCL's and NVSHMEM's
+    bootstraps open several): two test jobs at once failed so, with EADDRINUSE."""
+    first_ephemeral = _first_ephemeral_port()
+    draw = random.SystemRandom()
+    tries = [draw.randrange(10000, first_ephemeral) for _ in range(64)] if first_ephemeral > 10000 else []
+    for port in tries + [0]:  # 0: any port, as a last resort
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise SystemExit("tridist run: no TCP port could be bound on 127.0.0.1 for the ranks' rendezvous")
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def launch(commands: list[list[str]], envs: list[dict], prefix: bool = True, out=None, err=None) -> int:
