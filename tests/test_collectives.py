@@ -609,6 +609,44 @@ def _call_order(w):
     b.free()
 
 
+def test_call_order_waits_only_when_the_stream_changes(monkeypatch):
+    """`call_order.take_turn`'s bookkeeping, host code only (CUDA's part is the GPU test below): on
+    the stream of the previous op nothing; on another stream a wait for an event recorded on the
+    previous one; none between a stream being captured and one that is not."""
+    import contextlib
+
+    from tridist.ops import call_order
+
+    class FakeStream:
+        def __init__(self, name, capturing=False):
+            self.name, self.capturing, self.device, self.waited = name, capturing, "cuda:0", []
+
+        def record_event(self):
+            return f"event on {self.name}"
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    current = [None]
+
+    @contextlib.contextmanager
+    def on(stream):
+        before, current[0] = current[0], stream
+        yield
+        current[0] = before
+
+    monkeypatch.setattr(call_order.backend, "is_emulator", lambda: False)
+    monkeypatch.setattr(call_order.torch.cuda, "current_stream", lambda: current[0])
+    monkeypatch.setattr(call_order.torch.cuda, "stream", on)
+    monkeypatch.setattr(call_order.torch.cuda, "is_current_stream_capturing", lambda: current[0].capturing)
+    monkeypatch.setattr(call_order, "_last", [None])
+    a, b, captured = FakeStream("a"), FakeStream("b"), FakeStream("captured", capturing=True)
+    for stream in (a, a, b, b, a, captured, b):
+        current[0] = stream
+        call_order.take_turn()
+    assert a.waited == ["event on b"] and b.waited == ["event on a"] and captured.waited == []
+
+
 def test_ops_start_in_call_order(world):
     """Ops called on two streams start on the GPU in the order they were called (`ops.call_order`):
     otherwise two ranks may start them in different orders, each holding the SMs that its peer's
