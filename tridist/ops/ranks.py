@@ -3,7 +3,7 @@
 Every op takes `group=None`. The op asks `ranks_of(group)` once, when it is built, and from then on
 uses the answer where it used the world before: `rank` and `world_size` are the group's (rank r of
 the group, `world_size` shards), `nnodes` and `local_world_size` its layout over nodes, and
-`handle` what its kernels receive as their `group` argument. For the world `handle` is None: the
+`group` what its kernels receive as their `group` argument. For the world `group` is None: the
 device functions (`dl.rank(group)`, `dl.symm_at(ptr, peer, group)`, ...) then compile exactly as
 they did before groups existed; for a group it is the `tridist.Group`, whose device table
 translates group ranks into the world's.
@@ -31,7 +31,8 @@ class Ranks:
         nnodes: the nodes they span.
         local_world_size: how many of them are on each node.
         device: this rank's device.
-        group: the `tridist.Group`, or None for the world.
+        group: the `tridist.Group`, or None for the world: the kernels' `group` argument (a
+            pointer to the group's device table).
         key: a hashable name, the same on every member (the instance caches key on it).
         ranks: their world ranks, in order (what error messages name).
     """
@@ -44,11 +45,6 @@ class Ranks:
     group: "groups.Group | None"
     key: tuple
     ranks: tuple
-
-    @property
-    def handle(self):
-        """The kernels' `group` argument: None for the world, else the group (a pointer to its table)."""
-        return self.group
 
     def allgather_objects(self, value) -> list:
         """Every member's `value`, in member order (a host collective of the members only)."""

@@ -134,7 +134,7 @@ class FlashDecode:
                          units=self.units, splits=splits, slot_numel=ws.slot_numel if ws else 0,
                          local_world_size=self.ranks.local_world_size, GROUP=self.heads_per_kv, D=self.head_dim,
                          COLUMNS=self.columns, ROWS=self.rows, RANK_ROWS=self.rank_rows, EXCHANGE=ws is not None,
-                         group=self.ranks.handle, num_warps=COMBINE_WARPS, launch_pdl=True)
+                         group=self.ranks.group, num_warps=COMBINE_WARPS, launch_pdl=True)
         if not self.fitted:
             self.combine_programs = sizing.fit_coresident(flash_decode_combine_kernel, self.items, 1, **arguments)
             self.fitted = True

@@ -73,4 +73,4 @@ def reduce_packets(packets: PacketRows, x: torch.Tensor, out: torch.Tensor, peer
         x_ptr=x.view(-1).view(torch.int32), out_ptr=out.view(-1).view(torch.int32), packets_ptr=packets.staging,
         calls_ptr=packets.calls, n=packets.words, peer_stride=peer_stride, row=packets.row,
         slot_numel=packets.slot_numel, DTYPE=checks.TRITON_DTYPES[x.dtype], splits=packets.splits, BLOCK=LL_BLOCK,
-        group=ranks.handle)
+        group=ranks.group)

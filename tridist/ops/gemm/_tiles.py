@@ -105,7 +105,7 @@ class TileMethod(Method):
         ws = self.workspace
         args = dict(a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out,
                     tiles_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
-                    local_world_size=self.ranks.local_world_size, group=self.ranks.handle, **self.config)
+                    local_world_size=self.ranks.local_world_size, group=self.ranks.group, **self.config)
         if not self.fitted:
             self.programs = sizing.fit_coresident(self.kernel, self.programs, 1, **args)
             self.fitted = True

@@ -178,7 +178,7 @@ class AllGatherGEMM:
             own_desc=own_desc, a_desc=self.a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b,
             out_ptr=out, flags_ptr=gather.flags, calls_ptr=self.calls, m_shard=self.m_shard, N=self.n, K=self.k,
             slot_rows=gather.slot_rows, FLAGS_PER_SHARD=gather.flags_per_shard, EPOCH_FLAGS=gather.epoch_flags,
-            group=self.ranks.handle, **self.config)
+            group=self.ranks.group, **self.config)
         gather.finish()
         return out
 

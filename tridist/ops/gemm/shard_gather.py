@@ -21,7 +21,7 @@ The contract a GEMM reads (`ShardGather`'s attributes):
 - Queue `start(shard)` before the GEMM and `finish()` after it. At world size 1 both do nothing:
   the GEMM reads its own shard where it is, never from `gathered`.
 - Ranks, shards and world_size are those of the feeder's `ranks` (the world, or the op's group):
-  a GEMM reading it numbers shards by the same ranks (its kernel's `group` is `ranks.handle`).
+  a GEMM reading it numbers shards by the same ranks (its kernel's `group` is `ranks.group`).
 """
 import torch
 
@@ -143,7 +143,7 @@ class PushGather(ShardGather):
                 x_ptr=shard, out_ptr=self.gathered, staging_ptr=self.gathered, flags_ptr=self.flags,
                 calls_ptr=self.push_calls, n=n, row=n, slot_numel=self.slot_rows * self.k,
                 local_world_size=self.ranks.local_world_size, COPY_OUT=False, splits=self.splits, BLOCK=PUSH_BLOCK,
-                group=self.ranks.handle, num_warps=8, coresident=True)
+                group=self.ranks.group, num_warps=8, coresident=True)
 
     def finish(self) -> None:
         if self.ranks.world_size > 1:

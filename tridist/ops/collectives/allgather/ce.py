@@ -42,5 +42,5 @@ class CopyEngines(Method):
         all_gather_ce_kernel[(ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=transfer.staging, flags_ptr=transfer.flags, n=self.numel,
             total=out.numel(), row=transfer.row, chunk=transfer.chunk, chunks=transfer.chunks, COPY_OWN=True,
-            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=ranks.handle)
+            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=ranks.group)
         transfer.join()

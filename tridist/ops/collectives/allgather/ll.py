@@ -65,4 +65,4 @@ class Packets(Method):
         all_gather_ll_kernel[(self.ranks.world_size, ws.splits)](
             x_ptr=x.view(-1).view(torch.int32), out_ptr=out.view(-1).view(torch.int32), packets_ptr=ws.staging,
             calls_ptr=ws.calls, n=ws.words, row=ws.row, slot_numel=ws.slot_numel, splits=ws.splits, BLOCK=LL_BLOCK,
-            group=self.ranks.handle)
+            group=self.ranks.group)

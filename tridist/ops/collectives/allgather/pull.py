@@ -61,4 +61,4 @@ class Pull(Method):
         all_gather_pull_kernel[(self.ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
             slot_numel=ws.slot_numel, splits=self.splits, BLOCK=self.block, num_warps=self.warps,
-            group=self.ranks.handle)
+            group=self.ranks.group)

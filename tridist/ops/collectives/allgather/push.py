@@ -71,4 +71,4 @@ class Push(Method):
         all_gather_push_kernel[(ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
             row=self.row, slot_numel=ws.slot_numel, local_world_size=ranks.local_world_size, slices=self.slices,
-            BLOCK=self.block, num_warps=self.warps, group=ranks.handle)
+            BLOCK=self.block, num_warps=self.warps, group=ranks.group)

@@ -68,4 +68,4 @@ class Ring(Method):
         all_gather_ring_kernel[(self.splits,)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
             row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,
-            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)
+            splits=self.splits, BLOCK=self.block, num_warps=self.warps, group=self.ranks.group)

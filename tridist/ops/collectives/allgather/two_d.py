@@ -100,7 +100,7 @@ class TwoD(Method):
         arguments = dict(x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls,
                     n=self.numel, row=self.row, slot_numel=ws.slot_numel,
                     local_world_size=self.ranks.local_world_size, COPY_OUT=True, BLOCK=self.block,
-                    num_warps=self.warps, group=self.ranks.handle)
+                    num_warps=self.warps, group=self.ranks.group)
         if not self.fitted:  # fewer splits use fewer of the workspace's flags
             self.splits = sizing.fit_coresident(all_gather_2d_kernel, self.splits, self.tasks,
                                                    splits=self.splits, **arguments)

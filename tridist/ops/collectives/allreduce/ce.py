@@ -53,11 +53,11 @@ class CopyEngines(Method):
         reduce_ce_kernel[(self.splits,)](
             x_ptr=source, out_ptr=mine, staging_ptr=scatter.staging, flags_ptr=scatter.flags, n=n, m=m,
             row=scatter.row, chunk=scatter.chunk, chunks=scatter.chunks, splits=self.splits, BLOCK=self.block,
-            num_warps=self.warps, group=ranks.handle)
+            num_warps=self.warps, group=ranks.group)
         gather.push([mine] * ranks.world_size)
         all_gather_ce_kernel[(ranks.world_size, self.splits)](
             x_ptr=target, out_ptr=target, staging_ptr=gather.staging, flags_ptr=gather.flags, n=m, total=n,
             row=gather.row, chunk=gather.chunk, chunks=gather.chunks, COPY_OWN=False, splits=self.splits,
-            BLOCK=self.block, num_warps=self.warps, group=ranks.handle)
+            BLOCK=self.block, num_warps=self.warps, group=ranks.group)
         scatter.join()
         gather.join()

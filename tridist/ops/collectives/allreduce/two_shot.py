@@ -100,6 +100,6 @@ class TwoShot(Method):
         all_reduce_two_shot_kernel[(self.ranks.world_size, self.splits)](
             x_ptr=source, out_ptr=target, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls,
             m=self.chunk, row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,
-            slices=self.slices, BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)
+            slices=self.slices, BLOCK=self.block, num_warps=self.warps, group=self.ranks.group)
         if self.padded is not None:
             out.view(-1).copy_(target[:self.numel])

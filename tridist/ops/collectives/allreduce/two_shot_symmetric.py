@@ -86,4 +86,4 @@ class SymmetricTwoShot(Method):
         ws = self.workspace
         all_reduce_symmetric_kernel[(self.splits,)](
             x_ptr=x, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel, m=self.chunk, slices=self.slices,
-            BLOCK=self.block, num_warps=self.warps, group=self.ranks.handle)
+            BLOCK=self.block, num_warps=self.warps, group=self.ranks.group)

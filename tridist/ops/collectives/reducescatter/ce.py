@@ -40,5 +40,5 @@ class CopyEngines(Method):
         reduce_ce_kernel[(self.splits,)](
             x_ptr=x, out_ptr=out, staging_ptr=transfer.staging, flags_ptr=transfer.flags, n=self.numel, m=self.chunk,
             row=transfer.row, chunk=transfer.chunk, chunks=transfer.chunks, splits=self.splits, BLOCK=self.block,
-            num_warps=self.warps, group=self.ranks.handle)
+            num_warps=self.warps, group=self.ranks.group)
         transfer.join()

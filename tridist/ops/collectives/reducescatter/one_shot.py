@@ -65,4 +65,4 @@ class OneShot(Method):
         reduce_scatter_kernel[(ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, m=self.chunk,
             row=self.row, slot_numel=ws.slot_numel, local_world_size=ranks.local_world_size,
-            slices=self.slices, BLOCK=self.block, num_warps=self.warps, group=ranks.handle)
+            slices=self.slices, BLOCK=self.block, num_warps=self.warps, group=ranks.group)

@@ -121,4 +121,4 @@ class LowLatency(Method):
             a_desc=a_desc, b_desc=b_desc, scale_a_ptr=scale_a, scale_b_ptr=scale_b, out_ptr=out.view(torch.int32),
             own_ptr=self.own_tiles, packets_ptr=ws.staging, calls_ptr=ws.calls, M=self.m, N=self.n, K=self.k,
             row=ws.row, slot_numel=ws.slot_numel, DTYPE=checks.TRITON_DTYPES[self.out_dtype], STEP=self.step,
-            group=self.ranks.handle, **self.config)
+            group=self.ranks.group, **self.config)

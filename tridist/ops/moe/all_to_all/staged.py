@@ -173,7 +173,7 @@ class Staged(Method):
                     result_ptr=result, staging=self.staging, width=self.width, region=self.rows,
                     out_rows=self.out_rows, experts=self.experts, major_align=major_align,
                     local_world_size=w.local_world_size, LAYOUT=self.layout, W_PAD=self.w_pad, G_PAD=self.g_pad,
-                    BLOCK_R=BLOCK_R, BLOCK_W=self.block_w, group=w.handle)
+                    BLOCK_R=BLOCK_R, BLOCK_W=self.block_w, group=w.group)
         if not self.fitted:  # a program waits for a flag another program of its launch raises
             self.splits = sizing.fit_coresident(all_to_all_v_kernel, self.splits, w.world_size, splits=self.splits,
                                                    **args)

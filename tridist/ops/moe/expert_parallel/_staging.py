@@ -91,7 +91,7 @@ class Exchange(Method):
         arguments can hold."""
         if not self.fitted:
             self.splits = sizing.fit_coresident(kernel, self.splits, self.ranks.world_size, splits=self.splits,
-                                                   group=self.ranks.handle, **args)
+                                                   group=self.ranks.group, **args)
             self.fitted = True
 
     def start(self, kernel, coresident: bool = True, **args) -> None:
@@ -99,7 +99,7 @@ class Exchange(Method):
         sends or only receives."""
         self.fit(kernel, **args)
         kernel[(self.ranks.world_size, self.splits)](splits=self.splits, coresident=coresident,
-                                                     group=self.ranks.handle, **args)
+                                                     group=self.ranks.group, **args)
 
 
 @triton.jit

@@ -166,7 +166,7 @@ class GatherGemm(Method):
             segments=Segments(pair_of_row=handle.pair_of_row, counts=handle.padded_counts, base=handle.padded_base),
             tokens=self.tokens, N=self.n, K=self.k, TOPK=self.topk, W_PAD=triton.next_power_of_2(w.world_size),
             E_PAD=handle.e_pad, FLAGS_PER_SHARD=gather.flags_per_shard, EPOCH_FLAGS=gather.epoch_flags,
-            BY_EXPERT=self.by_expert, group=w.handle, **config)
+            BY_EXPERT=self.by_expert, group=w.group, **config)
         gather.finish()
         return handle
 

@@ -296,12 +296,12 @@ class GemmCombine(Method):
             h_desc=h_desc, w_desc=grouped.weight_descriptor(w_shard, config), products_ptr=self.gemm.products,
             counts_ptr=handle.padded_counts, base_ptr=handle.padded_base, done_ptr=self.gemm.done,
             calls_ptr=self.gemm_calls, N=self.k, K=self.n, COUNT=self.overlap, W_PAD=w_pad, E_PAD=e_pad,
-            BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), group=w.handle, **config)
+            BY_EXPERT=self.by_expert, ZERO_TAIL=grouped.zero_tail(h.device), group=w.group, **config)
         args = dict(gemm=self.gemm, row_of_pair_ptr=handle.row_of_pair, counts_ptr=handle.padded_counts,
                     weights_ptr=topk_weights_shard, out_ptr=out, tokens=self.tokens, K=self.k,
                     local_world_size=w.local_world_size, spans=self.spans, span=self.span, TOPK=self.topk,
                     GEMM_BLOCK_M=config["BLOCK_M"], W_PAD=w_pad, E_PAD=e_pad, BY_EXPERT=self.by_expert,
-                    CHUNK=self.chunk, BLOCK_C=self.block_c, group=w.handle)
+                    CHUNK=self.chunk, BLOCK_C=self.block_c, group=w.group)
         if self.peers:
             programs = self.comm_programs if self.overlap else self.programs
             with self.side.fork() if self.overlap else contextlib.nullcontext():

@@ -221,7 +221,7 @@ class Router:
         route_kernel[(1,)](idx_ptr=topk_idx, sorted_ptr=own, exchange_ptr=ws.staging, flags_ptr=ws.flags,
                            calls_ptr=ws.calls, layout_ptr=layout, pairs=self.pairs, E=self.experts, row=self.row,
                            slot_numel=ws.slot_numel, local_world_size=w.local_world_size, E_PAD=self.e_pad,
-                           num_warps=8, group=w.handle)
+                           num_warps=8, group=w.group)
         return MoEHandle(layout, w.world_size, self.tokens, self.topk, self.experts, dropped_expert_ids)
 
     def free(self) -> None:
