@@ -45,8 +45,6 @@ def steps_for(numel: int, itemsize: int, programs: int, step_bytes: int = STEP_B
     return block, splits_for(numel, block, programs), warps_for(block, itemsize)
 
 
-
-
 def slices_for(numel: int, itemsize: int, splits: int) -> int:
     """Slices of `numel` elements for kernels whose `splits` programs take them in turn (program s:
     slices s, s + splits, ...), each slice with its own flag, so that its consumer starts on it while
@@ -86,8 +84,6 @@ def programs_limit(programs: int | None, world) -> int:
         return programs_for(world.device)
     check_programs(programs)
     return programs
-
-
 
 
 # Steps of the kernels that wait for copy-engine flags: 8 KB keeps them on 4 warps (at most 255
