@@ -1,4 +1,7 @@
 """`dl.shmem` (OpenSHMEM-style puts, gets, signals, atomics) and `dl.ll` packets, on every world."""
+import os
+
+import pytest
 import torch
 import triton.language as tl
 
@@ -229,6 +232,46 @@ def test_shmem_ptr_reachability(world):
             assert row == [int(p // per_node == rank // per_node) for p in range(size)]
     else:
         assert all(all(row) for row in results)
+
+
+# ---- registered memory only (TRIDIST_REGISTERED_ONLY) ------------------------------------------------
+
+
+@tridist.jit
+def put_to_next_node_kernel(dst_ptr, src_ptr, nbytes, peer):
+    dl.shmem.putmem(dst_ptr, src_ptr, nbytes, peer)
+
+
+def _put_from(w, symmetric_source):
+    """A put to the same local rank of the next node, from a symmetric or a regular tensor, with the
+    emulator checking what a network transport would: its local side must be registered memory."""
+    peer = (w.rank + w.world_size // w.nnodes) % w.world_size
+    dst = tridist.symm_zeros((64,), torch.int32)
+    src = tridist.symm_empty((64,), torch.int32) if symmetric_source else torch.empty(64, dtype=torch.int32)
+    src.copy_(torch.arange(64, dtype=torch.int32) + 1000 * w.rank)
+    os.environ["TRIDIST_REGISTERED_ONLY"] = "1"
+    try:
+        if symmetric_source:
+            put_to_next_node_kernel[(1,)](dst, src, 256, peer)
+        else:
+            with pytest.raises(ValueError, match=f"putmem with rank {peer} on node .* outside the symmetric heap"):
+                put_to_next_node_kernel[(1,)](dst, src, 256, peer)
+    finally:
+        del os.environ["TRIDIST_REGISTERED_ONLY"]
+    tridist.barrier_all()
+    sender = (w.rank - w.world_size // w.nnodes) % w.world_size
+    if symmetric_source:
+        assert torch.equal(dst.cpu(), torch.arange(64, dtype=torch.int32) + 1000 * sender)
+    for t in (dst, src) if symmetric_source else (dst,):
+        tridist.symm_free(t)
+
+
+@pytest.mark.worlds("2x2")
+def test_registered_only_refuses_unregistered_sources_across_nodes(world):
+    if world.backend != "emulator":
+        pytest.skip("an emulator check: NVSHMEM's own transport refuses such a put on a real network")
+    for symmetric_source in (True, False):
+        world.run(_put_from, symmetric_source=symmetric_source)
 
 
 # ---- low-latency packets -------------------------------------------------------------------------------

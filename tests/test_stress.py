@@ -198,8 +198,11 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
     figures = json.loads((tmp_path / "stress-cpux2-2026-11-24.json").read_text())
     assert (figures["calls"], figures["wrong"], figures["hangs"], figures["world"]) == (5, 1, 0, 2)
     assert len(figures["wrong_calls"]) == 2, "each rank's line is kept"
-    monkeypatch.setattr(launcher, "run", fake_launch([{"rank": r, "calls": 5, "wrong": []} for r in (0, 1)]))
+    monkeypatch.setattr(launcher, "run", fake_launch([
+        {"rank": 0, "calls": 5, "wrong": [], "environment": {"date": "2026-11-24"}}, {"rank": 1, "calls": 5, "wrong": []}]))
     assert stress.main(args) == 0
+    assert json.loads((tmp_path / "stress-cpux2-2026-11-24-2.json").read_text())["wrong"] == 0, \
+        "a second run of the day keeps the first one's file"
     assert re.fullmatch(r"stress: 5 calls, 0 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
     failed = {"kind": "failed", "what": "call 2 ...", "message": "ValueError: ..."}
     monkeypatch.setattr(launcher, "run", fake_launch([
@@ -210,8 +213,9 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
     part = parser.parse_args(["-n", "2", "--calls", "9", "--seed", "3", "--first-call", "4", "--out", str(tmp_path)])
     monkeypatch.setattr(launcher, "run", fake_launch([
         {"rank": r, "calls": 5, "wrong": [], "environment": {"date": "2026-11-24"}} for r in (0, 1)]))
+    monkeypatch.setenv("TRIDIST_DEBUG", "1")
     assert stress.main(part) == 0
-    figures = json.loads((tmp_path / "stress-seed3-from4-cpux2-2026-11-24.json").read_text())
+    figures = json.loads((tmp_path / "stress-debug-seed3-from4-cpux2-2026-11-24.json").read_text())
     assert (figures["calls"], figures["first_call"], figures["requested_calls"]) == (5, 4, 5), "a part of a plan"
 
 

@@ -127,12 +127,22 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
     path. Where ranks share a GPU it records so (`shared_gpu.fields`) and its name says "shared", so
     that it is never taken for a result measured on GPUs of their own."""
     env = environment()
+    return write_new(folder, name, env, {"benchmark": name, **env, **shared_gpu.fields(), **(extra or {}), "rows": rows})
+
+
+def write_new(folder: str, name: str, env: dict, payload: dict, ranks: int | None = None) -> str:
+    """Writes `payload` as JSON under the first of `file_name`'s names (repeat 1, 2, ...) that no file
+    in `folder` has, and returns its path. The file is created exclusively, so two runs that end at
+    once on one machine (a job per GPU pair) each keep their own file."""
     os.makedirs(folder, exist_ok=True)
-    path = next(path for path in (os.path.join(folder, file_name(name, env, repeat=repeat))
-                                  for repeat in itertools.count(1)) if not os.path.exists(path))
-    with open(path, "w") as f:
-        json.dump({"benchmark": name, **env, **shared_gpu.fields(), **(extra or {}), "rows": rows}, f, indent=1)
-    return path
+    for repeat in itertools.count(1):
+        path = os.path.join(folder, file_name(name, env, ranks=ranks, repeat=repeat))
+        try:
+            with open(path, "x") as f:
+                json.dump(payload, f, indent=1)
+            return path
+        except FileExistsError:
+            continue
 
 
 def latest(name: str, folder: str, **fields) -> tuple[str, dict] | None:

@@ -20,7 +20,7 @@ from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import TensorHandle, _get_np_dtype
 from triton.runtime.interpreter import _interpreter as _memory
 
-from ..runtime import emulator, groups, wait_report
+from ..runtime import config, emulator, groups, wait_report
 from ..runtime.errors import DeviceCheckError
 from ..runtime.world import heap, transport, world
 from ._constants import CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE, SCOPES, SEMANTICS, SIGNAL_ADD, SIGNAL_SET
@@ -327,12 +327,28 @@ def _local(x) -> int:
     return int(_addresses(x).reshape(-1)[0])
 
 
+def _registered(local: int, nbytes: int, pe, group, what: str) -> int:
+    """`local`, checked under TRIDIST_REGISTERED_ONLY: a network transport moves only memory NVSHMEM
+    registered (the symmetric heap), so the local side of a transfer to another node must lie in it."""
+    peer = _pe(pe, group, what)
+    if nbytes > 0 and config.registered_only() and not world().same_node(peer):
+        h = heap()
+        if not 0 <= local - h.base_ptr <= h.nbytes - nbytes:
+            raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {what} with rank {peer} on "
+                             f"node {world().node_of(peer)} of {nbytes} bytes at local memory outside the symmetric "
+                             "heap: a network transport refuses memory NVSHMEM did not register; stage it through "
+                             "a tensor from tridist.symm_empty (TRIDIST_REGISTERED_ONLY=1)")
+    return local
+
+
 def putmem(dest, source, nbytes, pe, group=None):
-    _copy(_remote(dest, pe, "putmem", group), _local(source), int(_value(nbytes)))
+    nbytes = int(_value(nbytes))
+    _copy(_remote(dest, pe, "putmem", group), _registered(_local(source), nbytes, pe, group, "putmem"), nbytes)
 
 
 def getmem(dest, source, nbytes, pe, group=None):
-    _copy(_local(dest), _remote(source, pe, "getmem", group), int(_value(nbytes)))
+    nbytes = int(_value(nbytes))
+    _copy(_registered(_local(dest), nbytes, pe, group, "getmem"), _remote(source, pe, "getmem", group), nbytes)
 
 
 def _shmem_signal(sig_addr, signal, sig_op, pe, what: str, group):

@@ -41,9 +41,9 @@ names and families (`collectives`, `gemm`, `moe`, `attention`, `stencil`: the mo
 stops prints `stopped early: C of N calls` before the summary and fails (EXIT_STOPPED_EARLY), unless
 --time-box says the time limit is the run's intended end; --out
 writes the figures as JSON (into a folder, named `stress-<device>x<ranks>-<date>.json` as the
-benchmarks' results are, `stress-seed<S>-...` for a seed other than 0, `stress[-seed<S>]-from<I>-...`
-for a run from call I: a long plan split into runs of consecutive calls, a GPU each, keeps a file
-per run). Exit codes: 0 right, 1
+benchmarks' results are, `stress-debug-...` with TRIDIST_DEBUG, `-seed<S>` for a seed other than 0,
+`-from<I>` for a run from call I, and `-<repeat>` after the date where the name is taken: runs on
+one day, a GPU pair each, keep a file each). Exit codes: 0 right, 1
 wrong results, 3 a hang, 4 a call failed, 5 stopped early by --time-limit (without --time-box).
 """
 import argparse
@@ -146,6 +146,9 @@ def main(args: argparse.Namespace) -> int:
               + (", --time-box)" if args.time_box else f"; calls from {args.first_call + figures['calls']} on were "
                  "not made: continue with --first-call there, or give --time-box if the limit is the intended end)"),
               flush=True)
+    if figures["seconds_by_op"]:
+        print("rank 0's seconds by op: " + ", ".join(f"{op} {v['s']:g} s ({v['calls']} calls)"
+                                                     for op, v in figures["seconds_by_op"].items()), flush=True)
     print(f"stress: {figures['calls']} calls, {figures['wrong']} wrong, {figures['hangs']} hangs, {wall:.1f} s",
           flush=True)
     if figures["hangs"]:
@@ -181,23 +184,27 @@ def summarise(reports: list[dict], code: int) -> dict:
             "wrong_calls": [f"rank {r['rank']}: {entry['line']}" for r in reports for entry in r["wrong"]],
             "stops": [{"rank": r["rank"], **r["stop"]} for r in reports if r.get("stop")],
             "skipped": first.get("skipped", {}),
+            "seconds_by_op": {op: {"calls": calls, "s": round(seconds, 1)}
+                              for op, (calls, seconds) in sorted(first.get("seconds_by_op", {}).items(),
+                                                                 key=lambda item: -item[1][1])},
             "environment": first.get("environment", {})}
 
 
 def _save(out: str, figures: dict) -> str:
-    from ..bench.results import file_name
+    from ..bench.results import write_new
 
     environment = figures.pop("environment")
-    path = out
-    if not out.endswith(".json"):
-        os.makedirs(out, exist_ok=True)
-        # Runs of several seeds, or of parts of one plan, on one day (a GPU each) keep a file each.
-        name = "stress" if figures["seed"] == 0 else f"stress-seed{figures['seed']}"
-        if figures["first_call"]:
-            name += f"-from{figures['first_call']}"
-        path = os.path.join(out, file_name(name, environment or {"date": time.strftime("%Y-%m-%d")},
-                                           ranks=figures["world"]))
-    with open(path, "w") as f:
-        json.dump({"benchmark": "stress", **environment, **figures}, f, indent=1)
-    return path
+    payload = {"benchmark": "stress", **environment, **figures}
+    if out.endswith(".json"):
+        with open(out, "w") as f:
+            json.dump(payload, f, indent=1)
+        return out
+    # Runs of several seeds, of parts of one plan, or with and without TRIDIST_DEBUG on one day keep
+    # a file each.
+    name = "stress" + ("-debug" if figures["debug"] else "")
+    if figures["seed"]:
+        name += f"-seed{figures['seed']}"
+    if figures["first_call"]:
+        name += f"-from{figures['first_call']}"
+    return write_new(out, name, environment or {"date": time.strftime("%Y-%m-%d")}, payload, ranks=figures["world"])
 

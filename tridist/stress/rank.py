@@ -227,7 +227,8 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
     plan = cases.plan(seed, calls, world, cases.select(ops))
     if world.rank == 0:
         _print_plan(plan, seed, world)
-    report = {"rank": world.rank, "calls": 0, "wrong": [], "stop": None, "skipped": plan.skipped}
+    # Seconds per op (first calls compile their kernels): where a long run's time goes, for sizing the next.
+    report = {"rank": world.rank, "calls": 0, "wrong": [], "stop": None, "skipped": plan.skipped, "seconds_by_op": {}}
     runner = Runner(world, seed, plant_wrong, plant_hang, on_wrong=lambda: _write(reports, world.rank, report))
     report["wrong"] = runner.wrong
     if world.rank == 0:
@@ -263,11 +264,15 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
             what = f"call {call.index} {call.describe()}"
             report["calls"] = call.index + 1 - first_call  # calls started
             dog.watch(what)
+            call_started = time.monotonic()
             try:
                 runner.run(call)
             except Stop as error:
                 stop(error.kind, what, str(error), report["calls"])
             dog.done()
+            calls_and_seconds = report["seconds_by_op"].setdefault(call.op, [0, 0.0])
+            calls_and_seconds[0] += 1
+            calls_and_seconds[1] += time.monotonic() - call_started
         dog.watch("the end of the run (a barrier, then freeing the instances the functions keep)")
         runner.finish()
     finally:
