@@ -2,7 +2,6 @@
 poisoned outputs, back-to-back calls with no host synchronisation in between; within process groups
 (`group=`), several at once."""
 import functools
-import os
 
 import pytest
 import torch
@@ -693,28 +692,6 @@ def test_auto_crossovers_symmetric(op, nbytes, nodes, method):
 
 
 # ---- within process groups (`group=`) ------------------------------------------------------------------
-
-
-def _through_a_network(w):
-    """The calls that move only registered memory to other nodes (docs/guide/virtual-nodes.md), under
-    the emulator's check of it: the reduce-scatter's staged methods on regular tensors, and the
-    all-gather and all-reduce on symmetric ones."""
-    os.environ["TRIDIST_REGISTERED_ONLY"] = "1"
-    try:
-        for method in ("2d", "ring"):
-            _reduce_scatter(w, method, torch.float32, rows=5, calls=2)
-        for method in ("push", "2d", "ring"):
-            _all_gather_symmetric(w, method, torch.float32, (7, 3), calls=2, own_row=True)
-        _all_reduce_symmetric(w, "two_shot", torch.float32, numel=104, calls=2)
-    finally:
-        del os.environ["TRIDIST_REGISTERED_ONLY"]
-
-
-@pytest.mark.worlds("2x2")
-def test_collectives_move_registered_memory_across_nodes(world):
-    if world.backend != "emulator":
-        pytest.skip("the check is the emulator's (TRIDIST_REGISTERED_ONLY)")
-    world.run(_through_a_network)
 
 
 def _group_payload(group_id: int, rank: int, call: int, n: int) -> torch.Tensor:

@@ -226,11 +226,12 @@ def _shmem_forms(w, world_as_group: bool):
     previous = (g.rank - 1) % g.size
     assert words.tolist() == [1000 + previous if i == previous else 0 for i in range(g.size)]
     assert counter.item() == (g.size if g.rank == 0 else 0)
-    got = torch.full((1 + g.size,), -1, dtype=torch.int64, device=w.device)
+    got = tridist.symm_empty((1 + g.size,), torch.int64, group=pg)  # a get's local side: registered memory
+    got.fill_(-1)
     group_get_kernel[(1,)](words, got, g)
     assert got.tolist() == [1000 + g.rank, *[1000 + g.rank if i == g.rank else 0 for i in range(g.size)]]
     g.barrier()
-    for t in (counter, words):
+    for t in (got, counter, words):
         tridist.symm_free(t)
     tridist.barrier_all()
 

@@ -243,25 +243,26 @@ def put_to_next_node_kernel(dst_ptr, src_ptr, nbytes, peer):
 
 
 def _put_from(w, symmetric_source):
-    """A put to the same local rank of the next node, from a symmetric or a regular tensor, with the
-    emulator checking what a network transport would: its local side must be registered memory."""
+    """A put to the same local rank of the next node, from a symmetric or a regular tensor: the
+    emulator checks what a network transport would, that its local side is registered memory
+    (TRIDIST_REGISTERED_ONLY, on unless set to 0)."""
     peer = (w.rank + w.world_size // w.nnodes) % w.world_size
     dst = tridist.symm_zeros((64,), torch.int32)
     src = tridist.symm_empty((64,), torch.int32) if symmetric_source else torch.empty(64, dtype=torch.int32)
     src.copy_(torch.arange(64, dtype=torch.int32) + 1000 * w.rank)
-    os.environ["TRIDIST_REGISTERED_ONLY"] = "1"
-    try:
-        if symmetric_source:
+    if symmetric_source:
+        put_to_next_node_kernel[(1,)](dst, src, 256, peer)
+    else:
+        with pytest.raises(ValueError, match=f"putmem with rank {peer} on node .* outside the symmetric heap"):
             put_to_next_node_kernel[(1,)](dst, src, 256, peer)
-        else:
-            with pytest.raises(ValueError, match=f"putmem with rank {peer} on node .* outside the symmetric heap"):
-                put_to_next_node_kernel[(1,)](dst, src, 256, peer)
-    finally:
-        del os.environ["TRIDIST_REGISTERED_ONLY"]
+        os.environ["TRIDIST_REGISTERED_ONLY"] = "0"  # as NVLink between virtual nodes allows
+        try:
+            put_to_next_node_kernel[(1,)](dst, src, 256, peer)
+        finally:
+            del os.environ["TRIDIST_REGISTERED_ONLY"]
     tridist.barrier_all()
     sender = (w.rank - w.world_size // w.nnodes) % w.world_size
-    if symmetric_source:
-        assert torch.equal(dst.cpu(), torch.arange(64, dtype=torch.int32) + 1000 * sender)
+    assert torch.equal(dst.cpu(), torch.arange(64, dtype=torch.int32) + 1000 * sender)
     for t in (dst, src) if symmetric_source else (dst,):
         tridist.symm_free(t)
 

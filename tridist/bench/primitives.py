@@ -241,7 +241,7 @@ def put_get_latency_rows(sizes: list[int], rounds: int = 10, timed: bool = True)
     largest = max(sizes)
     src = tridist.symm_empty((largest,), torch.uint8)
     put_dst = tridist.symm_empty((largest,), torch.uint8)
-    get_dst = torch.empty(largest, dtype=torch.uint8, device=w.device)
+    get_dst = tridist.symm_empty((largest,), torch.uint8)  # a get's local side, registered as across nodes it must be
     def pattern(rank):  # bytes that differ from rank to rank and along the buffer
         return ((torch.arange(largest) * 7 + rank * 13) % 251).to(torch.uint8).to(w.device)
 
@@ -263,7 +263,7 @@ def put_get_latency_rows(sizes: list[int], rounds: int = 10, timed: bool = True)
             if timed:
                 row[f"{name} us"] = slowest(time_us(fn, inner=10, repetitions=10, graph=True)) / rounds
         rows.append(row)
-    for t in (put_dst, src):
+    for t in (get_dst, put_dst, src):
         tridist.symm_free(t)
     return rows
 

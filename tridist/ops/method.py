@@ -11,6 +11,12 @@ same method in the same order), launched any number of times on one stream, and 
 collectively. Its constructor takes what the op was built for (each family passes its own
 arguments, the same to all of its methods); everything it allocates goes into `buffers`, which
 `free` gives back in order, so that every method has the same attributes whatever it allocated.
+
+Across nodes a put's local side must be memory the network card may read: NVSHMEM registers its
+symmetric heap and nothing else, and InfiniBand or UCX refuse the rest (on one node, and on virtual
+nodes of one machine, NVLink reads any device memory). A method that puts from a caller's tensor
+to other nodes builds a `send_buffer` and puts from `sendable(x, buffer)`: x itself where it is
+symmetric, else x copied there first. The emulator checks this under TRIDIST_REGISTERED_ONLY=1.
 """
 import torch
 
@@ -38,6 +44,25 @@ class Method:
         """Record `buffer` as this method's, to be freed with it; returns `buffer`."""
         self.buffers.append(buffer)
         return buffer
+
+    def send_buffer(self, ranks, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor | None:
+        """Where `ranks` (an `ops.ranks.Ranks`) span nodes, a symmetric buffer of `numel` elements of
+        `dtype` this method owns, from which `sendable` lets its puts read; None on one node."""
+        if ranks.nnodes == 1:
+            return None
+        return self.own(tridist.symm_empty((numel,), dtype, group=ranks.group, name=f"{name} send buffer"))
+
+    @staticmethod
+    def sendable(x: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+        """x where a network transport can read it (one node, or x symmetric), else x copied into
+        the front of `buffer` (`send_buffer`) on the current stream. The copy is reused by the next
+        call: the kernel that puts from it ends with `dl.shmem.quiet`, so stream order keeps the two
+        apart."""
+        if buffer is None or tridist.is_symmetric(x):
+            return x
+        staged = buffer[:x.numel()].view(x.shape)
+        staged.copy_(x)
+        return staged
 
     def launch(self, *args, **kwargs) -> None:
         """Run one call on the current stream (no host synchronisation, capturable)."""

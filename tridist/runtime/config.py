@@ -72,10 +72,11 @@ def debug() -> bool:
 
 
 def registered_only() -> bool:
-    """TRIDIST_REGISTERED_ONLY=1: the emulator refuses a put or get to a rank on another node whose
-    local side lies outside the symmetric heap, as a network transport (InfiniBand, UCX) refuses
-    memory NVSHMEM never registered. Read at each transfer."""
-    return os.environ.get("TRIDIST_REGISTERED_ONLY", "0") not in ("", "0")
+    """TRIDIST_REGISTERED_ONLY (default 1): the emulator refuses a put or get to a rank on another
+    node whose local side lies outside the symmetric heap, as a network transport (InfiniBand, UCX)
+    refuses memory NVSHMEM never registered; 0 allows it, as NVLink between virtual nodes does. Read
+    at each transfer."""
+    return os.environ.get("TRIDIST_REGISTERED_ONLY", "1") not in ("", "0")
 
 
 def ranks_per_gpu() -> int:
@@ -138,8 +139,9 @@ SETTINGS = {
                                    "rank r uses GPU LOCAL_RANK // K, the host group is gloo where ranks share a GPU, "
                                    "and each rank gets CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 100 // K (CUDA MPS "
                                    "needed); ignored by the emulator"),
-    "TRIDIST_REGISTERED_ONLY": ("0", "1: the emulator refuses a put or get to another node whose local side is not "
-                                     "in the symmetric heap, as a network transport would (docs/guide/virtual-nodes.md)"),
+    "TRIDIST_REGISTERED_ONLY": ("1", "the emulator refuses a put or get to another node whose local side is not in "
+                                     "the symmetric heap, as a network transport would; 0 allows it "
+                                     "(docs/guide/virtual-nodes.md)"),
     "TRIDIST_EMU_THREADS": ("64", "programs of one launch the emulator runs at once"),
     "TRIDIST_EMU_CORESIDENT": ("256", "programs of a co-resident launch the emulator runs at most, a thread each"),
     "TRIDIST_EMU_DIR": ("a folder of the job's (under torchrun, named after the job)",

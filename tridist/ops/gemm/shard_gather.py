@@ -122,6 +122,7 @@ class PushGather(ShardGather):
         w = self.ranks
         checks.check_offsets("ag_gemm comm='sm'", 2 * self.slot_rows * k)  # the 2d kernel indexes `gathered`
         self.gathered = self.own(tridist.symm_empty((2 * self.slot_rows, k), dtype, w.group))
+        self.send = self.send_buffer(w, m_shard * k, dtype, "ag_gemm comm='sm'")
         self.side = copy_engines.SideStream(w.device)
         programs = sizing.programs_for(w.device)
         self.comm_programs = comm_programs or max(1, programs // policy.SM_COMM_SHARE)
@@ -137,6 +138,7 @@ class PushGather(ShardGather):
             return
         n = shard.numel()
         with self.side.fork():
+            shard = self.sendable(shard, self.send)
             # Shards lie back to back in `gathered` (row = shard size), as the GEMM reads them;
             # without the copy-out, `out` (here `gathered`) is never written.
             two_d.all_gather_2d_kernel[(self.push_tasks, self.splits)](

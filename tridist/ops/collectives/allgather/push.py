@@ -65,9 +65,11 @@ class Push(Method):
         self.row = row_stride(numel)
         self.workspace = self.own(Workspace(ranks.world_size * self.row, dtype, ranks.world_size * self.slices,
                                             name="all_gather push", group=ranks.group))
+        self.send = self.send_buffer(ranks, numel, dtype, "all_gather push")
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws, ranks = self.workspace, self.ranks
+        x = self.sendable(x, self.send)
         all_gather_push_kernel[(ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
             row=self.row, slot_numel=ws.slot_numel, local_world_size=ranks.local_world_size, slices=self.slices,

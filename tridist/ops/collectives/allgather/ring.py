@@ -62,9 +62,11 @@ class Ring(Method):
         self.row = row_stride(numel)
         self.workspace = self.own(Workspace(ranks.world_size * self.row, dtype, ranks.world_size * self.splits,
                                             name="all_gather ring", group=ranks.group))
+        self.send = self.send_buffer(ranks, numel, dtype, "all_gather ring")
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
+        x = self.sendable(x, self.send)
         all_gather_ring_kernel[(self.splits,)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, n=self.numel,
             row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,

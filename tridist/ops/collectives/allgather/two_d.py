@@ -93,10 +93,12 @@ class TwoD(Method):
         self.row = row_stride(numel)
         self.workspace = self.own(Workspace(ranks.world_size * self.row, dtype, ranks.world_size * self.splits,
                                             name="all_gather 2d", group=ranks.group))
+        self.send = self.send_buffer(ranks, numel, dtype, "all_gather 2d")
         self.fitted = False  # `splits` is fitted to what can be resident at the first call
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
+        x = self.sendable(x, self.send)
         arguments = dict(x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls,
                     n=self.numel, row=self.row, slot_numel=ws.slot_numel,
                     local_world_size=self.ranks.local_world_size, COPY_OUT=True, BLOCK=self.block,

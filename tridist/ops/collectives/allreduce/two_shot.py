@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+import tridist
 import tridist.language as dl
 from tridist.runtime.jit import jit
 
@@ -87,19 +88,28 @@ class TwoShot(Method):
         self.workspace = self.own(Workspace(2 * ranks.world_size * self.row, dtype,
                                             2 * ranks.world_size * self.slices, name="all_reduce two_shot",
                                             group=ranks.group))
-        # x and out padded to world_size whole chunks (a regular tensor), where they are not already
-        self.padded = None if self.chunk * ranks.world_size == numel else torch.zeros(
-            2, self.chunk * ranks.world_size, dtype=dtype, device=ranks.device)
+        # x and out padded to world_size whole chunks where they are not already. The kernel puts
+        # from both, so across nodes the pair is symmetric and used unless x and out are too
+        # (`Method.sendable`).
+        self.padding = self.chunk * ranks.world_size != numel
+        self.padded = None
+        if ranks.nnodes > 1:
+            self.padded = self.own(tridist.symm_zeros((2, self.chunk * ranks.world_size), dtype, group=ranks.group,
+                                                      name="all_reduce two_shot send buffer"))
+        elif self.padding:
+            self.padded = torch.zeros(2, self.chunk * ranks.world_size, dtype=dtype, device=ranks.device)
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws = self.workspace
         source, target = x, out
-        if self.padded is not None:
+        through_padded = self.padding or (self.padded is not None and not (tridist.is_symmetric(x)
+                                                                          and tridist.is_symmetric(out)))
+        if through_padded:
             self.padded[0, :self.numel].copy_(x.view(-1))
             source, target = self.padded[0], self.padded[1]
         all_reduce_two_shot_kernel[(self.ranks.world_size, self.splits)](
             x_ptr=source, out_ptr=target, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls,
             m=self.chunk, row=self.row, slot_numel=ws.slot_numel, local_world_size=self.ranks.local_world_size,
             slices=self.slices, BLOCK=self.block, num_warps=self.warps, group=self.ranks.group)
-        if self.padded is not None:
+        if through_padded:
             out.view(-1).copy_(target[:self.numel])

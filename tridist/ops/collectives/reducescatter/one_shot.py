@@ -59,9 +59,11 @@ class OneShot(Method):
         self.row = row_stride(self.chunk)
         self.workspace = self.own(Workspace(ranks.world_size * self.row, dtype, ranks.world_size * self.slices,
                                             name="reduce_scatter one_shot", group=ranks.group))
+        self.send = self.send_buffer(ranks, numel, dtype, "reduce_scatter one_shot")
 
     def launch(self, x: torch.Tensor, out: torch.Tensor) -> None:
         ws, ranks = self.workspace, self.ranks
+        x = self.sendable(x, self.send)
         reduce_scatter_kernel[(ranks.world_size, self.splits)](
             x_ptr=x, out_ptr=out, staging_ptr=ws.staging, flags_ptr=ws.flags, calls_ptr=ws.calls, m=self.chunk,
             row=self.row, slot_numel=ws.slot_numel, local_world_size=ranks.local_world_size,

@@ -160,6 +160,7 @@ class Staged(Method):
         workspace = self.own(protocol.Workspace(w.world_size * max(rows, 1) * width, _WORDS[dtype.itemsize],
                                                  w.world_size * self.splits, "all_to_all_v", w.group))
         counts = self.own(tridist.symm_zeros((2, self.w_pad * self.g_pad), torch.int32, w.group))
+        self.send = self.send_buffer(w, rows * width, _WORDS[dtype.itemsize], "all_to_all_v")
         self.staging = Staging(rows=workspace.staging, counts=counts, flags=workspace.flags, calls=workspace.calls,
                                slot_numel=workspace.slot_numel)
 
@@ -169,8 +170,8 @@ class Staged(Method):
         returns the int64 [2, world * experts] rows received per chunk and where they start."""
         w = self.ranks
         result = torch.empty((2, w.world_size * self.experts), dtype=torch.int64, device=x.device)
-        args = dict(x_ptr=as_words(x), splits_ptr=in_splits, offsets_ptr=offsets, out_ptr=as_words(out),
-                    result_ptr=result, staging=self.staging, width=self.width, region=self.rows,
+        args = dict(x_ptr=self.sendable(as_words(x), self.send), splits_ptr=in_splits, offsets_ptr=offsets,
+                    out_ptr=as_words(out), result_ptr=result, staging=self.staging, width=self.width, region=self.rows,
                     out_rows=self.out_rows, experts=self.experts, major_align=major_align,
                     local_world_size=w.local_world_size, LAYOUT=self.layout, W_PAD=self.w_pad, G_PAD=self.g_pad,
                     BLOCK_R=BLOCK_R, BLOCK_W=self.block_w, group=w.group)

@@ -280,7 +280,9 @@ class LowLatencyDispatch(Exchange):
             arrivals=self.signals("arrivals", w.world_size),
             calls=torch.zeros(1, dtype=torch.int64, device=w.device),
             slot_numel=rows * self.width, meta_slot=rows)
-        self.pair_ids = torch.arange(layer.max_tokens * topk, dtype=torch.int32, device=w.device)
+        pair_ids = torch.arange(layer.max_tokens * topk, dtype=torch.int32, device=w.device)
+        self.pair_ids = self.sendable(pair_ids, self.send_buffer(w, pair_ids.numel(), torch.int32, "EPBuffer pair ids"))
+        self.send = self.send_buffer(w, layer.max_tokens * self.width, torch.int32, "EPBuffer low_latency_dispatch")
 
     def payload(self, x: torch.Tensor) -> torch.Tensor:
         """The rows the dispatch moves, as int32 words: x itself, or with fp8 each token's e4m3
@@ -309,11 +311,11 @@ class LowLatencyDispatch(Exchange):
                         src=torch.empty((layer.experts_local, slots), dtype=torch.int32, device=w.device),
                         count=torch.empty(layer.experts_local, dtype=torch.int32, device=w.device),
                         layout=torch.empty((2, layer.w_pad, layer.e_pad), dtype=torch.int32, device=w.device))
-        args = dict(x_ptr=nonempty(self.payload(x)), idx_ptr=nonempty(topk_idx), positions_ptr=nonempty(positions),
-                    routed_ptr=routed, pair_ids_ptr=self.pair_ids, staging=self.staging, recv=recv, tokens=tokens,
-                    width=self.width, max_tokens=layer.max_tokens, experts_local=layer.experts_local, topk=topk,
-                    local_world_size=w.local_world_size, W_PAD=layer.w_pad, E_PAD=layer.e_pad, BLOCK_R=BLOCK_R,
-                    BLOCK_W=block_w(self.width), num_warps=8)
+        args = dict(x_ptr=nonempty(self.sendable(self.payload(x), self.send)), idx_ptr=nonempty(topk_idx),
+                    positions_ptr=nonempty(positions), routed_ptr=routed, pair_ids_ptr=self.pair_ids,
+                    staging=self.staging, recv=recv, tokens=tokens, width=self.width, max_tokens=layer.max_tokens,
+                    experts_local=layer.experts_local, topk=topk, local_world_size=w.local_world_size,
+                    W_PAD=layer.w_pad, E_PAD=layer.e_pad, BLOCK_R=BLOCK_R, BLOCK_W=block_w(self.width), num_warps=8)
         self.fit(ll_dispatch_kernel, SEND=True, RECEIVE=True, **args)
         if not hook:
             self.start(ll_dispatch_kernel, SEND=True, RECEIVE=True, **args)
@@ -351,6 +353,8 @@ class LowLatencyCombine(Exchange):
                                       arrivals=self.signals("arrivals", w.world_size),
                                       calls=torch.zeros(1, dtype=torch.int64, device=w.device),
                                       slot_numel=rows * layer.hidden)
+        self.send = self.send_buffer(w, layer.experts_local * w.world_size * layer.max_tokens * layer.hidden,
+                                     layer.dtype, "EPBuffer low_latency_combine")
 
     def launch(self, y: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, recv_src: torch.Tensor,
                recv_layout: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -361,9 +365,10 @@ class LowLatencyCombine(Exchange):
         layer, w = self.layer, self.ranks
         tokens, topk = topk_idx.shape
         out = torch.empty((max(tokens, 1), layer.hidden), dtype=layer.dtype, device=w.device)
-        self.start(ll_combine_kernel, y_ptr=y, recv_src_ptr=recv_src, recv_layout_ptr=recv_layout,
-                   idx_ptr=nonempty(topk_idx), weights_ptr=nonempty(topk_weights), positions_ptr=nonempty(positions),
-                   staging=self.staging, out_ptr=out, tokens=tokens, hidden=layer.hidden,
+        self.start(ll_combine_kernel, y_ptr=self.sendable(y, self.send), recv_src_ptr=recv_src,
+                   recv_layout_ptr=recv_layout, idx_ptr=nonempty(topk_idx), weights_ptr=nonempty(topk_weights),
+                   positions_ptr=nonempty(positions), staging=self.staging, out_ptr=out, tokens=tokens,
+                   hidden=layer.hidden,
                    max_tokens=layer.max_tokens, experts_local=layer.experts_local,
                    local_world_size=w.local_world_size, TOPK=topk, W_PAD=layer.w_pad, E_PAD=layer.e_pad,
                    **combine_blocks(layer))

@@ -306,6 +306,8 @@ class NormalDispatch(Exchange):
             claims=torch.zeros(2, dtype=torch.int32, device=w.device),
             calls=torch.zeros(1, dtype=torch.int64, device=w.device),
             slot_numel=rows * width, meta_slot=rows * meta_width)
+        self.send_x = self.send_buffer(w, layer.max_tokens * width, torch.int32, "EPBuffer dispatch")
+        self.send_meta = self.send_buffer(w, layer.max_tokens * meta_width, torch.int32, "EPBuffer dispatch meta")
 
     def launch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
         """Send each token of x ([T, hidden]) once to every rank holding one of its experts
@@ -326,7 +328,8 @@ class NormalDispatch(Exchange):
                         layout=torch.empty((2, w.world_size), dtype=torch.int32, device=w.device),
                         per_expert=torch.empty(layer.experts_local, dtype=torch.int64, device=w.device))
         width = layer.hidden // 2
-        self.start(dispatch_kernel, x_ptr=nonempty(token_words(x)), meta_ptr=nonempty(meta),
+        self.start(dispatch_kernel, x_ptr=nonempty(self.sendable(token_words(x), self.send_x)),
+                   meta_ptr=nonempty(self.sendable(meta, self.send_meta)),
                    positions_ptr=nonempty(positions), order_ptr=order, routed_ptr=routed, staging=self.staging,
                    recv=recv._replace(x=token_words(recv.x)), tokens=tokens, width=width, max_tokens=layer.max_tokens,
                    experts_local=layer.experts_local, topk=topk, local_world_size=w.local_world_size,
@@ -351,6 +354,7 @@ class NormalCombine(Exchange):
         self.progress = self.signals("progress", w.world_size * self.splits)  # `fit` only lowers the splits
         self.claims = torch.zeros(2, dtype=torch.int32, device=w.device)
         self.calls = torch.zeros(1, dtype=torch.int64, device=w.device)
+        self.send = self.send_buffer(w, self.slot_numel, layer.dtype, "EPBuffer combine")
 
     def launch(self, y: torch.Tensor, tokens: int, recv_src: torch.Tensor, recv_layout: torch.Tensor,
                positions: torch.Tensor) -> torch.Tensor:
@@ -359,9 +363,9 @@ class NormalCombine(Exchange):
         in rank order (fp32). recv_src, recv_layout, positions: the dispatch's."""
         layer, w = self.layer, self.ranks
         out = torch.empty((max(tokens, 1), layer.hidden), dtype=layer.dtype, device=w.device)
-        self.start(combine_kernel, y_ptr=y, recv_src_ptr=recv_src, recv_layout_ptr=recv_layout,
-                   positions_ptr=nonempty(positions), staging_ptr=self.staging, progress_ptr=self.progress,
-                   claims_ptr=self.claims, calls_ptr=self.calls, out_ptr=out, tokens=tokens, hidden=layer.hidden,
-                   max_tokens=layer.max_tokens, slot_numel=self.slot_numel, local_world_size=w.local_world_size,
-                   WORLD=w.world_size, CHUNK=CHUNK, **combine_blocks(layer))
+        self.start(combine_kernel, y_ptr=self.sendable(y, self.send), recv_src_ptr=recv_src,
+                   recv_layout_ptr=recv_layout, positions_ptr=nonempty(positions), staging_ptr=self.staging,
+                   progress_ptr=self.progress, claims_ptr=self.claims, calls_ptr=self.calls, out_ptr=out, tokens=tokens,
+                   hidden=layer.hidden, max_tokens=layer.max_tokens, slot_numel=self.slot_numel,
+                   local_world_size=w.local_world_size, WORLD=w.world_size, CHUNK=CHUNK, **combine_blocks(layer))
         return out[:tokens]
