@@ -87,6 +87,20 @@ def test_gemm_rs_epilogue_variants(world):
 # `tridist bench torch_fused` needs GPUs to measure anything; on the CPU it must still import (without
 # starting tridist), check its arguments and say why it stops.
 
+def test_short_kernel_names_keep_what_the_kernel_does():
+    from tridist.bench.timing import short_kernel_name
+
+    copy = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+            "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>(at::TensorIteratorBase&)>(int)")
+    assert short_kernel_name(copy) == "at::native::elementwise_kernel[direct_copy_kernel_cuda]"
+    multiply = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+                "BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >>(int)")
+    assert short_kernel_name(multiply) == "at::native::elementwise_kernel[BinaryFunctor,MulFunctor]"
+    assert short_kernel_name("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == \
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    assert short_kernel_name("gemm_ar_ll_kernel") == "gemm_ar_ll_kernel"
+
+
 def test_torch_fused_arguments():
     shapes = torch_fused.parse_args([]).shapes  # by default those of ag_gemm and gemm_rs, each once
     assert set(shapes) == set(overlap.SHAPES["ag_gemm"]) | set(overlap.SHAPES["gemm_rs"])

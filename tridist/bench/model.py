@@ -45,7 +45,7 @@ from tridist.nn.moe import free_buffers, gated
 from . import shared_gpu
 from .ep import torch_combine, torch_dispatch
 from .results import relative_error, save, table
-from .timing import print_kernels, slowest, time_us
+from .timing import captured, print_kernels, slowest, time_us
 
 MODELS = {
     "dense": ("Qwen3-8B", "Qwen3Config", dict(
@@ -322,8 +322,10 @@ def _timings(kind, name, model, config, prefill, decode, kernels: bool, layers: 
                 us = slowest(time_us(step, inner=GRAPH_STEPS, repetitions=10, warmup=2))
         rows.append({"model": kind, "system": name, "step": f"decode {batch}", "us": us, "us per layer": us / layers,
                      "timing": timing})
-        if kernels:
-            print_kernels(f"{kind} {name} decode {batch}", step, w.rank)
+        if kernels:  # in the graph the step is timed in: eagerly, waits for the peer's launches would count
+            graphed = timing == "cuda graph"
+            print_kernels(f"{kind} {name} decode {batch}", captured(step) if graphed else step, w.rank,
+                          "cuda graph" if graphed else "eager")
         if w.rank == 0:
             print(f"  {kind} {name} decode {batch}: {us:.1f} us ({timing})", flush=True)
     return rows

@@ -12,6 +12,7 @@ measured.
 Only torch.distributed is used here, never tridist's runtime: `tridist.bench.torch_fused` times
 PyTorch's fused ops with these same functions in a process where tridist is never initialised.
 """
+import re
 import statistics
 
 import torch
@@ -26,20 +27,7 @@ def time_us(fn, inner: int = 20, repetitions: int = 15, warmup: int = 3, graph: 
     """Median microseconds per call of `fn()` on this rank (a collective: call it on every rank)."""
     for _ in range(warmup):
         fn()
-    run = fn
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # a call outside the capture initialises what the capture cannot
-        torch.cuda.current_stream().wait_stream(stream)
-        cuda_graph = torch.cuda.CUDAGraph()
-        # Captured on the stream of that call: the functions of tridist.ops keep an instance per stream
-        # (built at a stream's first call, which a capture cannot do).
-        with torch.cuda.graph(cuda_graph, stream=stream):
-            for _ in range(inner):
-                fn()
-        run = cuda_graph.replay  # one replay makes `inner` calls
+    run = captured(fn, inner) if graph else fn  # one replay makes `inner` calls
     samples = []
     for _ in range(repetitions):
         _start_together()
@@ -51,6 +39,22 @@ def time_us(fn, inner: int = 20, repetitions: int = 15, warmup: int = 3, graph: 
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1000 / inner)
     return statistics.median(samples)
+
+
+def captured(fn, calls: int = 1):
+    """A CUDA graph of `calls` calls of `fn()`, as its `replay`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # a call outside the capture initialises what the capture cannot
+    torch.cuda.current_stream().wait_stream(stream)
+    cuda_graph = torch.cuda.CUDAGraph()
+    # Captured on the stream of that call: the functions of tridist.ops keep an instance per stream
+    # (built at a stream's first call, which a capture cannot do).
+    with torch.cuda.graph(cuda_graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    return cuda_graph.replay
 
 
 def op_us(fn, graph_limit_us: float = GRAPH_LIMIT_US) -> float:
@@ -116,11 +120,13 @@ def slowest(value: float) -> float:
 
 
 def kernel_us(fn, calls: int = 20) -> dict[str, tuple[float, float]]:
-    """Where one call of `fn()` spends its GPU time, by kernel name, from PyTorch's profiler over
-    `calls` eager calls (a collective: call it on every rank): {name: (microseconds per call, launches
-    per call)}. Kernels that overlap (a side stream's beside the current one's) each count in full,
+    """Where one call of `fn()` spends its GPU time, by kernel (`short_kernel_name`), from PyTorch's
+    profiler over `calls` calls (a collective: call it on every rank): {name: (microseconds per call,
+    launches per call)}. `fn` may be a CUDA graph's replay (`captured`): the profiler sees the graph's
+    kernels. Kernels that overlap (a side stream's beside the current one's) each count in full,
     so the times may add up to more than the call took; kernels of one name (a Triton kernel at two
-    constexpr settings) add up."""
+    constexpr settings) add up. Eagerly, a kernel that waits for a peer counts its wait, which the
+    peer's launches can make long: time communication in a graph."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -134,14 +140,32 @@ def kernel_us(fn, calls: int = 20) -> dict[str, tuple[float, float]]:
     for event in trace.key_averages():
         total = getattr(event, "device_time_total", 0)
         if total:
-            times[event.key] = (total / calls, event.count / calls)
+            us, launches = times.get(short_kernel_name(event.key), (0.0, 0.0))
+            times[short_kernel_name(event.key)] = (us + total / calls, launches + event.count / calls)
     return dict(sorted(times.items(), key=lambda item: -item[1][0]))
 
 
-def print_kernels(label: str, fn, rank: int) -> None:
-    """`kernel_us(fn)` printed on rank 0 as one line after `label` (a collective: call it on every rank)."""
+# Names inside a C++ kernel's template arguments that say what an elementwise kernel does.
+_KERNEL_ROLE = re.compile(r"\b(\w+(?:Functor|_kernel_cuda|_kernel_impl|Ops))\b")
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without its C++ template arguments, but for what they say the kernel does:
+    `void at::native::elementwise_kernel<128, 4, ...direct_copy_kernel_cuda...>(...)` ->
+    `at::native::elementwise_kernel[direct_copy_kernel_cuda]`."""
+    name = name.removeprefix("void ")
+    base = re.split(r"[<(]", name, maxsplit=1)[0]
+    roles = list(dict.fromkeys(_KERNEL_ROLE.findall(name[len(base):])))[:3]
+    return base + (f"[{','.join(roles)}]" if roles else "")
+
+
+def print_kernels(label: str, fn, rank: int, how: str = "eager") -> None:
+    """`kernel_us(fn)` printed on rank 0 as one line after `label`, with the sum of its kernels'
+    times; `how` says how `fn` runs ("eager", "cuda graph"). A collective: call it on every rank."""
     times = kernel_us(fn)
     if rank == 0:
-        print(f"  {label}, rank 0's GPU time per call by kernel (eager; overlapping kernels each in full): "
+        total = sum(us for us, _ in times.values())
+        print(f"  {label}, rank 0's GPU time per call by kernel ({how}; {total:.1f} us in all, overlapping "
+              "kernels each in full): "
               + "; ".join(f"{kernel} {us:.1f} us x {launches:g}" for kernel, (us, launches) in times.items()),
               flush=True)
