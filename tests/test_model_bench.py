@@ -50,3 +50,39 @@ def test_model_bench_options():
     for text in ("0", "1,x"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
             bench.parse_ints(text)
+
+
+def test_grouped_decode_attention_gives_sdpa_s_logits(monkeypatch):
+    """The bench's decode attention (GQA's query heads as rows against their KV head) against
+    transformers' SDPA, on one process: a prefill, then decode steps over a dynamic cache and over a
+    static one only partly filled (its mask hides the empty positions). Only prefills go to SDPA."""
+    import torch
+    from transformers import DynamicCache, StaticCache
+    from transformers.integrations import sdpa_attention
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    handed_on = []
+    sdpa = sdpa_attention.sdpa_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        handed_on.append(query.shape[2])
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", counted)
+    logits = {}
+    for attention in ("sdpa", "grouped"):
+        handed_on.clear()
+        config = bench.make_config("dense", 2, TINY["dense"])
+        bench.use_attention(config, attention)
+        model = bench.build(config, torch.device("cpu")).float()
+        ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+        got = []
+        for cache in (DynamicCache(), StaticCache(config=config, max_cache_len=32)):
+            got.append(model(ids[:, :6], past_key_values=cache, use_cache=True).logits)
+            for step in range(6, 9):
+                got.append(model(ids[:, step:step + 1], past_key_values=cache, use_cache=True,
+                                 cache_position=torch.tensor([step])).logits)
+        logits[attention] = got
+    for grouped, reference in zip(logits["grouped"], logits["sdpa"]):
+        torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
+    assert handed_on and 1 not in handed_on, "the grouped run's prefills only go to transformers' SDPA"

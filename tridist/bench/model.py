@@ -27,6 +27,12 @@ two decode steps with a `DynamicCache`, within `TOLERANCE` of the largest logit)
   cannot capture, so it is timed eagerly, as is any system whose capture fails (the row says so).
 `us per layer` is the step's time over the decoder layers run (embedding and logits included).
 `--kernels` prints where each step's GPU time goes, by kernel.
+
+Attention is the same in every system: transformers' SDPA attention, with a decode step's grouped-query
+attention reading each KV head where it is (`--attention grouped`, the default: `grouped_decode_attention`)
+rather than as transformers before its `pack_gqa` ran it (`--attention sdpa` on such a version), which
+copied every KV head for each of its query heads over the whole static cache at every step, a copy
+that took most of a batch-64 step on 2 x H200 (benchmarks/NOTES.md, "Session of 2026-11-28, fourth").
 """
 import argparse
 import copy
@@ -36,6 +42,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import tridist
 import tridist.nn
@@ -70,6 +77,41 @@ TOLERANCE = 5e-2
 CHECK_BATCH, CHECK_TOKENS, CHECK_STEPS = 2, 16, 2
 GRAPH_STEPS = 5  # decode steps in one CUDA-graph replay
 NOTES = {"megatron moe decode": "eager: its splits are read on the host, which a CUDA graph cannot capture"}
+GROUPED = "tridist_bench_grouped_decode"  # the name `grouped_decode_attention` is registered under in transformers
+ATTENTION = {"grouped": GROUPED, "sdpa": "sdpa"}
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, but for a decode step (one query per sequence) of grouped-query
+    attention: the query heads that share a KV head become the rows of one query block against that
+    head (query [B, Hq, 1, D] -> [B, Hkv, Hq / Hkv, D]), so the cache is read where it is, never
+    copied. The mask of one query ([B, 1, 1, S]) holds for every row. The same numbers as SDPA over
+    the repeated heads; anything else (prefill, a per-head mask) goes to transformers' own."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, length, dim = query.shape
+    if length != 1 or groups == 1 or (attention_mask is not None and attention_mask.shape[1] != 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows = query.reshape(batch, heads // groups, groups, dim)
+    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def use_attention(config, attention: str):
+    """`config` set to run `attention` ("grouped" or "sdpa", `ATTENTION`), registered with transformers
+    first where it is ours, with SDPA's masks (a name without a mask function of its own gets no mask,
+    and a decode step over a static cache would attend to its empty positions); returns transformers'
+    name of it."""
+    import transformers
+    from transformers.masking_utils import sdpa_mask
+
+    if attention == "grouped":
+        transformers.AttentionInterface.register(GROUPED, grouped_decode_attention)
+        transformers.AttentionMaskInterface.register(GROUPED, sdpa_mask)
+    config._attn_implementation = ATTENTION[attention]
+    return ATTENTION[attention]
 
 
 # ---- the torch + NCCL baseline: tridist.nn's shards, torch's GEMMs and NCCL's collectives ----------
@@ -208,19 +250,21 @@ def decode_step(model, batch: int, vocab: int, device):
     return run
 
 
-def hf_tensor_parallel(folder: str):
+def hf_tensor_parallel(folder: str, attention: str):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.bfloat16).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.bfloat16,
+                                                             attn_implementation=attention).eval()
 
 
 # ---- the run --------------------------------------------------------------------------------------
 def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool, kernels: bool = False,
-        dims: dict | None = None) -> list[dict]:
-    """Each system of `systems` built, checked and (if `timed`) timed; a row per (system, step), or
-    one saying why a system did not run."""
+        dims: dict | None = None, attention: str = "grouped") -> list[dict]:
+    """Each system of `systems` built, checked and (if `timed`) timed, every model with `attention`
+    (`ATTENTION`); a row per (system, step), or one saying why a system did not run."""
     w = tridist.world()
     config = make_config(kind, layers, dims)
+    use_attention(config, attention)
     # Its own config: save_pretrained writes into the model's config (its dtype), and the systems built
     # from `config` afterwards must draw the same weights on every rank, also where only rank 0 saved.
     whole = build(copy.deepcopy(config), w.device)
@@ -274,7 +318,7 @@ def _unavailable(system: str, w) -> str | None:
 
 def _shard(system: str, moe, config, folder, device):
     if system == "hf_tp":
-        return hf_tensor_parallel(folder)
+        return hf_tensor_parallel(folder, config._attn_implementation)
     model = build(config, device)
     return megatron(model) if system == "megatron" else tridist.nn.parallelize(model, moe=moe or "ep")
 
@@ -364,6 +408,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moe", default="ep", help="tridist's MoE modes: ep, tp or ep,tp (default %(default)s)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="of %(default)s")
     parser.add_argument("--kernels", action="store_true", help="also print where each step's GPU time goes, by kernel")
+    parser.add_argument("--attention", choices=sorted(ATTENTION), default="grouped",
+                        help="every system's attention (default %(default)s: a decode step reads GQA's KV heads in "
+                             "place; sdpa: transformers' own)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     kinds, moe_modes, systems = (v.split(",") for v in (args.models, args.moe, args.systems))
@@ -379,7 +426,8 @@ def main(argv=None) -> int:
     timed = w.backend == "nvshmem" and not shared
     rows = []
     for kind in kinds:
-        rows += run(kind, args.layers, args.prefill, args.decode, moe_modes, systems, timed, args.kernels)
+        rows += run(kind, args.layers, args.prefill, args.decode, moe_modes, systems, timed, args.kernels,
+                    attention=args.attention)
     if w.rank == 0 and not timed:
         print(f"model: every check passed; nothing timed ({'ranks share a GPU' if shared else 'no GPU'})")
     elif w.rank == 0:
@@ -388,6 +436,7 @@ def main(argv=None) -> int:
             columns += [c for c in row if c not in columns]
         print(table(rows, columns))
         extra = {"world_size": w.world_size, "timed": timed, "context": CONTEXT, "tolerance": TOLERANCE,
+                 "attention": args.attention,
                  "models": {kind: {"like": MODELS[kind][0], "layers": f"{args.layers} of "
                                    f"{MODELS[kind][2]['num_hidden_layers']}", **MODELS[kind][2]} for kind in kinds},
                  "graph steps per replay": GRAPH_STEPS, "notes": NOTES}
