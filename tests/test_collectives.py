@@ -156,14 +156,14 @@ def _all_reduce(w, method, dtype, numel, calls, in_place):
     op.free()
 
 
-@pytest.mark.parametrize("method", ["one_shot", "two_shot", "ll", "ce"])
+@pytest.mark.parametrize("method", ["one_shot", "two_shot", "ll", "ce", "rs_ag"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce(world, method, dtype):
     # LL moves 4-byte words: an even count of 16-bit elements
     world.run(_all_reduce, method=method, dtype=dtype, numel=302 if method == "ll" else 301, calls=3, in_place=False)
 
 
-@pytest.mark.parametrize("method", ["auto", "one_shot", "two_shot", "ce"])
+@pytest.mark.parametrize("method", ["auto", "one_shot", "two_shot", "ce", "rs_ag"])
 def test_all_reduce_in_place(world, method):
     # 840 elements split evenly over 1-4 and 8 ranks: two-shot works on x itself, not a padded copy
     world.run(_all_reduce, method=method, dtype=torch.float32, numel=840, calls=2, in_place=True)

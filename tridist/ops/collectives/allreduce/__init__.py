@@ -5,7 +5,8 @@ a process group's: its members sum among themselves.
 The front (`AllReduce`, `all_reduce`, `all_reduce_`) checks its arguments, asks
 `policy.choose_all_reduce` for `"auto"` and builds one method; each method is a module of this
 package, with its protocol in its docstring: `ll`, `one_shot`, `two_shot` (through staging),
-`two_shot_symmetric` ("two_shot" in place on a symmetric x), `ce`.
+`two_shot_symmetric` ("two_shot" in place on a symmetric x), `ce`, `reduce_scatter_all_gather`
+("rs_ag").
 """
 import torch
 import triton
@@ -19,11 +20,12 @@ from ...method import Nothing
 from ...ranks import ranks_of
 from .. import policy
 from .._front import Collective, check_held
-from . import ce, ll, one_shot, two_shot, two_shot_symmetric
+from . import ce, ll, one_shot, reduce_scatter_all_gather, two_shot, two_shot_symmetric
 
 # The methods by the name `method=` selects them with ("two_shot" in place on a symmetric x:
 # `two_shot_symmetric`).
-CLASSES = {kind.name: kind for kind in (one_shot.OneShot, two_shot.TwoShot, ll.Packets, ce.CopyEngines)}
+CLASSES = {kind.name: kind for kind in (one_shot.OneShot, two_shot.TwoShot, ll.Packets, ce.CopyEngines,
+                                        reduce_scatter_all_gather.ReduceScatterAllGather)}
 METHODS = ("auto", *CLASSES)
 
 
@@ -42,6 +44,7 @@ class AllReduce(Collective):
     | `"one_shot"` | every program pushes its slice of x to every peer, raises a flag, waits for every peer's and sums the rows it received: one step, `world_size - 1` copies of the data received per rank | any topology; while latency dominates |
     | `"two_shot"` | a sliced reduce-scatter, then the program that summed a slice pushes the sum to every peer: each rank receives `2 (n-1)/n` of the data | any topology; large messages |
     | `"ce"` | a copy-engine reduce-scatter, then a copy-engine all-gather of the sums | one node; large messages next to other work on the SMs |
+    | `"rs_ag"` | the reduce-scatter, then the all-gather of the sums, as two kernels, each the method its op's `auto` picks | any topology; large messages, being timed against `two_shot` |
     | `"auto"` | [`choose_all_reduce`][tridist.ops.collectives.policy.choose_all_reduce]: `ll` while a rank sends at most 1 MB (one node), `one_shot` up to 4 MB sent, else `two_shot` (on one node in place on a symmetric x: `two_shot` from 1 MB) | |
 
     With `symmetric_in_place`, every call reduces a symmetric x (`tridist.symm_empty`, the same
