@@ -328,8 +328,9 @@ def _local(x) -> int:
 
 
 def _registered(local: int, nbytes: int, pe, group, what: str) -> int:
-    """`local`, checked under TRIDIST_REGISTERED_ONLY: a network transport moves only memory NVSHMEM
-    registered (the symmetric heap), so the local side of a transfer to another node must lie in it."""
+    """`local`, checked (TRIDIST_REGISTERED_ONLY, on unless 0): a network transport moves only memory
+    NVSHMEM registered (the symmetric heap), so the local side of a transfer to another node must lie
+    in it."""
     peer = _pe(pe, group, what)
     if nbytes > 0 and config.registered_only() and not world().same_node(peer):
         h = heap()
@@ -337,7 +338,8 @@ def _registered(local: int, nbytes: int, pe, group, what: str) -> int:
             raise ValueError(f"rank {world().rank}, kernel {emulator.current_kernel()}: {what} with rank {peer} on "
                              f"node {world().node_of(peer)} of {nbytes} bytes at local memory outside the symmetric "
                              "heap: a network transport refuses memory NVSHMEM did not register; stage it through "
-                             "a tensor from tridist.symm_empty (TRIDIST_REGISTERED_ONLY=1)")
+                             "a tensor from tridist.symm_empty (TRIDIST_REGISTERED_ONLY=0 allows it, as NVLink "
+                             "between virtual nodes does)")
     return local
 
 

@@ -16,7 +16,8 @@ Across nodes a put's local side must be memory the network card may read: NVSHME
 symmetric heap and nothing else, and InfiniBand or UCX refuse the rest (on one node, and on virtual
 nodes of one machine, NVLink reads any device memory). A method that puts from a caller's tensor
 to other nodes builds a `send_buffer` and puts from `sendable(x, buffer)`: x itself where it is
-symmetric, else x copied there first. The emulator checks this under TRIDIST_REGISTERED_ONLY=1.
+symmetric, else x copied there first. The emulator checks every transfer to another node for it
+(TRIDIST_REGISTERED_ONLY, on unless set to 0).
 """
 import torch
 
