@@ -153,13 +153,16 @@ def _layers(w, layout=None):
     torch.testing.assert_close(gathered(x.to(w.device)).float().cpu(), expected_up, rtol=2e-2, atol=2e-2)
     replicated = tridist.nn.RowParallelLinear.from_linear(down, group=group)
     a = torch.randn(14 * n, inner, generator=g).to(torch.bfloat16)
-    # 2 rows: gemm_ar; 14n (with DECODE_ROWS 1): gemm_rs + all-gather; 13, prime: a GEMM + all_reduce.
-    for rows, decode_rows in ((2, linear.DECODE_ROWS), (14 * n, 1), (13, 1)):
-        linear.DECODE_ROWS, saved = decode_rows, linear.DECODE_ROWS
+    # 2 rows: gemm_ar, or a GEMM + all_reduce; 14n (with DECODE_ROWS 1): gemm_rs + all-gather; 13, prime:
+    # a GEMM + all_reduce.
+    for rows, decode_rows, decode_kernel in ((2, linear.DECODE_ROWS, "gemm_ar"), (2, linear.DECODE_ROWS, "all_reduce"),
+                                             (14 * n, 1, "gemm_ar"), (13, 1, "gemm_ar")):
+        saved = linear.DECODE_ROWS, linear.DECODE_KERNEL
+        linear.DECODE_ROWS, linear.DECODE_KERNEL = decode_rows, decode_kernel
         try:
             got = replicated(a[:rows, columns].to(w.device))
         finally:
-            linear.DECODE_ROWS = saved
+            linear.DECODE_ROWS, linear.DECODE_KERNEL = saved
         want = a[:rows].float() @ down.weight.float().cpu().t() + down.bias.float().cpu()
         torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
     tridist.barrier_all()

@@ -408,6 +408,9 @@ def main(argv=None) -> int:
     parser.add_argument("--moe", default="ep", help="tridist's MoE modes: ep, tp or ep,tp (default %(default)s)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="of %(default)s")
     parser.add_argument("--kernels", action="store_true", help="also print where each step's GPU time goes, by kernel")
+    parser.add_argument("--row-decode", choices=("gemm_ar", "all_reduce"), default=tridist.nn.linear.DECODE_KERNEL,
+                        help="how tridist's row-parallel layers end a decode step (tridist.nn.linear.DECODE_KERNEL; "
+                             "default %(default)s)")
     parser.add_argument("--attention", choices=sorted(ATTENTION), default="grouped",
                         help="every system's attention (default %(default)s: a decode step reads GQA's KV heads in "
                              "place; sdpa: transformers' own)")
@@ -421,6 +424,7 @@ def main(argv=None) -> int:
     if args.layers < 1:
         parser.error("--layers takes a positive integer")
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers 5.24 renames it `cache`
+    tridist.nn.linear.DECODE_KERNEL = args.row_decode
     w = tridist.init()
     shared = shared_gpu.announce("tridist bench model", w.rank)
     timed = w.backend == "nvshmem" and not shared
@@ -436,7 +440,7 @@ def main(argv=None) -> int:
             columns += [c for c in row if c not in columns]
         print(table(rows, columns))
         extra = {"world_size": w.world_size, "timed": timed, "context": CONTEXT, "tolerance": TOLERANCE,
-                 "attention": args.attention,
+                 "attention": args.attention, "row-parallel decode": args.row_decode,
                  "models": {kind: {"like": MODELS[kind][0], "layers": f"{args.layers} of "
                                    f"{MODELS[kind][2]['num_hidden_layers']}", **MODELS[kind][2]} for kind in kinds},
                  "graph steps per replay": GRAPH_STEPS, "notes": NOTES}

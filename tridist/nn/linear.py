@@ -14,7 +14,7 @@ a decode step still captures in one CUDA graph:
 | --- | --- | --- | --- |
 | column | replicated | any | a local GEMM (torch) |
 | column | sequence parallel (this rank's rows) | any | `ops.ag_gemm`: the all-gather of the rows hidden behind the GEMM |
-| row | output replicated | up to `DECODE_ROWS` | `ops.gemm_ar`: the GEMM's tiles summed over the ranks as they are made |
+| row | output replicated | up to `DECODE_ROWS` | `ops.gemm_ar`: the GEMM's tiles summed over the ranks as they are made (with `DECODE_KERNEL = "all_reduce"`: a local GEMM then `ops.all_reduce`) |
 | row | output replicated | more, a multiple of the world size | `ops.gemm_rs` then `ops.all_gather` |
 | row | output replicated | more, otherwise | a local GEMM then `ops.all_reduce` |
 | row | sequence parallel (this rank's rows out) | any | `ops.gemm_rs` |
@@ -29,6 +29,11 @@ from tridist.ops.ranks import ranks_of
 # for decode-sized M (its docstring: up to a few hundred rows); larger M goes through `ops.gemm_rs`,
 # made for prefill-sized M. Not a measured crossover: `tridist bench model` times both sides of it.
 DECODE_ROWS = 256
+# How a row-parallel layer with a replicated output runs those rows: "gemm_ar", or "all_reduce" (torch's
+# GEMM, then `ops.all_reduce`: its LL method at decode sizes). gemm_ar overlaps the sum with the GEMM,
+# but its GEMM at decode M is slower than cuBLAS's (benchmarks/NOTES.md, "Session of 2026-11-28,
+# third"), so which step is faster is measured: `tridist bench model --row-decode`.
+DECODE_KERNEL = "gemm_ar"
 
 
 def split(size: int, world_size: int, what: str, align: int = 1) -> int:
@@ -197,8 +202,10 @@ class RowParallelLinear(_ShardedLinear):
         else:
             if m == 0:
                 y = a.new_empty(0, self.out_features)
-            elif m <= DECODE_ROWS:
+            elif m <= DECODE_ROWS and DECODE_KERNEL == "gemm_ar":
                 y = ops.gemm_ar(a, self.weight, group=self.group)
+            elif m <= DECODE_ROWS:
+                y = ops.all_reduce(a @ self.weight, group=self.group)
             elif m % self.world_size == 0:
                 y = ops.all_gather(ops.gemm_rs(a, self.weight, group=self.group), group=self.group)
             else:
