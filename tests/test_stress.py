@@ -199,7 +199,8 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
     assert (figures["calls"], figures["wrong"], figures["hangs"], figures["world"]) == (5, 1, 0, 2)
     assert len(figures["wrong_calls"]) == 2, "each rank's line is kept"
     monkeypatch.setattr(launcher, "run", fake_launch([
-        {"rank": 0, "calls": 5, "wrong": [], "environment": {"date": "2026-11-24"}}, {"rank": 1, "calls": 5, "wrong": []}]))
+        {"rank": 0, "calls": 5, "wrong": [], "environment": {"date": "2026-11-24"}},
+        {"rank": 1, "calls": 5, "wrong": []}]))
     assert stress.main(args) == 0
     assert json.loads((tmp_path / "stress-cpux2-2026-11-24-2.json").read_text())["wrong"] == 0, \
         "a second run of the day keeps the first one's file"

@@ -127,7 +127,8 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
     path. Where ranks share a GPU it records so (`shared_gpu.fields`) and its name says "shared", so
     that it is never taken for a result measured on GPUs of their own."""
     env = environment()
-    return write_new(folder, name, env, {"benchmark": name, **env, **shared_gpu.fields(), **(extra or {}), "rows": rows})
+    payload = {"benchmark": name, **env, **shared_gpu.fields(), **(extra or {}), "rows": rows}
+    return write_new(folder, name, env, payload)
 
 
 def write_new(folder: str, name: str, env: dict, payload: dict, ranks: int | None = None) -> str:
