@@ -25,6 +25,7 @@ import torch.distributed as dist
 import tridist
 from tridist import ops
 from tridist.ops import gemm
+from tridist.ops.gemm import policy as gemm_policy
 
 from . import shared_gpu
 from .results import RUN_VARIABLE, latest, relative_error, save, table, title
@@ -252,10 +253,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn"],
                         help="default %(default)s; float8_e4m3fn: per-tensor scales, bf16 out")
     parser.add_argument("--tune", action="store_true", help="tune each op's GEMM config first (tridist.tune)")
+    parser.add_argument("--ce-order", choices=("in_turn", "at_once"), default=None,
+                        help="ag_gemm's comm='ce': push the shard to one peer after another or to all at once "
+                             "(tridist.ops.gemm.policy.CE_PUSH_IN_TURN; default: the policy's)")
     parser.add_argument("--out", default="benchmarks/results",
                         help="folder for JSON results, and where `tridist bench torch_fused` left its own "
                              "(default %(default)s)")
     args = parser.parse_args(argv)
+    if args.ce_order:
+        gemm_policy.CE_PUSH_IN_TURN = args.ce_order == "in_turn"
     w = tridist.init()
     if w.backend != "nvshmem":
         raise SystemExit("the GEMM benchmarks time GPUs against cuBLAS and NCCL; run them on a GPU box")
@@ -268,7 +274,8 @@ def main(argv=None) -> int:
             run_overlap(args.op, shapes, dtype, config, torch_fused, baselines=not shared))
     if w.rank == 0:
         print(table(rows, list(rows[0]) if args.op == "gemm" else _columns(rows)))
-        extra = {"world_size": w.world_size, "dtype": args.dtype, "tuned": args.tune}
+        extra = {"world_size": w.world_size, "dtype": args.dtype, "tuned": args.tune,
+                 "ce order": "in_turn" if gemm_policy.CE_PUSH_IN_TURN else "at_once"}
         if source:
             extra["torch fused us"] = source
             print(f"torch fused us: {source}")

@@ -110,12 +110,16 @@ class CopyEnginePush:
         self.remote_flags = [tridist.peer_tensor(self.flags, peer, group) for peer in self.streams.peers]
         self.barrier = sync.Barrier(group)
 
-    def push(self, sources) -> None:
+    def push(self, sources, in_turn: bool = False) -> None:
         """Queue, after what the current stream has queued, `sources[p]` (a 1-D tensor of at most
-        `numel` elements, for every peer p) into row `rank` of p's staging, the next peer first."""
-        for index, peer in enumerate(self.streams.peers):
-            with self.streams.side(index):
-                remote, source = self.remote_rows[index], sources[peer]
+        `numel` elements, for every peer p) into row `rank` of p's staging: to every peer at once,
+        a stream each, the next peer first; or `in_turn`, on one stream, one peer after another from
+        the previous rank back, so that when every rank does the same each rank receives from one
+        peer at a time, rank+1's data whole first, then rank+2's: the order a consumer that works
+        through the rows in that order (ag_gemm's GEMM) can start on soonest."""
+        for index in reversed(range(len(self.streams.peers))) if in_turn else range(len(self.streams.peers)):
+            with self.streams.side(0 if in_turn else index):
+                remote, source = self.remote_rows[index], sources[self.streams.peers[index]]
                 for chunk in range(self.chunks):
                     start, stop = chunk * self.chunk, min((chunk + 1) * self.chunk, source.numel())
                     if start < stop:

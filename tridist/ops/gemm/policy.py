@@ -25,6 +25,14 @@ few rows per expert leave the GEMM streaming the weights, where 64-row tiles (th
 takes) with deep pipelines keep HBM busy. benchmarks/NOTES.md, "Moved from the code's docstrings
 (issue 41)", "tridist/ops/gemm/policy.py" (where the decode layer's timings are)."""
 
+CE_PUSH_IN_TURN = True
+"""ag_gemm's comm="ce" (and ag_moe's) pushes the shard to one peer after another, so that each rank
+receives its next rank's shard, the one its GEMM reads after its own, at the links' whole rate
+(`CopyEnginePush.push(..., in_turn=True)`); False pushes to every peer at once, a stream each. At 4
+ranks ag_gemm took 733.1 us at 8192^3 pushing at once, against 450.2 pulling one shard after another
+on 2026-11-22 (benchmarks/NOTES.md, "Session of 2026-11-28, fourth"); in turn has not been timed
+yet: `tridist bench ag_gemm --ce-order` times either."""
+
 SM_COMM_SHARE = 16
 """ag_gemm's comm="sm" (and ag_moe's) pushes the shard with 1/SM_COMM_SHARE of the SMs by default
 (8 of an H200's 132), and the GEMM keeps the others: "sm" is there for several nodes, where the

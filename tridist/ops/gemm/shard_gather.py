@@ -4,7 +4,7 @@ before it reads a shard. One contract, two feeders (the `comm` of those ops):
 
 | comm | feeder | how | where |
 | --- | --- | --- | --- |
-| `"ce"` | `CopyEngineGather` | the copy engines write the shard into every peer, a flag per 8 MB piece; no SM taken; a barrier per call | one node |
+| `"ce"` | `CopyEngineGather` | the copy engines write the shard into every peer, one peer after another (each rank receives the next rank's shard first, as its GEMM reads them), a flag per 8 MB piece; no SM taken; a barrier per call | one node |
 | `"sm"` | `PushGather` | a few programs on a side stream push the shard (the `2d` all-gather's order), a flag per split | any topology |
 
 The contract a GEMM reads (`ShardGather`'s attributes):
@@ -76,8 +76,9 @@ class ShardGather(Method):
 
 class CopyEngineGather(ShardGather):
     """comm="ce" (one node): `copy_engines.CopyEnginePush` with `gathered` as its staging. After a
-    barrier (every peer is done with the last call), the copy engines write the shard into every
-    peer's `gathered`, on a stream per peer, 8 MB at a time, and raise a flag there after each piece
+    barrier (every peer is done with the last call), the copy engines write the shard into one
+    peer's `gathered` after another (`policy.CE_PUSH_IN_TURN`: each rank receives rank+1's shard
+    first, the one its GEMM reads next), 8 MB at a time, and raise a flag there after each piece
     (a 4-byte memset): no SM is taken from the GEMM, and the GEMM of the own shard hides the
     transfer. One slot: the flags are zeroed after the GEMM (`finish`)."""
 
@@ -96,7 +97,7 @@ class CopyEngineGather(ShardGather):
         if self.ranks.world_size == 1:
             return
         self.push.barrier()  # every peer is done with the last call (see CopyEnginePush)
-        self.push.push([shard.reshape(-1)] * self.ranks.world_size)
+        self.push.push([shard.reshape(-1)] * self.ranks.world_size, in_turn=policy.CE_PUSH_IN_TURN)
 
     def finish(self) -> None:
         if self.ranks.world_size > 1:
