@@ -140,8 +140,9 @@ def kernel_us(fn, calls: int = 20) -> dict[str, tuple[float, float]]:
     for event in trace.key_averages():
         total = getattr(event, "device_time_total", 0)
         if total:
-            us, launches = times.get(short_kernel_name(event.key), (0.0, 0.0))
-            times[short_kernel_name(event.key)] = (us + total / calls, launches + event.count / calls)
+            name = short_kernel_name(event.key)
+            us, launches = times.get(name, (0.0, 0.0))
+            times[name] = (us + total / calls, launches + event.count / calls)
     return dict(sorted(times.items(), key=lambda item: -item[1][0]))
 
 

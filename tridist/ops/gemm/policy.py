@@ -28,10 +28,10 @@ takes) with deep pipelines keep HBM busy. benchmarks/NOTES.md, "Moved from the c
 CE_PUSH_IN_TURN = True
 """ag_gemm's comm="ce" (and ag_moe's) pushes the shard to one peer after another, so that each rank
 receives its next rank's shard, the one its GEMM reads after its own, at the links' whole rate
-(`CopyEnginePush.push(..., in_turn=True)`); False pushes to every peer at once, a stream each. At 4
-ranks ag_gemm took 733.1 us at 8192^3 pushing at once, against 450.2 pulling one shard after another
-on 2026-11-22 (benchmarks/NOTES.md, "Session of 2026-11-28, fourth"); in turn has not been timed
-yet: `tridist bench ag_gemm --ce-order` times either."""
+(`CopyEnginePush.push(..., in_turn=True)`); False pushes to every peer at once, a stream each, which
+was slower at 4 ranks than pulling one shard after another (benchmarks/NOTES.md, "ag_gemm at 4 ranks:
+the copy engines' order"); in turn has not been timed yet: `tridist bench ag_gemm --ce-order` times
+either."""
 
 SM_COMM_SHARE = 16
 """ag_gemm's comm="sm" (and ag_moe's) pushes the shard with 1/SM_COMM_SHARE of the SMs by default

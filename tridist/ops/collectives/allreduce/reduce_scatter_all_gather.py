@@ -8,10 +8,9 @@ takes that chunk as its shard and fills every chunk of `out`. Each keeps its own
 call epochs, so calls run back to back with no barrier; stream order puts the gather after the
 sums it sends.
 
-Where the fused two-shot is slower than its two halves run apart (at 4 ranks from 16 MB: two_shot
-1500.68 us at 256 MB, the reduce-scatter 665.00 and the ring all-gather 617.13 alone, on 4 x H200;
-benchmarks/NOTES.md, "Where issue 44's targets stand"), this is those halves: `auto` does not pick
-it until it is timed beside them (`tridist bench allreduce`).
+Where the fused two-shot is slower than its two halves run apart (at 4 ranks from 16 MB:
+benchmarks/NOTES.md, "rs_ag: the two-shot's halves apart"), this is those halves: `auto` does not
+pick it until it is timed beside them (`tridist bench allreduce`).
 """
 import torch
 import triton
