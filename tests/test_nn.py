@@ -165,6 +165,12 @@ def _layers(w, layout=None):
             linear.DECODE_ROWS, linear.DECODE_KERNEL = saved
         want = a[:rows].float() @ down.weight.float().cpu().t() + down.bias.float().cpu()
         torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
+    saved, linear.DECODE_KERNEL = linear.DECODE_KERNEL, "gemm"
+    try:
+        with pytest.raises(ValueError, match="DECODE_KERNEL is 'gemm': set it to one of gemm_ar, all_reduce"):
+            replicated(a[:2, columns].to(w.device))
+    finally:
+        linear.DECODE_KERNEL = saved
     tridist.barrier_all()
 
 

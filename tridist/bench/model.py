@@ -31,8 +31,8 @@ two decode steps with a `DynamicCache`, within `TOLERANCE` of the largest logit)
 Attention is the same in every system: transformers' SDPA attention, with a decode step's grouped-query
 attention reading each KV head where it is (`--attention grouped`, the default: `grouped_decode_attention`)
 rather than as transformers before its `pack_gqa` ran it (`--attention sdpa` on such a version), which
-copied every KV head for each of its query heads over the whole static cache at every step, a copy
-that took most of a batch-64 step on 2 x H200 (benchmarks/NOTES.md, "Session of 2026-11-28, fourth").
+copied every KV head for each of its query heads over the whole static cache at every step, most of
+a large-batch step (benchmarks/NOTES.md, "The model's decode step").
 """
 import argparse
 import copy
@@ -408,7 +408,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe", default="ep", help="tridist's MoE modes: ep, tp or ep,tp (default %(default)s)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="of %(default)s")
     parser.add_argument("--kernels", action="store_true", help="also print where each step's GPU time goes, by kernel")
-    parser.add_argument("--row-decode", choices=("gemm_ar", "all_reduce"), default=tridist.nn.linear.DECODE_KERNEL,
+    parser.add_argument("--row-decode", choices=tridist.nn.linear.DECODE_KERNELS,
+                        default=tridist.nn.linear.DECODE_KERNEL,
                         help="how tridist's row-parallel layers end a decode step (tridist.nn.linear.DECODE_KERNEL; "
                              "default %(default)s)")
     parser.add_argument("--attention", choices=sorted(ATTENTION), default="grouped",

@@ -31,9 +31,10 @@ from tridist.ops.ranks import ranks_of
 DECODE_ROWS = 256
 # How a row-parallel layer with a replicated output runs those rows: "gemm_ar", or "all_reduce" (torch's
 # GEMM, then `ops.all_reduce`: its LL method at decode sizes). gemm_ar overlaps the sum with the GEMM,
-# but its GEMM at decode M is slower than cuBLAS's (benchmarks/NOTES.md, "Session of 2026-11-28,
-# third"), so which step is faster is measured: `tridist bench model --row-decode`.
+# but its GEMM at decode M is slower than cuBLAS's (benchmarks/NOTES.md, "The model's decode step"),
+# so which step is faster is measured: `tridist bench model --row-decode`.
 DECODE_KERNEL = "gemm_ar"
+DECODE_KERNELS = ("gemm_ar", "all_reduce")
 
 
 def split(size: int, world_size: int, what: str, align: int = 1) -> int:
@@ -202,6 +203,9 @@ class RowParallelLinear(_ShardedLinear):
         else:
             if m == 0:
                 y = a.new_empty(0, self.out_features)
+            elif m <= DECODE_ROWS and DECODE_KERNEL not in DECODE_KERNELS:
+                raise ValueError(f"tridist.nn.linear.DECODE_KERNEL is {DECODE_KERNEL!r}: set it to one of "
+                                 f"{', '.join(DECODE_KERNELS)}")
             elif m <= DECODE_ROWS and DECODE_KERNEL == "gemm_ar":
                 y = ops.gemm_ar(a, self.weight, group=self.group)
             elif m <= DECODE_ROWS:
