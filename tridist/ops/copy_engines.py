@@ -45,18 +45,23 @@ class SideStream:
 
     def __init__(self, device: torch.device):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.forked = False
 
     def fork(self):
         """A context that queues work on the side stream, after what the current stream has queued so far."""
         if self.stream is None:
             return contextlib.nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream())
+        self.forked = True
         return torch.cuda.stream(self.stream)
 
     def join(self) -> None:
-        """The current stream waits for what the side stream has queued."""
-        if self.stream is not None:
+        """The current stream waits for what the side stream has queued since it was forked. A stream
+        not forked since the last join is left alone: during a CUDA graph's capture, waiting on a
+        stream that takes no part in it is an error (the capture is invalidated)."""
+        if self.stream is not None and self.forked:
             torch.cuda.current_stream().wait_stream(self.stream)
+            self.forked = False
 
 
 class PeerStreams:
