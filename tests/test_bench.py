@@ -198,6 +198,23 @@ def test_collective_bench_in_groups(world):
     world.run(_collective_bench_in_groups)
 
 
+def _collective_bench_across_nodes(w):
+    """`TRIDIST_NNODES=2 tridist bench <op> -n 2`, checks only: the one-node methods are left out
+    rather than counted as failures (which made the run exit 1), and the others pass."""
+    from tridist.bench import collectives
+
+    for op in collectives.METHODS:
+        args = collectives.parse_args([op, "--sizes", "4K", "--dtype", "float32"])
+        rows_and_failures = collectives.run(op, [4096], list(collectives.METHODS[op]), torch.float32, args.variants,
+                                            timed=False)
+        assert rows_and_failures == ([], []), (op, rows_and_failures)
+
+
+@pytest.mark.worlds("2x1")
+def test_collective_bench_across_nodes_leaves_one_node_methods_out(world):
+    world.run(_collective_bench_across_nodes)
+
+
 def test_bench_help_and_bad_rank_counts(capsys, monkeypatch):
     """`tridist bench -h` lists the benchmarks; `NAME -h` prints NAME's options without starting ranks;
     a bad `-n` is refused with a sentence, not a traceback."""
@@ -273,6 +290,7 @@ def test_results_are_named_by_device_and_date_and_never_replaced(tmp_path):
     env = {"date": "2026-11-28", "device": "NVIDIA H200", "ranks": 2}
     assert results.file_name("allreduce", env) == "allreduce-h200x2-2026-11-28.json"
     assert results.file_name("allreduce", env, repeat=2) == "allreduce-h200x2-2026-11-28-2.json"
+    assert results.file_name("allreduce", {**env, "virtual_nodes": 2}) == "allreduce-h200x2-2nodes-2026-11-28.json"
     assert [results.device_tag(name) for name in ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", None]] == \
         ["h100", "a100", "cpu"]
     first, second = (results.save("x", [{"us": float(i)}], str(tmp_path)) for i in range(2))
@@ -284,6 +302,18 @@ def test_results_are_named_by_device_and_date_and_never_replaced(tmp_path):
     if results.CHECKOUT.joinpath(".git").exists():  # the suite runs from a clone: the commit is recorded
         assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", saved["tridist_commit"])
     assert results.title("allreduce, 2 ranks", env) == "allreduce, 2 ranks: NVIDIA H200, 2026-11-28"
+
+
+def test_results_of_virtual_nodes_say_so(monkeypatch):
+    """A run split into virtual nodes (TRIDIST_NNODES) records it and says it in its file's name, so
+    that its figures (the cross-node methods) are never taken for a one-node run's."""
+    monkeypatch.setenv("TRIDIST_NNODES", "2")
+    env = results.environment()
+    assert env["virtual_nodes"] == 2
+    name = results.file_name("allgather", {**env, "device": "NVIDIA H200", "ranks": 2})
+    assert name.startswith("allgather-h200x2-2nodes-")
+    monkeypatch.delenv("TRIDIST_NNODES")
+    assert "virtual_nodes" not in results.environment()
 
 
 def test_results_say_when_ranks_share_a_gpu(tmp_path, monkeypatch, capsys):

@@ -23,6 +23,7 @@ import tridist
 from tridist import ops
 from tridist.ops import sizing
 from tridist.ops.collectives import allgather, allreduce, reducescatter
+from tridist.ops.ranks import ranks_of
 
 from ..runtime.config import parse_bytes
 from . import shared_gpu
@@ -30,7 +31,10 @@ from .results import save, table, title
 from .timing import all_ranks, slowest, time_us
 
 CLASSES = {"allgather": "AllGather", "reducescatter": "ReduceScatter", "allreduce": "AllReduce"}
-METHODS = {"allgather": allgather.METHODS, "reducescatter": reducescatter.METHODS, "allreduce": allreduce.METHODS}
+MODULES = {"allgather": allgather, "reducescatter": reducescatter, "allreduce": allreduce}
+METHODS = {name: module.METHODS for name, module in MODULES.items()}
+# Methods that reach their peers through symm_at or the copy engines: left out where a group spans nodes.
+ONE_NODE = {name: {m for m, kind in module.CLASSES.items() if kind.one_node} for name, module in MODULES.items()}
 # Sizes each method is timed at: LL packets double the bytes on the wire (small messages only); the
 # copy-engine methods pay a barrier and a copy launch per chunk (large messages only).
 LIMITS = {"ll": (0, 1 << 20), "ce": (1 << 20, 1 << 62)}
@@ -156,6 +160,11 @@ def run(name: str, sizes: list[int], methods: list[str], dtype: torch.dtype, var
     w = tridist.world()
     group = my_group(group_size)
     n = tridist.group(group).size
+    if ranks_of(group).nnodes > 1:
+        left_out = [m for m in methods if m in ONE_NODE[name]]
+        methods = [m for m in methods if m not in ONE_NODE[name]]
+        if left_out and w.rank == 0:
+            print(f"{name}: {', '.join(left_out)} left out: one node only, and these ranks span nodes")
     baselines = baselines and timed
     seed = torch.Generator(device=w.device).manual_seed(w.rank)  # each rank, so each group, its own data
     rows = []

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import triton
 
 from .. import __version__
+from ..runtime import config
 from . import shared_gpu
 
 CHECKOUT = pathlib.Path(__file__).resolve().parents[2]  # the repository root when tridist runs from a clone
@@ -66,6 +67,8 @@ def environment() -> dict:
     info.update({"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()})
     if os.environ.get(RUN_VARIABLE):
         info["run"] = os.environ[RUN_VARIABLE]
+    if (config.virtual_nodes() or 1) > 1:  # the ranks of one host split into nodes (TRIDIST_NNODES)
+        info["virtual_nodes"] = config.virtual_nodes()
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name()
         info["gpus"] = torch.cuda.device_count()
@@ -114,12 +117,15 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 def file_name(name: str, env: dict, ranks: int | None = None, repeat: int = 1) -> str:
     """`<name>-<device>x<ranks>-<date>.json` for results measured in `env` (`environment()`), with
-    `-shared<K>` before the date where K ranks share each GPU (`shared_gpu.fields`), and `-<repeat>`
-    after it for the day's second and later runs."""
+    `-<N>nodes` before the date where the ranks were split into N virtual nodes, `-shared<K>` where K
+    ranks share each GPU (`shared_gpu.fields`), and `-<repeat>` after it for the day's second and
+    later runs."""
     sharing = shared_gpu.fields()
+    nodes = f"-{env['virtual_nodes']}nodes" if "virtual_nodes" in env else ""
     shared = f"-shared{sharing['ranks_per_gpu']}" if sharing else ""
     again = f"-{repeat}" if repeat > 1 else ""
-    return f"{name}-{device_tag(env.get('device'))}x{ranks or env.get('ranks', 1)}{shared}-{env['date']}{again}.json"
+    return (f"{name}-{device_tag(env.get('device'))}x{ranks or env.get('ranks', 1)}{nodes}{shared}-{env['date']}"
+            f"{again}.json")
 
 
 def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) -> str:

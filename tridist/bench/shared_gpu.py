@@ -58,7 +58,9 @@ def all_gather(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
 
 
 def _host_sum(x: torch.Tensor, group) -> torch.Tensor:
-    total = x.float().cpu()  # fp32: gloo need not take 16-bit floats, and the sum is a reference
+    # fp32: gloo need not take 16-bit floats, and the sum is a reference. A copy always: an fp32 CPU
+    # `x` would otherwise be summed in place, and the op under test then reduce the sum.
+    total = x.to("cpu", torch.float32, copy=True)
     dist.all_reduce(total, group=group)
     return total
 
