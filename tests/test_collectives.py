@@ -666,7 +666,9 @@ def test_ops_start_in_call_order(world):
     ("reduce_scatter", 256 << 20, 4, 1, "one_shot"), ("reduce_scatter", 4 << 10, 4, 2, "2d"),
     ("all_reduce", 4 << 10, 2, 1, "ll"), ("all_reduce", 6, 2, 1, "one_shot"), ("all_reduce", 1 << 20, 4, 1, "two_shot"), ("all_reduce", 2 << 20, 2, 1, "one_shot"),
     ("all_reduce", 4 << 20, 4, 1, "two_shot"), ("all_reduce", 64 << 20, 2, 1, "two_shot"),
-    ("all_reduce", 64 << 20, 4, 1, "two_shot"), ("all_reduce", 4 << 10, 4, 2, "one_shot"),
+    ("all_reduce", 16 << 20, 4, 1, "two_shot"), ("all_reduce", 64 << 20, 4, 1, "rs_ag"),
+    ("all_reduce", 256 << 20, 4, 1, "rs_ag"), ("all_reduce", 256 << 20, 4, 2, "two_shot"),
+    ("all_reduce", 4 << 10, 4, 2, "one_shot"),
 ])
 def test_auto_crossovers(op, nbytes, ranks, nodes, method):
     """What `auto` picks, by size, ranks and nodes: the crossovers measured on 2 and 4 H200s

@@ -23,6 +23,13 @@ one-shot at 4 MB, two-shot from 16 MB). From 3 ranks on one node the two-shot ta
 directly: one-shot receives (n-1)/2 times its bytes ("4 x H200 (NV18)": at 1 MB two-shot 20.8 us,
 one-shot 23.4)."""
 
+RS_AG_MIN_BYTES = 64 << 20
+"""From 4 ranks on one node, an all-reduce of at least this many bytes a rank (regular tensors) runs as
+`rs_ag`, the reduce-scatter and then the all-gather of the sums as two kernels (at this size the ring
+all-gather): at 64 and 256 MB it beat the two-shot by 10 and 13 %, at 16 MB it was level ("4 x
+H200 (NV18)"; benchmarks/NOTES.md, "rs_ag: the two-shot's halves apart"). With 2 ranks not
+measured: the two-shot stays."""
+
 TWO_D_ONE_NODE_RANKS = 4
 """From this many ranks on one node, an all-gather larger than LL's range and smaller than
 `RING_MIN_GATHERED_BYTES` runs the `2d` method (on one node, its node-local half alone: each
@@ -87,8 +94,9 @@ def choose_all_reduce(nbytes: int, ranks, symmetric_in_place: bool = False) -> s
     """The method `"auto"` runs for an all-reduce of `nbytes` per rank among `ranks` (the world or
     the op's group), by what a rank sends (`nbytes * (world_size - 1)`): `"ll"` on one node up to
     `LL_MAX_SENT_BYTES` of whole 4-byte words, `"one_shot"` up to `ONE_SHOT_MAX_SENT_BYTES` with 2
-    ranks or across nodes, else `"two_shot"`. In place on a symmetric x on one node the two-shot
-    needs no staging and takes over from `"ll"` directly. `"ce"` is left to callers that keep the
+    ranks or across nodes, `"rs_ag"` from 4 ranks on one node from `RS_AG_MIN_BYTES`, else
+    `"two_shot"`. In place on a symmetric x on one node the two-shot needs no staging and takes over
+    from `"ll"` directly. `"ce"` is left to callers that keep the
     SMs busy with other work: on their own the SM methods are faster (same section)."""
     n = ranks.world_size
     sent = nbytes * (n - 1)
@@ -97,6 +105,8 @@ def choose_all_reduce(nbytes: int, ranks, symmetric_in_place: bool = False) -> s
     one_node_two_shot = ranks.nnodes == 1 and (symmetric_in_place or n > 2)
     if sent <= ONE_SHOT_MAX_SENT_BYTES and not one_node_two_shot:
         return "one_shot"
+    if ranks.nnodes == 1 and n >= 4 and nbytes >= RS_AG_MIN_BYTES and not symmetric_in_place:
+        return "rs_ag"
     return "two_shot"
 
 

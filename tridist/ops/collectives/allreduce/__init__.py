@@ -44,8 +44,8 @@ class AllReduce(Collective):
     | `"one_shot"` | every program pushes its slice of x to every peer, raises a flag, waits for every peer's and sums the rows it received: one step, `world_size - 1` copies of the data received per rank | any topology; while latency dominates |
     | `"two_shot"` | a sliced reduce-scatter, then the program that summed a slice pushes the sum to every peer: each rank receives `2 (n-1)/n` of the data | any topology; large messages |
     | `"ce"` | a copy-engine reduce-scatter, then a copy-engine all-gather of the sums | one node; large messages next to other work on the SMs |
-    | `"rs_ag"` | the reduce-scatter, then the all-gather of the sums, as two kernels, each the method its op's `auto` picks | any topology; large messages, being timed against `two_shot` |
-    | `"auto"` | [`choose_all_reduce`][tridist.ops.collectives.policy.choose_all_reduce]: `ll` while a rank sends at most 1 MB (one node), `one_shot` up to 4 MB sent, else `two_shot` (on one node in place on a symmetric x: `two_shot` from 1 MB) | |
+    | `"rs_ag"` | the reduce-scatter, then the all-gather of the sums, as two kernels, each the method its op's `auto` picks | any topology; large messages from 4 ranks |
+    | `"auto"` | [`choose_all_reduce`][tridist.ops.collectives.policy.choose_all_reduce]: `ll` while a rank sends at most 1 MB (one node), `one_shot` up to 4 MB sent, `rs_ag` from 64 MB a rank with 4 ranks or more on one node, else `two_shot` (on one node in place on a symmetric x: `two_shot` from 1 MB) | |
 
     With `symmetric_in_place`, every call reduces a symmetric x (`tridist.symm_empty`, the same
     tensor on every rank) in place (`out=x`). On one node the two-shot then needs no staging: rank
