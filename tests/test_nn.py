@@ -63,7 +63,7 @@ def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, decode
 
 
 # Dense: Llama with a prefill of 2 x 3 rows through gemm_rs + all-gather, Qwen3 with 5 rows (not a
-# multiple of the world size) through a GEMM + all_reduce; decode steps of 2 and 1 rows through gemm_ar.
+# multiple of the world size) through a GEMM + all_reduce; decode steps of 2 and 1 rows through DECODE_KERNEL.
 # MoE: a prefill of 3 tokens a rank in EP's normal mode, decode steps of one token a rank in its
 # low-latency mode; tensor-parallel experts (ag_moe, moe_rs) the same way.
 CASES = {"llama": dict(model="llama", moe="ep", batch=2, prompt_tokens=3, new_tokens=2),

@@ -16,9 +16,10 @@ heads, and the output projection `o_proj` is row-parallel. Each rank's KV cache 
 `tridist.nn` has these layers over tridist's kernels. `ColumnParallelLinear` is a local GEMM (or,
 when each rank holds only some of the tokens, `ag_gemm`, which gathers them while it multiplies).
 `RowParallelLinear` chooses its kernel by the number of tokens, which is fixed for a given shape, so
-a decode step still captures in a CUDA graph: a decode step's few rows go through `gemm_ar`, whose
-tiles are summed across the ranks as the GEMM makes them; a prefill's many rows through `gemm_rs`,
-the reduce-scatter hidden behind the GEMM, then an all-gather. Mixtures of experts get
+a decode step still captures in a CUDA graph: a decode step's few rows go through a local GEMM and
+the low-latency all-reduce (or, with `tridist.nn.linear.DECODE_KERNEL = "gemm_ar"`, through
+`gemm_ar`, whose tiles are summed across the ranks as the GEMM makes them); a prefill's many rows
+through `gemm_rs`, the reduce-scatter hidden behind the GEMM, then an all-gather. Mixtures of experts get
 `ExpertParallelMoE` (whole experts per rank: `EPBuffer`'s dispatch and combine around grouped GEMMs,
 the low-latency mode for decode) and `TensorParallelMoE` (a slice of every expert: `ag_moe` and
 `moe_rs`).

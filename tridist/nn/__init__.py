@@ -6,7 +6,7 @@ Hugging Face `transformers` decoder with them.
   whole model, on every rank.
 - [`ColumnParallelLinear`][tridist.nn.ColumnParallelLinear] and
   [`RowParallelLinear`][tridist.nn.RowParallelLinear]: a linear layer split by output columns or
-  by input rows, the kernel chosen per call by the tokens (`ag_gemm`, `gemm_rs`, `gemm_ar`).
+  by input rows, the kernel chosen per call by the tokens (`ag_gemm`, `gemm_rs`, `all_reduce` or `gemm_ar`).
 - [`ExpertParallelMoE`][tridist.nn.ExpertParallelMoE] (`EPBuffer` + `grouped_gemm`) and
   [`TensorParallelMoE`][tridist.nn.TensorParallelMoE] (`ag_moe` + `moe_rs`): MoE layers of gated
   experts.

@@ -15,9 +15,10 @@ What each rank holds afterwards:
 
 The activations between the layers are replicated: every rank holds every token, so the model's
 own forward, masks and caches run unchanged, and every rank returns the same logits. Each
-row-parallel layer picks its kernel by the tokens of the step (`tridist.nn.linear`: `gemm_ar` for
-decode, `gemm_rs` + all-gather for prefill); the MoE block gives each rank an equal share of the
-tokens (padded), runs the MoE layer on it and all-gathers the outputs. Nothing in a decode step
+row-parallel layer picks its kernel by the tokens of the step (`tridist.nn.linear`: a GEMM and the
+LL all-reduce, or `gemm_ar`, for decode; `gemm_rs` + all-gather for prefill); the MoE block gives
+each rank an equal share of the tokens (padded), runs the MoE layer on it and all-gathers the
+outputs. Nothing in a decode step
 reads back to the host or depends on data on the host: with a static cache
 (`transformers.StaticCache`) a step captures in one CUDA graph.
 

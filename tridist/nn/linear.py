@@ -14,7 +14,7 @@ a decode step still captures in one CUDA graph:
 | --- | --- | --- | --- |
 | column | replicated | any | a local GEMM (torch) |
 | column | sequence parallel (this rank's rows) | any | `ops.ag_gemm`: the all-gather of the rows hidden behind the GEMM |
-| row | output replicated | up to `DECODE_ROWS` | `ops.gemm_ar`: the GEMM's tiles summed over the ranks as they are made (with `DECODE_KERNEL = "all_reduce"`: a local GEMM then `ops.all_reduce`) |
+| row | output replicated | up to `DECODE_ROWS` | a local GEMM then `ops.all_reduce` (with `DECODE_KERNEL = "gemm_ar"`: `ops.gemm_ar`, the GEMM's tiles summed over the ranks as they are made) |
 | row | output replicated | more, a multiple of the world size | `ops.gemm_rs` then `ops.all_gather` |
 | row | output replicated | more, otherwise | a local GEMM then `ops.all_reduce` |
 | row | sequence parallel (this rank's rows out) | any | `ops.gemm_rs` |
@@ -25,15 +25,16 @@ from torch import nn
 from tridist import ops
 from tridist.ops.ranks import ranks_of
 
-# Rows up to which a row-parallel layer with a replicated output runs `ops.gemm_ar`, the GEMM made
-# for decode-sized M (its docstring: up to a few hundred rows); larger M goes through `ops.gemm_rs`,
-# made for prefill-sized M. Not a measured crossover: `tridist bench model` times both sides of it.
+# Rows up to which a row-parallel layer with a replicated output runs its decode kernel
+# (`DECODE_KERNEL`); larger M goes through `ops.gemm_rs`, made for prefill-sized M. Not a measured
+# crossover: `tridist bench model` times both sides of it.
 DECODE_ROWS = 256
-# How a row-parallel layer with a replicated output runs those rows: "gemm_ar", or "all_reduce" (torch's
-# GEMM, then `ops.all_reduce`: its LL method at decode sizes). gemm_ar overlaps the sum with the GEMM,
-# but its GEMM at decode M is slower than cuBLAS's (benchmarks/NOTES.md, "The model's decode step"),
-# so which step is faster is measured: `tridist bench model --row-decode`.
-DECODE_KERNEL = "gemm_ar"
+# How a row-parallel layer with a replicated output runs those rows: "all_reduce" (torch's GEMM, then
+# `ops.all_reduce`: its LL method at decode sizes) or "gemm_ar". gemm_ar overlaps the sum with the
+# GEMM, but its GEMM at decode M is slower than cuBLAS's, and the whole decode step was faster with
+# "all_reduce" at batch 1, 8 and 64 (benchmarks/NOTES.md, "The model's decode step, second look");
+# `tridist bench model --row-decode` times either.
+DECODE_KERNEL = "all_reduce"
 DECODE_KERNELS = ("gemm_ar", "all_reduce")
 
 
