@@ -48,7 +48,10 @@ export TRIDIST_COMPILE_LOG=$PWD/.triton-cache/compile-log.jsonl
 # 2x1, 4 and 2x2 on 2026-11-28: 2367 distinct entries), so that a bare machine precompiles them on
 # every core at once. Refresh it from a returned cache (entries repeat; precompile reads each once):
 #   awk '!seen[$0]++' .triton-cache/compile-log.jsonl | gzip -9 > tests/gpu-compile-log.jsonl.gz
+# The stress runs' own kernels (seed 0's plans at 2 ranks on 4 x H200, 2026-11-28: about 4,000
+# entries beyond the suite's, each call of a plan drawing new sizes) are precompiled only for stress.
 gunzip -c tests/gpu-compile-log.jsonl.gz >> "$TRIDIST_COMPILE_LOG"  # precompile reads each entry once
+wants stress && gunzip -c tests/gpu-compile-log-stress.jsonl.gz >> "$TRIDIST_COMPILE_LOG"
 gpus=$(nvidia-smi -L | wc -l)
 [ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(tr , '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
 if [ "$gpus" -ge 2 ]; then stress_jobs=(${STRESS:-debug=2:10000 plain=2:3000}); else stress_jobs=(${STRESS:-2:1000}); fi

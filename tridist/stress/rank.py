@@ -236,6 +236,7 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
 
         report["environment"] = environment()
     started = time.monotonic()
+    _write(reports, world.rank, report)
 
     def stop(kind: str, what: str, message: str, calls_run: int, from_watchdog: bool = False) -> None:
         """End the run on this rank: `kind` "hang", "failed" or "peer" (a peer left, which reports why)."""
@@ -273,6 +274,10 @@ def run(world, calls: int, seed: int, ops: str | None = None, watchdog: float = 
             calls_and_seconds = report["seconds_by_op"].setdefault(call.op, [0, 0.0])
             calls_and_seconds[0] += 1
             calls_and_seconds[1] += time.monotonic() - call_started
+            # After every call: a job stopped from outside (a timeout's SIGTERM) still reports how far
+            # each rank got, and rank 0's environment names the file.
+            report["loop_s"] = time.monotonic() - started
+            _write(reports, world.rank, report)
         dog.watch("the end of the run (a barrier, then freeing the instances the functions keep)")
         runner.finish()
     finally:
