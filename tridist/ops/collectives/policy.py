@@ -27,7 +27,7 @@ RS_AG_MIN_BYTES = 64 << 20
 """From 4 ranks on one node, an all-reduce of at least this many bytes a rank (regular tensors) runs as
 `rs_ag`, the reduce-scatter and then the all-gather of the sums as two kernels (at this size the ring
 all-gather): at 64 and 256 MB it beat the two-shot by 10 and 13 %, at 16 MB it was level ("4 x
-H200 (NV18)"; benchmarks/NOTES.md, "rs_ag: the two-shot's halves apart"). With 2 ranks not
+H200 (NV18)"; benchmarks/NOTES.md, "rs_ag at 4 ranks, timed"). With 2 ranks not
 measured: the two-shot stays."""
 
 TWO_D_ONE_NODE_RANKS = 4
