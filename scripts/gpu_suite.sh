@@ -19,6 +19,11 @@
 #     a 10-minute device call), split evenly among the runs that take turns. A run stopped by it fails
 #     and says `stopped early: C of N calls`; this script then prints the STRESS and STRESS_PLACES that
 #     continue it. The figures go to benchmarks/results, a file per part)
+#   STRESS_AT_ONCE=8 STRESS="debug=2:1000:0:0 debug=2:2000:0:1000 ..." bash scripts/gpu_suite.sh stress
+#     (the gpus place runs up to 8 jobs at once, job i on the (i mod groups)-th group of N GPUs, so
+#     several jobs share each GPU, each with one rank per GPU: a stress run across GPUs spends most
+#     of its time compiling a kernel for each call's new sizes on one core, so jobs at once go about
+#     as many times faster; 16 at once on 4 GPUs left some jobs idle, 8 is the tried maximum)
 #   PARALLEL=4 RANKS_PER_GPU=4 bash scripts/gpu_suite.sh tests   (4 pytest-xdist workers, each with a GPU
 #     of its own whose ranks share it: the suite with peers on 4 GPUs at once, 4 kernels compiling at a time)
 # torch_fused (PyTorch's fused ops, in processes without tridist) runs first whenever ag_gemm or
@@ -150,6 +155,13 @@ if wants bench; then
   done
   tar czf "$OUT/results.tar.gz" benchmarks/results
 fi
+job_gpus() {  # slot job: the GPUs of a job run at once with others, a group of as many as its most ranks
+  local most=1 run ranks devices first
+  for run in ${2//+/ }; do run=${run#*=}; ranks=${run%%:*}; [ "$ranks" -gt $most ] && most=$ranks; done
+  IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}"
+  first=$(( ($1 % (gpus / most > 0 ? gpus / most : 1)) * most ))
+  local IFS=,; echo "${devices[*]:$first:$most}"
+}
 stress_job() {  # place index job; place gpus (a rank per GPU) or shared (all of a run's ranks on one GPU)
   local run ranks calls seed first per_gpu left code=0 log=$OUT/stress-$1-$2.log mode stopped
   mode=$(stress_mode "$3")
@@ -180,9 +192,11 @@ if wants stress; then
   rm -f "$OUT/stress-continue.txt"
   at_once=0  # shared jobs run at once, a GPU each, where there are enough
   [ "$gpus" -ge ${#stress_jobs[@]} ] && at_once=1
-  turns=0
+  turns=0 batch=${STRESS_AT_ONCE:-1}
   for place in $places; do
-    if [ "$place" = shared ] && [ $at_once = 1 ]; then turns=$((turns + 1)); else turns=$((turns + ${#stress_jobs[@]})); fi
+    if [ "$place" = shared ] && [ $at_once = 1 ]; then turns=$((turns + 1))
+    elif [ "$place" = gpus ]; then turns=$((turns + (${#stress_jobs[@]} + batch - 1) / batch))
+    else turns=$((turns + ${#stress_jobs[@]})); fi
   done
   per_turn=$((${STRESS_TIME_LIMIT:-480} / (turns > 0 ? turns : 1)))
   for place in $places; do
@@ -192,8 +206,13 @@ if wants stress; then
           echo "stress across GPUs: not while MPS runs (RANKS_PER_GPU > 1, or shared before gpus in STRESS_PLACES)"
           status=2; continue
         fi
-        for i in "${!stress_jobs[@]}"; do
-          stress_deadline=$((SECONDS + per_turn)); stress_job gpus "$i" "${stress_jobs[$i]}"; status=$((status | $?))
+        for ((start = 0; start < ${#stress_jobs[@]}; start += batch)); do
+          pids=(); stress_deadline=$((SECONDS + per_turn))
+          for ((i = start; i < start + batch && i < ${#stress_jobs[@]}; i++)); do
+            CUDA_VISIBLE_DEVICES=$(job_gpus $((i - start)) "${stress_jobs[$i]}") \
+              stress_job gpus "$i" "${stress_jobs[$i]}" & pids+=($!)
+          done
+          for pid in "${pids[@]}"; do wait "$pid"; status=$((status | $?)); done
         done ;;
       shared)
         [ "${mps_started:-0}" = 1 ] || start_mps
