@@ -86,3 +86,51 @@ def test_grouped_decode_attention_gives_sdpa_s_logits(monkeypatch):
     for grouped, reference in zip(logits["grouped"], logits["sdpa"]):
         torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=1e-5)
     assert handed_on and 1 not in handed_on, "the grouped run's prefills only go to transformers' SDPA"
+
+
+def _split_kv_attention(w, port):
+    """The bench's split-KV decode attention (tridist's flash_decode among each rank alone) against
+    the grouped SDPA one, in bf16 on every rank: a prefill (SDPA's), then decode steps over a dynamic
+    cache (no mask) and over a static one partly filled (its mask says how many positions), head dim
+    64 (the kernel takes 64 and 128)."""
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=w.rank, world_size=w.world_size)
+    import tridist
+
+    flash_decode, calls = tridist.ops.flash_decode, []
+    tridist.ops.flash_decode = lambda q, *args, **kwargs: calls.append(q.shape) or flash_decode(q, *args, **kwargs)
+    try:
+        logits = {}
+        for attention in ("grouped", "split_kv"):
+            config = bench.make_config("dense", 1, {**TINY["dense"], "head_dim": 64})
+            bench.use_attention(config, attention)
+            model = bench.build(config, w.device)
+            ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5)).to(w.device)
+            got = []
+            for cache in (DynamicCache(), StaticCache(config=config, max_cache_len=16)):
+                model(ids[:, :6], past_key_values=cache, use_cache=True)
+                for step in range(6, 8):
+                    got.append(model(ids[:, step:step + 1], past_key_values=cache, use_cache=True,
+                                     cache_position=torch.tensor([step], device=w.device)).logits.float())
+            logits[attention] = got
+        # Every decode step of the split-KV run, none of the grouped one: 2 caches x 2 steps, 1 layer,
+        # 2 sequences x 2 KV heads of 2 query heads each.
+        assert calls == [(4, 2, 64)] * 4, calls
+        for split_kv, grouped in zip(logits["split_kv"], logits["grouped"]):
+            scale = grouped.abs().max()
+            assert (split_kv - grouped).abs().max() <= 2e-2 * scale, (split_kv - grouped).abs().max() / scale
+    finally:
+        tridist.ops.flash_decode = flash_decode
+        bench._own_groups.clear()
+        if own_group:
+            dist.destroy_process_group()
+
+
+@pytest.mark.worlds("2")
+def test_split_kv_decode_attention_gives_grouped_logits(world):
+    world.run(_split_kv_attention, port=_free_port())

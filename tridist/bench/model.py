@@ -28,11 +28,15 @@ two decode steps with a `DynamicCache`, within `TOLERANCE` of the largest logit)
 `us per layer` is the step's time over the decoder layers run (embedding and logits included).
 `--kernels` prints where each step's GPU time goes, by kernel.
 
-Attention is the same in every system: transformers' SDPA attention, with a decode step's grouped-query
-attention reading each KV head where it is (`--attention grouped`, the default: `grouped_decode_attention`)
-rather than as transformers before its `pack_gqa` ran it (`--attention sdpa` on such a version), which
-copied every KV head for each of its query heads over the whole static cache at every step, most of
-a large-batch step (benchmarks/NOTES.md, "The model's decode step").
+Attention is the same in every system unless `--tridist-attention` says otherwise for tridist's:
+transformers' SDPA attention, with a decode step's grouped-query attention reading each KV head where
+it is (`--attention grouped`, the default: `grouped_decode_attention`) rather than as transformers
+before its `pack_gqa` ran it (`--attention sdpa` on such a version), which copied every KV head for
+each of its query heads over the whole static cache at every step, most of a large-batch step
+(benchmarks/NOTES.md, "The model's decode step"); or tridist's split-KV decode kernel
+(`--attention split_kv`: `split_kv_decode_attention`), which spreads each sequence's positions over
+the SMs where SDPA's kernel has one query block a KV head to spread (NOTES, "The model's decode step,
+second look").
 """
 import argparse
 import copy
@@ -78,7 +82,9 @@ CHECK_BATCH, CHECK_TOKENS, CHECK_STEPS = 2, 16, 2
 GRAPH_STEPS = 5  # decode steps in one CUDA-graph replay
 NOTES = {"megatron moe decode": "eager: its splits are read on the host, which a CUDA graph cannot capture"}
 GROUPED = "tridist_bench_grouped_decode"  # the name `grouped_decode_attention` is registered under in transformers
-ATTENTION = {"grouped": GROUPED, "sdpa": "sdpa"}
+SPLIT_KV = "tridist_bench_split_kv_decode"  # and `split_kv_decode_attention`'s
+ATTENTION = {"grouped": GROUPED, "sdpa": "sdpa", "split_kv": SPLIT_KV}
+_own_groups: dict = {}  # world rank -> a process group of that rank alone (`_own_group`)
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -99,17 +105,55 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout:
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
+def split_kv_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                              **kwargs):
+    """A decode step's attention by tridist's split-KV kernel (`ops.flash_decode` among this rank
+    alone: each rank attends over the KV heads it holds), other steps by `grouped_decode_attention`.
+    The cache `[B, Hkv, L, D]` is read in place as B * Hkv sequences of one KV head, each sequence's
+    query heads its rows. Each sequence attends over its first n positions, n the positions its mask
+    allows (all of them without a mask): the bench's caches hold no padding, so what a mask allows is
+    always such a prefix. A mask with holes (left padding) would be misread: not for general use."""
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    masks_one_row = attention_mask is None or (attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
+    if length != 1 or dropout or not masks_one_row or query.dtype not in (torch.bfloat16, torch.float16) \
+            or dim not in (64, 128) or not key.is_contiguous() or not value.is_contiguous():
+        return grouped_decode_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
+    positions = key.shape[2]
+    if attention_mask is None:
+        seqlens = torch.full((batch,), positions, dtype=torch.int32, device=query.device)
+    else:
+        allowed = attention_mask[:, 0, 0, :positions]
+        allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+        seqlens = allowed.sum(-1, dtype=torch.int32)
+    rows = query.reshape(batch * kv_heads, heads // kv_heads, dim)
+    out = tridist.ops.flash_decode(rows, key.view(batch * kv_heads, positions, 1, dim),
+                                   value.view(batch * kv_heads, positions, 1, dim),
+                                   seqlens.repeat_interleave(kv_heads), sm_scale=scaling, group=_own_group())
+    return out.view(batch, 1, heads, dim), None
+
+
+def _own_group():
+    """A process group of this rank alone, made with every rank's (torch.distributed makes groups
+    collectively) at the first call, which every rank makes at once (a model's first decode step)."""
+    if not _own_groups:
+        _own_groups.update({rank: dist.new_group([rank]) for rank in range(dist.get_world_size())})
+    return _own_groups[dist.get_rank()]
+
+
 def use_attention(config, attention: str):
-    """`config` set to run `attention` ("grouped" or "sdpa", `ATTENTION`), registered with transformers
-    first where it is ours, with SDPA's masks (a name without a mask function of its own gets no mask,
-    and a decode step over a static cache would attend to its empty positions); returns transformers'
-    name of it."""
+    """`config` set to run `attention` ("grouped", "sdpa" or "split_kv", `ATTENTION`), registered with
+    transformers first where it is ours, with SDPA's masks (a name without a mask function of its own
+    gets no mask, and a decode step over a static cache would attend to its empty positions); returns
+    transformers' name of it."""
     import transformers
     from transformers.masking_utils import sdpa_mask
 
-    if attention == "grouped":
-        transformers.AttentionInterface.register(GROUPED, grouped_decode_attention)
-        transformers.AttentionMaskInterface.register(GROUPED, sdpa_mask)
+    ours = {"grouped": grouped_decode_attention, "split_kv": split_kv_decode_attention}
+    if attention in ours:
+        transformers.AttentionInterface.register(ATTENTION[attention], ours[attention])
+        transformers.AttentionMaskInterface.register(ATTENTION[attention], sdpa_mask)
     config._attn_implementation = ATTENTION[attention]
     return ATTENTION[attention]
 
@@ -259,12 +303,17 @@ def hf_tensor_parallel(folder: str, attention: str):
 
 # ---- the run --------------------------------------------------------------------------------------
 def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool, kernels: bool = False,
-        dims: dict | None = None, attention: str = "grouped") -> list[dict]:
+        dims: dict | None = None, attention: str = "grouped", tridist_attention: str | None = None) -> list[dict]:
     """Each system of `systems` built, checked and (if `timed`) timed, every model with `attention`
-    (`ATTENTION`); a row per (system, step), or one saying why a system did not run."""
+    (`ATTENTION`) but tridist's with `tridist_attention` where given; a row per (system, step), or
+    one saying why a system did not run."""
     w = tridist.world()
     config = make_config(kind, layers, dims)
     use_attention(config, attention)
+    tridist_config = config
+    if tridist_attention not in (None, attention):
+        tridist_config = copy.deepcopy(config)
+        use_attention(tridist_config, tridist_attention)
     # Its own config: save_pretrained writes into the model's config (its dtype), and the systems built
     # from `config` afterwards must draw the same weights on every rank, also where only rank 0 saved.
     whole = build(copy.deepcopy(config), w.device)
@@ -283,8 +332,9 @@ def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool
             if why:
                 rows.append({"model": kind, "system": name, "skipped": why})
                 continue
+            own = tridist_config if system == "tridist" else config
             try:
-                rows += _system(kind, name, _shard(system, moe, config, folder, w.device), config, prompt, expected,
+                rows += _system(kind, name, _shard(system, moe, own, folder, w.device), own, prompt, expected,
                                 timed, prefill, decode, kernels, layers)
             except Exception as error:  # noqa: BLE001 - recorded: transformers' TP may refuse or fail on a model
                 if system != "hf_tp":
@@ -414,7 +464,9 @@ def main(argv=None) -> int:
                              "default %(default)s)")
     parser.add_argument("--attention", choices=sorted(ATTENTION), default="grouped",
                         help="every system's attention (default %(default)s: a decode step reads GQA's KV heads in "
-                             "place; sdpa: transformers' own)")
+                             "place; sdpa: transformers' own; split_kv: tridist's split-KV decode kernel)")
+    parser.add_argument("--tridist-attention", choices=sorted(ATTENTION), default=None,
+                        help="tridist's attention, where it differs from the others' (default: --attention's)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     kinds, moe_modes, systems = (v.split(",") for v in (args.models, args.moe, args.systems))
@@ -432,7 +484,7 @@ def main(argv=None) -> int:
     rows = []
     for kind in kinds:
         rows += run(kind, args.layers, args.prefill, args.decode, moe_modes, systems, timed, args.kernels,
-                    attention=args.attention)
+                    attention=args.attention, tridist_attention=args.tridist_attention)
     if w.rank == 0 and not timed:
         print(f"model: every check passed; nothing timed ({'ranks share a GPU' if shared else 'no GPU'})")
     elif w.rank == 0:
@@ -441,7 +493,8 @@ def main(argv=None) -> int:
             columns += [c for c in row if c not in columns]
         print(table(rows, columns))
         extra = {"world_size": w.world_size, "timed": timed, "context": CONTEXT, "tolerance": TOLERANCE,
-                 "attention": args.attention, "row-parallel decode": args.row_decode,
+                 "attention": args.attention, "tridist attention": args.tridist_attention or args.attention,
+                 "row-parallel decode": args.row_decode,
                  "models": {kind: {"like": MODELS[kind][0], "layers": f"{args.layers} of "
                                    f"{MODELS[kind][2]['num_hidden_layers']}", **MODELS[kind][2]} for kind in kinds},
                  "graph steps per replay": GRAPH_STEPS, "notes": NOTES}
