@@ -25,6 +25,7 @@ from torch import nn
 
 import tridist
 from tridist import ops
+from tridist.ops import checks
 from tridist.ops.ranks import ranks_of
 
 from .linear import split
@@ -184,12 +185,17 @@ class ExpertParallelMoE(nn.Module):
         recv_count[e] of them. The blocks' pairs are packed back to back for one grouped GEMM per
         projection and put back in their blocks, by indices computed on the device: static shapes,
         for the decode step's CUDA graph."""
+        # The pairs below are sized by T: a rank with more tokens than its peers would lose pairs.
+        checks.agree("ExpertParallelMoE", None, {"tokens a rank (T, the same on every rank)": x.shape[0]},
+                         group=self.group)
         buffer = self._buffer("low_latency")
         recv_x, recv_count, handle, _ = buffer.low_latency_dispatch(x, topk_idx)
         experts, block, _ = recv_x.shape
         slots = experts * block
-        # At most a pair per (token, local expert): k pairs a token, or fewer local experts.
-        packed = min(slots, block * min(topk_idx.shape[1], experts))
+        # At most a pair per (token, local expert) of each rank's T tokens (the same T on every rank):
+        # k pairs a token, or fewer local experts. Sized by this call's T, not by the buffer's room, so
+        # that a decode step's gathers, zeros and GEMM grids are as small as its tokens.
+        packed = min(slots, self.world_size * x.shape[0] * min(topk_idx.shape[1], experts))
         offs = recv_count.cumsum(0).to(torch.int32)
         position = torch.arange(packed, device=x.device, dtype=torch.int32)
         expert = torch.searchsorted(offs, position, right=True)
