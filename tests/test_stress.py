@@ -211,6 +211,12 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
         {"rank": 1, "calls": 3, "wrong": []}]))
     assert stress.main(args) == stress.EXIT_STOPPED, "a call that raised ends the run, counted wrong"
     assert re.fullmatch(r"stress: 3 calls, 1 wrong, 0 hangs, [0-9.]+ s", capsys.readouterr().out.splitlines()[-1])
+    monkeypatch.setattr(launcher, "run", fake_launch([{"rank": 1, "calls": 0, "wrong": []}]))
+    assert stress.main(args) == 0
+    saved = sorted(tmp_path.glob("stress-*x2-*.json"), key=lambda path: path.stat().st_mtime)[-1]
+    figures = json.loads(saved.read_text())
+    assert figures["date"] and figures["ranks"] == 2 and figures["torch"], \
+        "rank 0 left no report: the launcher's environment names the file"
     part = parser.parse_args(["-n", "2", "--calls", "9", "--seed", "3", "--first-call", "4", "--out", str(tmp_path)])
     monkeypatch.setattr(launcher, "run", fake_launch([
         {"rank": r, "calls": 5, "wrong": [], "environment": {"date": "2026-11-24"}} for r in (0, 1)]))

@@ -191,9 +191,10 @@ def summarise(reports: list[dict], code: int) -> dict:
 
 
 def _save(out: str, figures: dict) -> str:
-    from ..bench.results import write_new
+    from ..bench.results import environment as launcher_environment, write_new
 
-    environment = figures.pop("environment")
+    # Rank 0's, or where it left no report (stopped before its first call), the launcher's: the same host.
+    environment = figures.pop("environment") or {**launcher_environment(), "ranks": figures["world"]}
     payload = {"benchmark": "stress", **environment, **figures}
     if out.endswith(".json"):
         with open(out, "w") as f:
@@ -206,5 +207,5 @@ def _save(out: str, figures: dict) -> str:
         name += f"-seed{figures['seed']}"
     if figures["first_call"]:
         name += f"-from{figures['first_call']}"
-    return write_new(out, name, environment or {"date": time.strftime("%Y-%m-%d")}, payload, ranks=figures["world"])
+    return write_new(out, name, environment, payload, ranks=figures["world"])
 
