@@ -120,6 +120,15 @@ def test_use_before_init():
         tridist.symm_empty((4,), torch.float32)
 
 
+def test_ranks_that_count_different_sms_are_refused():
+    """At init on GPUs every rank's SM count is gathered: the ops lay out their exchanges by it."""
+    from tridist.runtime.world import same_sms
+
+    same_sms([132, 132, 132])
+    with pytest.raises(tridist.TridistError, match=r"different numbers of SMs \(rank 0: 132, rank 1: 66\)"):
+        same_sms([132, 66])
+
+
 @pytest.mark.parametrize("name, value, expected", [
     ("TRIDIST_HEAP_SIZE", "lots", "TRIDIST_HEAP_SIZE='lots': expected bytes"),
     ("TRIDIST_NNODES", "two", "TRIDIST_NNODES='two': expected a positive integer"),

@@ -196,9 +196,24 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
         # allocated here, where every rank is, rather than at a first barrier, perhaps inside a
         # CUDA-graph capture.
         _state.bounded_barrier = (signals(world_size), torch.zeros(1, dtype=torch.int64, device=device))
+    if not _backend.is_emulator():
+        from .occupancy import available_sms
+
+        same_sms([sms for (sms,) in transport.allgather_ints((available_sms(device)[0],))])
     _install_failure_hook()
     atexit.register(finalize)
     return world
+
+
+def same_sms(sms: list[int]) -> None:
+    """Raises TridistError (on every rank: each has every rank's count) unless every rank may use as
+    many SMs (`sms[r]`, `occupancy.available_sms`): the ops size the pieces of their exchanges by
+    it, so ranks that counted differently would lay out one exchange two ways."""
+    if len(set(sms)) > 1:
+        counts = ", ".join(f"rank {rank}: {count}" for rank, count in enumerate(sms))
+        raise TridistError(f"the ranks may use different numbers of SMs ({counts}); tridist's ops size their "
+                           "exchanges by it on every rank alike: give every rank the same GPU model and the same "
+                           "share of it (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, TRIDIST_RANKS_PER_GPU)")
 
 
 def _emulator_folder(world_size: int) -> tuple[str, bool]:
