@@ -133,9 +133,10 @@ def init(backend: str | None = None, nnodes: int | None = None) -> World:
     Raises:
         TridistError: a backend other than the imported one; already initialised with other
             arguments; called after `finalize()`; `nnodes` that does not divide the world or
-            split a host evenly; more ranks on a host than GPUs; in the emulator, a world of
-            more than one rank started by neither `tridist run` nor torchrun, or on several hosts,
-            or a torch.distributed started with other ranks than RANK and WORLD_SIZE say.
+            split a host evenly; more ranks on a host than GPUs; on GPUs, ranks that may use
+            different numbers of SMs (`same_sms`); in the emulator, a world of more than one rank
+            started by neither `tridist run` nor torchrun, or on several hosts, or a
+            torch.distributed started with other ranks than RANK and WORLD_SIZE say.
     """
     if _state.world is not None:
         w = _state.world
