@@ -1,6 +1,7 @@
 """`tridist stress`: its plan, its checks, a short run in the emulator's worlds, and a planted wrong
 result and a planted hang counted as such by the command, which ends promptly."""
 import json
+import os
 import re
 import time
 from types import SimpleNamespace
@@ -255,3 +256,19 @@ def test_stopped_early_fails_unless_time_boxed(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[-2] == "stopped early: 119 of 10000 calls (--time-limit 60 s, --time-box)"
     with pytest.raises(SystemExit, match="--time-box makes --time-limit"):
         stress.main(parser.parse_args(["-n", "2", "--time-box"]))
+
+
+def test_a_rank_stuck_joining_the_world_is_a_hang(tmp_path):
+    """The watchdog covers `tridist.init()` too: a rank that never gets through it (a peer that never
+    came) ends with EXIT_HANG and a report that says where, rather than waiting for ever."""
+    import subprocess
+    import sys
+
+    script = ("import time, tridist, tridist.stress.rank as rank; tridist.init = lambda: time.sleep(60); "
+              f"rank.main(['--reports', {str(tmp_path)!r}, '--calls', '1', '--watchdog', '0.5'])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RANK": "1"})
+    assert done.returncode == EXIT_HANG, done.stderr
+    assert "tridist.init() hung: still running after 0.5 s" in done.stdout
+    report = json.loads((tmp_path / "rank1.json").read_text())
+    assert report["stop"]["kind"] == "hang" and report["stop"]["what"] == "tridist.init()"

@@ -15,8 +15,8 @@ hold more than a quarter of the symmetric heap, or every EVICT_EVERY calls of th
 Outcomes. A wrong result is printed (`[rank R] call I ...: first mismatch`, the prefix from `tridist run`) and counted, and the
 run goes on. A hang ends the run: a bounded wait that expired (`WaitTimeoutError`: always in the
 emulator; on GPUs with TRIDIST_DEBUG=1 the wait traps and the call fails with a CUDA error), or a
-call still running after --watchdog seconds (`Watchdog`, a thread: it prints which call hung on
-this rank and ends the process with EXIT_HANG, so that the launcher stops the job). A call that
+call (or `tridist.init()`) still running after --watchdog seconds (`Watchdog`, a thread: it prints
+which call hung on this rank and ends the process with EXIT_HANG, so that the launcher stops the job). A call that
 raises anything else is counted wrong and ends the run too (a collective cannot go on once a
 rank is out). Each rank writes its report (JSON) into --reports for `tridist stress` to sum up.
 """
@@ -324,10 +324,26 @@ def main(argv=None) -> int:
     add_run_arguments(parser)
     parser.add_argument("--reports", required=True, help="folder where each rank writes its report")
     args = parser.parse_args(argv)
+    # Joining the world is bounded too: a rank stuck there (a peer that never came) is a hang like any.
+    dog = Watchdog(args.watchdog, lambda what: _start_hung(args.reports, what, args.watchdog))
+    dog.start()
+    dog.watch("tridist.init()")
     world = tridist.init()
+    dog.close()
     run(world, args.calls, args.seed, args.ops, args.watchdog, args.time_limit, args.reports, args.plant_wrong,
         args.plant_hang, args.first_call)
     return 0
+
+
+def _start_hung(reports: str, what: str, seconds: float) -> None:
+    """A rank that did not get through `what` within the watchdog's seconds: its report says so, and
+    the process ends with EXIT_HANG, so that the launcher stops the job."""
+    rank = int(os.environ.get("RANK", 0))
+    message = f"still running after {seconds:g} s (--watchdog)"
+    print(f"{what} hung: {message}", flush=True)
+    _write(reports, rank, {"rank": rank, "calls": 0, "wrong": [], "skipped": {}, "seconds_by_op": {},
+                           "stop": {"kind": "hang", "what": what, "message": message}})
+    os._exit(EXIT_HANG)
 
 
 if __name__ == "__main__":
