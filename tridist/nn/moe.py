@@ -147,6 +147,11 @@ class ExpertParallelMoE(nn.Module):
         if x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(f"{x.shape[0]} tokens on rank {self.rank}, past max_tokens_per_rank "
                              f"{self.max_tokens_per_rank}: call reserve() first, on every rank")
+        if x.shape[0] <= LOW_LATENCY_TOKENS:
+            # The low-latency mode sizes its pairs by T: a rank with more tokens than its peers would
+            # lose pairs, and one with none would leave them waiting.
+            checks.agree("ExpertParallelMoE", None, {"tokens a rank (T, the same on every rank)": x.shape[0]},
+                         group=self.group)
         if x.shape[0] == 0:
             return x.new_empty(0, self.hidden_size)
         if x.shape[0] <= LOW_LATENCY_TOKENS:
@@ -185,9 +190,6 @@ class ExpertParallelMoE(nn.Module):
         recv_count[e] of them. The blocks' pairs are packed back to back for one grouped GEMM per
         projection and put back in their blocks, by indices computed on the device: static shapes,
         for the decode step's CUDA graph."""
-        # The pairs below are sized by T: a rank with more tokens than its peers would lose pairs.
-        checks.agree("ExpertParallelMoE", None, {"tokens a rank (T, the same on every rank)": x.shape[0]},
-                         group=self.group)
         buffer = self._buffer("low_latency")
         recv_x, recv_count, handle, _ = buffer.low_latency_dispatch(x, topk_idx)
         experts, block, _ = recv_x.shape
