@@ -18,9 +18,8 @@ own forward, masks and caches run unchanged, and every rank returns the same log
 row-parallel layer picks its kernel by the tokens of the step (`tridist.nn.linear`: a GEMM and the
 LL all-reduce, or `gemm_ar`, for decode; `gemm_rs` + all-gather for prefill); the MoE block gives
 each rank an equal share of the tokens (padded), runs the MoE layer on it and all-gathers the
-outputs. Nothing in a decode step
-reads back to the host or depends on data on the host: with a static cache
-(`transformers.StaticCache`) a step captures in one CUDA graph.
+outputs. Nothing in a decode step reads back to the host or depends on data on the host: with a
+static cache (`transformers.StaticCache`) a step captures in one CUDA graph.
 
 Not done yet: a sequence-parallel residual stream (each rank holding its share of the tokens
 between the blocks, `ag_gemm` into q/k/v and the MLP, `gemm_rs` out of `o_proj` and `down_proj`,

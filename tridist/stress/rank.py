@@ -16,9 +16,9 @@ Outcomes. A wrong result is printed (`[rank R] call I ...: first mismatch`, the 
 run goes on. A hang ends the run: a bounded wait that expired (`WaitTimeoutError`: always in the
 emulator; on GPUs with TRIDIST_DEBUG=1 the wait traps and the call fails with a CUDA error), or a
 call (or `tridist.init()`) still running after --watchdog seconds (`Watchdog`, a thread: it prints
-which call hung on this rank and ends the process with EXIT_HANG, so that the launcher stops the job). A call that
-raises anything else is counted wrong and ends the run too (a collective cannot go on once a
-rank is out). Each rank writes its report (JSON) into --reports for `tridist stress` to sum up.
+which call hung on this rank and ends the process with EXIT_HANG, so that the launcher stops the
+job). A call that raises anything else is counted wrong and ends the run too (a collective cannot
+go on once a rank is out). Each rank writes its report (JSON) into --reports for `tridist stress` to sum up.
 """
 import argparse
 import contextlib

@@ -368,8 +368,7 @@ class LowLatencyCombine(Exchange):
         self.start(ll_combine_kernel, y_ptr=self.sendable(y, self.send), recv_src_ptr=recv_src,
                    recv_layout_ptr=recv_layout, idx_ptr=nonempty(topk_idx), weights_ptr=nonempty(topk_weights),
                    positions_ptr=nonempty(positions), staging=self.staging, out_ptr=out, tokens=tokens,
-                   hidden=layer.hidden,
-                   max_tokens=layer.max_tokens, experts_local=layer.experts_local,
+                   hidden=layer.hidden, max_tokens=layer.max_tokens, experts_local=layer.experts_local,
                    local_world_size=w.local_world_size, TOPK=topk, W_PAD=layer.w_pad, E_PAD=layer.e_pad,
                    **combine_blocks(layer))
         return out[:tokens]
