@@ -291,6 +291,7 @@ def test_results_are_named_by_device_and_date_and_never_replaced(tmp_path):
     assert results.file_name("allreduce", env) == "allreduce-h200x2-2026-11-28.json"
     assert results.file_name("allreduce", env, repeat=2) == "allreduce-h200x2-2026-11-28-2.json"
     assert results.file_name("allreduce", {**env, "virtual_nodes": 2}) == "allreduce-h200x2-2nodes-2026-11-28.json"
+    assert results.file_name("stress", env, ranks_per_gpu=2) == "stress-h200x2-shared2-2026-11-28.json"
     assert [results.device_tag(name) for name in ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", None]] == \
         ["h100", "a100", "cpu"]
     first, second = (results.save("x", [{"us": float(i)}], str(tmp_path)) for i in range(2))

@@ -225,6 +225,10 @@ def test_summary_and_exit_code(tmp_path, monkeypatch, capsys):
     assert stress.main(part) == 0
     figures = json.loads((tmp_path / "stress-debug-seed3-from4-cpux2-2026-11-24.json").read_text())
     assert (figures["calls"], figures["first_call"], figures["requested_calls"]) == (5, 4, 5), "a part of a plan"
+    shared = parser.parse_args(["-n", "2", "--ranks-per-gpu", "2", "--calls", "5", "--out", str(tmp_path)])
+    assert stress.main(shared) == 0
+    figures = json.loads((tmp_path / "stress-debug-cpux2-shared2-2026-11-24.json").read_text())
+    assert figures["ranks_per_gpu"] == 2, "ranks that shared a GPU are named so, as the benchmarks' results are"
 
 
 def test_stopped_early_fails_unless_time_boxed(tmp_path, monkeypatch, capsys):

@@ -115,14 +115,16 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def file_name(name: str, env: dict, ranks: int | None = None, repeat: int = 1) -> str:
+def file_name(name: str, env: dict, ranks: int | None = None, repeat: int = 1,
+              ranks_per_gpu: int | None = None) -> str:
     """`<name>-<device>x<ranks>-<date>.json` for results measured in `env` (`environment()`), with
     `-<N>nodes` before the date where the ranks were split into N virtual nodes, `-shared<K>` where K
-    ranks share each GPU (`shared_gpu.fields`), and `-<repeat>` after it for the day's second and
-    later runs."""
-    sharing = shared_gpu.fields()
+    ranks shared each GPU (`ranks_per_gpu`; None: as this process's environment says,
+    `shared_gpu.fields`), and `-<repeat>` after it for the day's second and later runs."""
+    if ranks_per_gpu is None:
+        ranks_per_gpu = shared_gpu.fields().get("ranks_per_gpu", 1)
     nodes = f"-{env['virtual_nodes']}nodes" if "virtual_nodes" in env else ""
-    shared = f"-shared{sharing['ranks_per_gpu']}" if sharing else ""
+    shared = f"-shared{ranks_per_gpu}" if ranks_per_gpu > 1 else ""
     again = f"-{repeat}" if repeat > 1 else ""
     return (f"{name}-{device_tag(env.get('device'))}x{ranks or env.get('ranks', 1)}{nodes}{shared}-{env['date']}"
             f"{again}.json")
@@ -137,13 +139,14 @@ def save(name: str, rows: list[dict], folder: str, extra: dict | None = None) ->
     return write_new(folder, name, env, payload)
 
 
-def write_new(folder: str, name: str, env: dict, payload: dict, ranks: int | None = None) -> str:
+def write_new(folder: str, name: str, env: dict, payload: dict, ranks: int | None = None,
+              ranks_per_gpu: int | None = None) -> str:
     """Writes `payload` as JSON under the first of `file_name`'s names (repeat 1, 2, ...) that no file
     in `folder` has, and returns its path. The file is created exclusively, so two runs that end at
     once on one machine (a job per GPU pair) each keep their own file."""
     os.makedirs(folder, exist_ok=True)
     for repeat in itertools.count(1):
-        path = os.path.join(folder, file_name(name, env, ranks=ranks, repeat=repeat))
+        path = os.path.join(folder, file_name(name, env, ranks=ranks, repeat=repeat, ranks_per_gpu=ranks_per_gpu))
         try:
             with open(path, "x") as f:
                 json.dump(payload, f, indent=1)

@@ -671,4 +671,12 @@ def wait_packets(ptrs, mask, flag):
     else:
         while _stale(packets, mask, flag) > 0:
             packets = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    return packets
+    # The count above covers one copy of each packet, but a block with fewer packets than the program
+    # has threads is laid out with each packet in several threads (warps 2 and 3 repeating warps 0 and
+    # 1, say), each loading its own copy, and Triton's reduction counts only the first: another copy
+    # may still hold the stale word when the loop ends (it did, on GPUs: benchmarks/NOTES.md, "LL
+    # packets held by several threads"). So each thread loads again whatever copy it holds stale; the
+    # barrier orders that load after the counted copy's, so by coherence it finds that packet or newer.
+    _sync_threads()
+    stale = _is_stale(packets, mask, flag)
+    return tl.where(stale, tl.load(ptrs, mask=stale, other=0, volatile=True), packets)

@@ -53,7 +53,9 @@ def send(dest, data, flag, mask):
 def recv(source, flag, mask):
     """Wait until the packets at `source` (where `mask`) all carry `flag`; return their int32 data.
 
-    Every thread of the program polls the packets themselves: no separate signal. Bounded and
+    Every thread of the program polls the packets themselves: no separate signal. Each thread's
+    copy of the data is the arrived one, also where the block's layout gives a packet to several
+    threads (each loads its own copy; `_gpu.wait_packets` says how that is made safe). Bounded and
     reporting like [`dl.wait`][tridist.language.wait] (in the emulator, and on GPUs with
     TRIDIST_DEBUG=1): the report names one packet still missing and the flag found there.
 

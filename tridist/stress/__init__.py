@@ -115,8 +115,6 @@ def main(args: argparse.Namespace) -> int:
                           ("--plant-hang", args.plant_hang)):
         if value is not None:
             forwarded += [option, str(value)]
-    if args.ranks_per_gpu:  # also for `_save`, whose file name says when ranks shared a GPU
-        os.environ["TRIDIST_RANKS_PER_GPU"] = str(args.ranks_per_gpu)
     sharing = {"ranks_per_gpu": args.ranks_per_gpu} if args.ranks_per_gpu else {}
     if args.start_mps:
         sharing["start_mps"] = True
@@ -192,6 +190,7 @@ def summarise(reports: list[dict], code: int) -> dict:
 
 def _save(out: str, figures: dict) -> str:
     from ..bench.results import environment as launcher_environment, write_new
+    from ..runtime import config, sharing
 
     # Rank 0's, or where it left no report (stopped before its first call), the launcher's: the same host.
     environment = figures.pop("environment") or {**launcher_environment(), "ranks": figures["world"]}
@@ -207,5 +206,7 @@ def _save(out: str, figures: dict) -> str:
         name += f"-seed{figures['seed']}"
     if figures["first_call"]:
         name += f"-from{figures['first_call']}"
-    return write_new(out, name, environment, payload, ranks=figures["world"])
+    # The launcher's own environment does not say how many ranks shared a GPU (its ranks' does).
+    shared = sharing.ranks_on_a_gpu(figures["world"], figures["ranks_per_gpu"] or config.ranks_per_gpu())
+    return write_new(out, name, environment, payload, ranks=figures["world"], ranks_per_gpu=shared)
 
