@@ -273,3 +273,60 @@ class TensorParallelMoE(nn.Module):
         """The sizes, in the module's printout."""
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, intermediate_size="
                 f"{self.intermediate_size} ({self.intermediate_local} on this rank)")
+
+
+class ParallelSparseMoeBlock(nn.Module):
+    """A transformers sparse MoE block (router + experts) over replicated activations: the router
+    whole on every rank, the experts in `moe_layer`. Each rank routes and runs its share of the
+    tokens (the tokens padded to a multiple of the world size, the padding routed nowhere), and
+    the outputs are all-gathered.
+
+    Args:
+        router_weight: `[E, hidden_size]`, the router's linear weight.
+        top_k: experts per token.
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
+        moe_layer: an `ExpertParallelMoE` or `TensorParallelMoE` holding this rank's experts.
+    """
+
+    def __init__(self, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                 moe_layer: ExpertParallelMoE | TensorParallelMoE):
+        super().__init__()
+        self.router_weight = nn.Parameter(router_weight.detach().clone(), requires_grad=False)
+        self.top_k, self.norm_topk_prob, self.moe_layer = top_k, norm_topk_prob, moe_layer
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts and their weights, as transformers' Qwen3-MoE router computes
+        them (softmax in fp32, weights rounded to x's dtype), the weights as float32."""
+        probs = F.softmax(F.linear(x, self.router_weight), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype).float()
+
+    def extra_repr(self) -> str:
+        """The routing, in the module's printout."""
+        return f"experts={self.router_weight.shape[0]}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states `[..., hidden_size]`, the same on every rank; returns the block's output,
+        the same on every rank."""
+        layer = self.moe_layer
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        tokens = x.shape[0]
+        if tokens == 0:
+            return hidden_states.clone()
+        share = -(-tokens // layer.world_size)
+        first = layer.rank * share
+        mine = F.pad(x[first:first + share], (0, 0, 0, share - max(0, min(share, tokens - first))))
+        experts, weights = self.route(mine)
+        padding = (torch.arange(share, device=x.device) + first >= tokens)[:, None]
+        experts = experts.masked_fill(padding, layer.padding_expert)
+        weights = weights.masked_fill(padding, 0.0)
+        if isinstance(layer, ExpertParallelMoE):
+            layer.reserve(share)
+        y = self.gather(layer(mine.contiguous(), experts, weights).contiguous())
+        return y[:tokens].view(hidden_states.shape)
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        """Every rank's share of the outputs, in rank order (`ops.all_gather` over the layer's group)."""
+        return ops.all_gather(y, group=self.moe_layer.group)
