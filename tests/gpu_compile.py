@@ -372,18 +372,20 @@ def _step_options(pointer_type: str, step_bytes: int = sizing.STEP_BYTES) -> dic
 
 def _attention_cases():
     """The split-KV kernel for D 64 and 128, contiguous and paged (GQA 4 on the default config, and
-    GQA 32 on 8 warps: the most query rows it takes), and the combine at one rank and with the exchange,
+    GQA 32 on 8 warps: the most query rows it takes; GQA 4 with a mask), and the combine at one rank and with the exchange,
     at the shapes `combine_shape` gives for many and for few chunks."""
     kernel = split_kv.flash_decode_split_kernel
     signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "seqlens_ptr": "*i32", "table_ptr": "*i32",
-                 "partials_ptr": "*fp32", "sm_scale": "fp32", "seq_stride": "i32", "row_stride": "i32",
-                 "table_stride": "i32", "splits": "i32", "kv_heads": "i32", "GROUP": "constexpr", "D": "constexpr",
-                 "BLOCK_N": "constexpr", "PAGE": "constexpr"}
+                 "mask_ptr": "*u8", "partials_ptr": "*fp32", "sm_scale": "fp32", "seq_stride": "i32",
+                 "row_stride": "i32", "head_stride": "i32", "table_stride": "i32", "mask_stride": "i32",
+                 "splits": "i32", "kv_heads": "i32", "GROUP": "constexpr", "D": "constexpr", "BLOCK_N": "constexpr",
+                 "PAGE": "constexpr", "MASKED": "constexpr"}
     config = attention_policy.configs(CUDA)[0]
     cases = []
-    for group, head_dim, page, warps in [(4, 128, 0, None), (4, 128, 16, None), (4, 64, 0, None), (4, 64, 16, None),
-                                         (32, 128, 0, 8)]:
-        constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page}
+    for group, head_dim, page, warps, masked in [(4, 128, 0, None, False), (4, 128, 16, None, False),
+                                                 (4, 64, 0, None, False), (4, 64, 16, None, False),
+                                                 (32, 128, 0, 8, False), (4, 128, 0, None, True)]:
+        constexprs = {"GROUP": group, "D": head_dim, "BLOCK_N": config["BLOCK_N"], "PAGE": page, "MASKED": masked}
         # as FlashDecode launches it
         stages = config["num_stages"] + (attention_policy.PAGED_EXTRA_STAGES if page else 0)
         cases.append((kernel, signature, constexprs, {"num_warps": warps or config["num_warps"], "num_stages": stages}))

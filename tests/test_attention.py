@@ -182,6 +182,42 @@ def _decode_in_groups(w, layout):
     return index, [out.cpu() for out in outs]
 
 
+def _alone_over_transformers_cache(w, dtype):
+    """`decode_attention` on this rank's own data (a different seed per rank: no rank waits for or
+    mixes in another's), over a cache in transformers' layout [B, Hkv, L, D] read in place through
+    `transpose(1, 2)`, with a boolean mask of left padding and a hole; positions past seqlens and
+    masked ones hold NaN, so reading one would show."""
+    batch, kv_heads, group, head_dim, capacity = 3, 2, 3, 64, 40
+    g = torch.Generator().manual_seed(50 + w.rank)
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, capacity, head_dim, generator=g).to(dtype) for _ in range(2))
+    seqlens = torch.tensor([capacity, 23, 1], dtype=torch.int32)
+    mask = torch.ones(batch, capacity, dtype=torch.bool)
+    mask[0, :9] = False  # left padding
+    mask[1, 5:21] = False  # a hole longer than the emulator's tiles
+    for b, n in enumerate(seqlens.tolist()):
+        hidden = ~mask[b] | (torch.arange(capacity) >= n)
+        k[b, :, hidden], v[b, :, hidden] = float("nan"), float("nan")
+    keep = [mask[b, :n].nonzero()[:, 0] for b, n in enumerate(seqlens.tolist())]
+    expected = _reference(q, [(k[b].transpose(0, 1)[rows], v[b].transpose(0, 1)[rows]) for b, rows in enumerate(keep)],
+                          None)
+    on = [t.to(w.device) for t in (q, k, v, seqlens, mask)]
+    for _ in range(2):  # back to back: the same bits
+        out = ops.decode_attention(on[0], on[1].transpose(1, 2), on[2].transpose(1, 2), on[3], mask=on[4])
+        error = relative_error(out, expected)
+        assert error <= TOLERANCE[dtype], f"relative error {error:.1e} > {TOLERANCE[dtype]:.0e}"
+    with pytest.raises(ValueError, match="mask must be bool"):
+        ops.decode_attention(on[0], on[1].transpose(1, 2), on[2].transpose(1, 2), on[3], mask=on[4][:, :7])
+    with pytest.raises(ValueError, match="one shape and one layout"):
+        ops.decode_attention(on[0], on[1].transpose(1, 2), on[2].transpose(1, 2).contiguous(), on[3])
+
+
+@pytest.mark.worlds("1", "2")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_alone_over_transformers_cache(world, dtype):
+    world.run(_alone_over_transformers_cache, dtype=dtype)
+
+
 @pytest.mark.parametrize("layout", group_layouts())
 def test_flash_decode_in_groups(world, layout):
     results = world.run(_decode_in_groups, layout=layout)

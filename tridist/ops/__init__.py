@@ -102,7 +102,7 @@ block-table entry out of range points at.
   [`torch_ops`][tridist.ops.torch_ops]. Each returns new tensors (no `out=`, nothing in place) but
   `all_reduce_`, the GEMMs run their default config, and all of them run on the world.
 """
-from .attention import FlashDecode, flash_decode
+from .attention import FlashDecode, decode_attention, flash_decode
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, all_reduce_, reduce_scatter
 from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, grouped_gemm, matmul
 from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
@@ -114,4 +114,4 @@ __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "
            "ReduceScatter", "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
            "grouped_gemm", "AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer",
            "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
-           "flash_decode", "Jacobi2D", "jacobi_reference"]
+           "flash_decode", "decode_attention", "Jacobi2D", "jacobi_reference"]

@@ -82,7 +82,8 @@ def agree(op: str, local=None, same: dict | None = None, group=None):
 
     With `group` (a process group or `tridist.Group`: the op's `group=`), the members gather among
     themselves, and their group is one of the values that must be the same; errors name world ranks.
-    A rank outside the group gets its ValueError alone, before anything is gathered.
+    A rank outside the group gets its ValueError alone, before anything is gathered. With
+    `ranks.ALONE` nothing is gathered: the checks are this rank's alone.
 
     Once the checks pass, the call takes its turn among this process's ops (`call_order`): an op
     called on another stream than the previous one starts on the GPU after it."""
@@ -96,7 +97,8 @@ def agree(op: str, local=None, same: dict | None = None, group=None):
     ranks = ranks_of(group)  # raises on a rank outside the group: it has nobody to gather with
     same = {**same, "group (world ranks)": ranks.ranks}
     key = (op, tuple(same.items()))
-    if capturing() or not (config.debug() or is_emulator() or key not in _agreed):
+    alone = ranks.key[0] == "alone"  # no peer to agree with
+    if alone or capturing() or not (config.debug() or is_emulator() or key not in _agreed):
         if error is not None:
             raise error
         call_order.take_turn()

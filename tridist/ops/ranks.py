@@ -54,9 +54,21 @@ class Ranks:
         return self.ranks[rank]
 
 
+class Alone:
+    """The `group=` of an op instance that runs on this rank by itself, with no peer and no host
+    collective, whatever the world: `ALONE`. What a tensor-parallel layer's attention is over the
+    heads each rank holds (`ops.decode_attention`)."""
+
+    def __repr__(self) -> str:
+        return "ALONE"
+
+
+ALONE = Alone()
+
+
 def ranks_of(group=None) -> Ranks:
-    """The `Ranks` of `group` (a `torch.distributed.ProcessGroup`, a `tridist.Group`, or None for
-    the world) for this rank.
+    """The `Ranks` of `group` (a `torch.distributed.ProcessGroup`, a `tridist.Group`, None for
+    the world, or `ALONE` for this rank by itself) for this rank.
 
     Raises:
         ValueError: this rank is not a member of `group`; a group spanning nodes with unequal
@@ -70,7 +82,11 @@ def ranks_of(group=None) -> Ranks:
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    _cache[key] = ranks = _ranks(w, groups.resolve(group))
+    if group is ALONE:
+        ranks = Ranks(0, 1, 1, 1, w.device, None, ("alone", w.rank), (w.rank,))
+    else:
+        ranks = _ranks(w, groups.resolve(group))
+    _cache[key] = ranks
     return ranks
 
 

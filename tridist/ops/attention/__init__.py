@@ -2,8 +2,9 @@
 a split-KV kernel over each rank's slice (`split_kv`), and the merge of its partial results and of
 the ranks' (`combine`), both over the records of `_records`; the choices in `policy`. The ranks are
 the world's, or with `group=` a process group's members (e.g. `flash_decode(q, k_cache, v_cache,
-seqlens, group=sp)`: the cache split across the members of `sp`), each group merging its own."""
-from .decode import FlashDecode, flash_decode
+seqlens, group=sp)`: the cache split across the members of `sp`), each group merging its own. `decode_attention` is the same over this rank's cache alone, with no
+peer: a tensor-parallel layer's attention over the heads a rank holds, or one GPU's."""
+from .decode import FlashDecode, decode_attention, flash_decode
 from .policy import configs
 
-__all__ = ["FlashDecode", "flash_decode", "configs"]
+__all__ = ["FlashDecode", "decode_attention", "flash_decode", "configs"]

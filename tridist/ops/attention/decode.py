@@ -24,7 +24,7 @@ from tridist.runtime.tensors import check_tensor
 from .. import checks, instances, sizing
 from ..protocol import Workspace
 from ..checks import check_input, check_output
-from ..ranks import ranks_of
+from ..ranks import ALONE, ranks_of
 from ._records import record_size
 from .combine import flash_decode_combine_kernel
 from .policy import COMBINE_WARPS, PAGED_EXTRA_STAGES, choose_splits, combine_shape, configs, most_splits
@@ -97,20 +97,27 @@ class FlashDecode:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
                  block_table: torch.Tensor | None = None, sm_scale: float | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """out [B, Hq, D] = softmax(q k^T * sm_scale) v over the positions every rank (of the
         instance's group) holds.
 
         Args:
             q: [B, Hq, D], the same on every rank.
-            k_cache: this rank's slice of the keys, contiguous [B, L, Hkv, D] (block_table None)
-                or paged [num_blocks, block_size, Hkv, D] (vLLM's layout), q's dtype.
-            v_cache: this rank's slice of the values, laid out as k_cache.
+            k_cache: this rank's slice of the keys, [B, L, Hkv, D] (block_table None) or paged
+                [num_blocks, block_size, Hkv, D] (vLLM's layout), q's dtype; any strides but the
+                last dimension's, which must be 1: transformers' caches ([B, Hkv, L, D]) are read in
+                place as `k.transpose(1, 2)`.
+            v_cache: this rank's slice of the values, of k_cache's shape and strides.
             seqlens: int32 [B], the positions of each sequence this rank holds (0 allowed): the
                 first seqlens[b] rows of sequence b (contiguous), or of its blocks block_table[b, :].
             block_table: int32 [B, max_blocks], block ids of each sequence's positions in order.
             sm_scale: the scale of the scores, default 1 / sqrt(D); the same on every rank.
             out: where to write (a new tensor by default).
+            mask: bool [B, n] with n at least the positions a sequence can hold (L, or max_blocks
+                x block_size), rows any stride apart, its last stride 1: position p of sequence b
+                is attended only where mask[b, p] is True (left padding, say). transformers' 4-D
+                boolean mask `m` ([B, 1, 1, n] for one query) is `m[:, 0, 0]`. None: every
+                position below seqlens.
 
         Scores and softmax in fp32; the probabilities meet V rounded to q's dtype (as in FlashAttention),
         and out is rounded to it. A sequence that no rank holds a position of gets zeros (softmax
@@ -122,11 +129,11 @@ class FlashDecode:
         outside a CUDA-graph capture. Otherwise such values are not checked: the kernel would read
         whatever memory they point at.
         """
-        out, (page, seq_stride), scale = checks.agree(
-            "flash_decode", lambda: (self._checked_out(q, out), self._layout(q, k_cache, v_cache, seqlens, block_table),
-                                     _scale(sm_scale, self.head_dim)),
+        out, page, scale = checks.agree(
+            "flash_decode", lambda: (self._checked_out(q, out), self._layout(q, k_cache, v_cache, seqlens, block_table,
+                                                                             mask), _scale(sm_scale, self.head_dim)),
             {"shape and dtype of q": checks.shape_of(q)}, group=self.ranks.group)
-        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale)
+        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, mask, page, scale)
         ws = self.workspace
         # Where the exchange does not use them (one rank), any tensor stands in for its buffers.
         staging, calls = (ws.staging, ws.calls) if ws else (self.partials, seqlens)
@@ -142,14 +149,14 @@ class FlashDecode:
         return out
 
     def split_kv(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
-                 block_table: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, sm_scale: float | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """Only the split-KV kernel over this rank's slice (arguments as `__call__`): each chunk's
         record left in `partials`, nothing merged or sent. The benchmark times it as "the kernel
         alone". Returns `partials` viewed as [B * Hkv, splits, record words]."""
         self._checked_out(q, None)
-        page, seq_stride = self._layout(q, k_cache, v_cache, seqlens, block_table)
-        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, page, seq_stride,
-                                _scale(sm_scale, self.head_dim))
+        page = self._layout(q, k_cache, v_cache, seqlens, block_table, mask)
+        splits = self._split_kv(q, k_cache, v_cache, seqlens, block_table, mask, page, _scale(sm_scale, self.head_dim))
         return self.partials[:self.units * splits * self.record].view(self.units, splits, self.record)
 
     def splits_for(self, k_cache: torch.Tensor, block_table: torch.Tensor | None = None) -> int:
@@ -160,14 +167,18 @@ class FlashDecode:
         return choose_splits(self.config, self.units, _capacity(k_cache, block_table), self.sms,
                              self.resident.get(page))
 
-    def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, page, seq_stride, scale) -> int:
+    def _split_kv(self, q, k_cache, v_cache, seqlens, block_table, mask, page, scale) -> int:
         """Queues the split-KV kernel; returns its chunks per sequence."""
         table = seqlens if block_table is None else block_table  # (unused without a table: any tensor)
+        # Bytes, as the kernel reads them (a bool pointer would be read as 1-bit values); unused without a mask.
+        mask_bytes = seqlens if mask is None else mask.view(torch.uint8)
+        seq_stride, row_stride, head_stride, _ = k_cache.stride()
         c = self.config
         arguments = dict(q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, seqlens_ptr=seqlens, table_ptr=table,
-                         partials_ptr=self.partials, sm_scale=scale, seq_stride=seq_stride,
-                         row_stride=self.kv_heads * self.head_dim, table_stride=table.shape[-1],
-                         kv_heads=self.kv_heads, GROUP=self.heads_per_kv, D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page,
+                         mask_ptr=mask_bytes, partials_ptr=self.partials, sm_scale=scale, seq_stride=seq_stride,
+                         row_stride=row_stride, head_stride=head_stride, table_stride=table.shape[-1],
+                         mask_stride=mask_bytes.stride(0), kv_heads=self.kv_heads, GROUP=self.heads_per_kv,
+                         D=self.head_dim, BLOCK_N=c["BLOCK_N"], PAGE=page, MASKED=mask is not None,
                          num_warps=c["num_warps"], num_stages=c["num_stages"] + (PAGED_EXTRA_STAGES if page else 0))
         if page not in self.resident:  # compiles the kernel (it would be, to launch) and asks its occupancy
             self.resident[page] = tridist.coresident_programs(flash_decode_split_kernel, splits=self.max_splits,
@@ -188,19 +199,20 @@ class FlashDecode:
         check_output(out, shape, self.dtype)
         return out
 
-    def _layout(self, q, k_cache, v_cache, seqlens, block_table) -> tuple[int, int]:
-        """(block size, 0 for a contiguous cache; elements from one sequence to the next in a
-        contiguous cache), once the cache, seqlens and table are checked."""
+    def _layout(self, q, k_cache, v_cache, seqlens, block_table, mask) -> int:
+        """The block size (0 for a cache without a block table), once the cache, seqlens, table and
+        mask are checked."""
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            check_tensor(cache, name)
+            check_strided(cache, name)
             if cache.dtype != q.dtype:
                 raise ValueError(f"{name} is {cache.dtype} but q is {q.dtype}: the cache and q take one dtype")
             if cache.dim() != 4 or tuple(cache.shape[2:]) != (self.kv_heads, self.head_dim):
                 raise ValueError(f"{name} must be [B, L, {self.kv_heads}, {self.head_dim}] (contiguous) or "
                                  f"[num_blocks, block_size, {self.kv_heads}, {self.head_dim}] (paged), got "
                                  f"{tuple(cache.shape)}")
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+        if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+            raise ValueError(f"k_cache ({tuple(k_cache.shape)}, strides {k_cache.stride()}) and v_cache "
+                             f"({tuple(v_cache.shape)}, strides {v_cache.stride()}) must have one shape and one layout")
         check_tensor(seqlens, "seqlens")
         if seqlens.dtype != torch.int32 or tuple(seqlens.shape) != (self.batch,):
             raise ValueError(f"seqlens must be int32 of shape ({self.batch},), got {seqlens.dtype} of shape "
@@ -218,8 +230,14 @@ class FlashDecode:
             page = k_cache.shape[1]
             if page == 0:
                 raise ValueError("a paged cache needs blocks of at least one position, got block_size 0")
-        check_positions(seqlens, _capacity(k_cache, block_table), block_table, k_cache.shape[0], page)
-        return page, k_cache.shape[1] * self.kv_heads * self.head_dim
+        capacity = _capacity(k_cache, block_table)
+        if mask is not None:
+            check_strided(mask, "mask")
+            if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != self.batch or mask.shape[1] < capacity:
+                raise ValueError(f"mask must be bool of shape ({self.batch}, n), n >= {capacity} (the positions a "
+                                 f"sequence's cache holds), got {mask.dtype} of shape {tuple(mask.shape)}")
+        check_positions(seqlens, capacity, block_table, k_cache.shape[0], page)
+        return page
 
     def free(self) -> None:
         """Give the exchange's symmetric buffers back (on every rank, in the same order)."""
@@ -239,6 +257,17 @@ def check_sizes(batch, q_heads, kv_heads, head_dim, dtype) -> None:
     if q_heads % kv_heads or q_heads // kv_heads > MAX_GROUP:
         raise ValueError(f"flash_decode needs q_heads a multiple of kv_heads, at most {MAX_GROUP} query heads per KV "
                          f"head; got {q_heads} query heads over {kv_heads} KV heads")
+
+
+def check_strided(t: torch.Tensor, name: str) -> None:
+    """`t` on this rank's device with unit stride in its last dimension (the kernel's rows are
+    contiguous; the other dimensions may be any views)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != tridist.world().device:
+        raise ValueError(f"{name} is on {t.device} but this rank's device is {tridist.world().device}")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}'s last dimension must be contiguous (stride 1), got strides {t.stride()}")
 
 
 def check_positions(seqlens: torch.Tensor, capacity: int, block_table: torch.Tensor | None, num_blocks: int,
@@ -280,7 +309,8 @@ def _scale(sm_scale, head_dim: int) -> float:
 
 
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
-                 block_table: torch.Tensor | None = None, sm_scale: float | None = None, group=None) -> torch.Tensor:
+                 block_table: torch.Tensor | None = None, sm_scale: float | None = None,
+                 mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """Decode attention of q ([B, Hq, D], the same on every rank) over a KV cache split by position
     across the ranks: every rank returns out [B, Hq, D], the attention over every rank's positions,
     the same bits on every rank. A collective. Arguments, limits and errors: `FlashDecode.__call__`;
@@ -294,7 +324,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         check_input(q, "q", DTYPES)
         if q.dim() != 3:
             raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
-        check_tensor(k_cache, "k_cache")
+        check_strided(k_cache, "k_cache")
         if k_cache.dim() != 4:
             raise ValueError(f"k_cache must be [B, L, Hkv, D] or [num_blocks, block_size, Hkv, D], got shape "
                              f"{tuple(k_cache.shape)}")
@@ -308,4 +338,17 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ranks = ranks_of(group)
     op = instances.instance(lambda: FlashDecode(batch, q_heads, kv_heads, head_dim, q.dtype, group=group), FlashDecode,
                             batch, q_heads, kv_heads, head_dim, q.dtype, ranks.key, device=q.device)
-    return op(q, k_cache, v_cache, seqlens, block_table, sm_scale)
+    return op(q, k_cache, v_cache, seqlens, block_table, sm_scale, mask=mask)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+                     block_table: torch.Tensor | None = None, sm_scale: float | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of q ([B, Hq, D]) over this rank's cache alone: `flash_decode` with no
+    peer (`group=ranks.ALONE`), not a collective, whatever the world. What each rank of a
+    tensor-parallel attention layer runs over the heads it holds, and what one GPU runs: the
+    split-KV kernel spreads each sequence's positions over the SMs, and the combine merges them.
+    Arguments, limits and errors: `FlashDecode.__call__` (transformers' [B, Hkv, L, D] cache is
+    read in place as `cache.transpose(1, 2)`, its boolean mask as `mask[:, 0, 0]`); keeps one
+    instance per shape, dtype and stream."""
+    return flash_decode(q, k_cache, v_cache, seqlens, block_table, sm_scale, mask, group=ALONE)

@@ -8,6 +8,11 @@ pair. Under grouped-query attention (GQA) the GROUP = Hq / Hkv query heads of KV
 program, so K and V are read once for all of them: the queries are the rows of a dot product
 padded to 16, the least a tensor-core dot takes.
 
+A sequence attends over positions 0 ... seqlens[b] - 1 of its cache; with a mask (MASKED), only
+those of them the mask allows (`mask[b, p]` nonzero: left padding, or any other pattern of holes).
+A tile whose positions are all masked loads no K or V (the loads are predicated on the mask), so
+holes cost only the mask's bytes.
+
 Program (unit, split) writes its chunk's record (`_records`: outputs and log-sum-exps) to `partials`
 row (unit * splits + split), and that is all: no program waits or counts, so the grid need not be
 resident at once. The combine kernel, queued after it, merges the records; launched as this kernel's
@@ -32,26 +37,29 @@ def query_rows(group):
 
 
 @triton.jit
-def _row_offsets(positions, valid, b, h, seq_stride, row_stride, table_ptr, table_stride, PAGE: tl.constexpr,
-                 D: tl.constexpr):
-    """int64 element offsets of K/V rows (head h) for `positions` of sequence b: contiguous
-    ([B, L, Hkv, D], PAGE 0) or paged ([blocks, PAGE, Hkv, D], block ids from the table's row b)."""
+def _row_offsets(positions, valid, b, h, seq_stride, row_stride, head_stride, table_ptr, table_stride,
+                 PAGE: tl.constexpr):
+    """int64 element offsets of K/V rows (head h) for `positions` of sequence b: a cache indexed
+    [B, L, Hkv, D] (PAGE 0) or paged [blocks, PAGE, Hkv, D] (block ids from the table's row b), its
+    first three dimensions `seq_stride`, `row_stride` and `head_stride` elements apart (so that
+    transformers' [B, Hkv, L, D] cache, transposed, is read in place)."""
     if PAGE == 0:
         rows = b.to(tl.int64) * seq_stride + positions.to(tl.int64) * row_stride
     else:
         block = tl.load(table_ptr + b * table_stride + positions // PAGE, mask=valid, other=0)
-        rows = (block.to(tl.int64) * PAGE + positions % PAGE) * row_stride
-    return rows + h * D
+        rows = block.to(tl.int64) * seq_stride + (positions % PAGE).to(tl.int64) * row_stride
+    return rows + h.to(tl.int64) * head_stride
 
 
 @jit
-def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, partials_ptr, sm_scale, seq_stride,
-                              row_stride, table_stride, splits, kv_heads, GROUP: tl.constexpr, D: tl.constexpr,
-                              BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, mask_ptr, partials_ptr, sm_scale,
+                              seq_stride, row_stride, head_stride, table_stride, mask_stride, splits, kv_heads,
+                              GROUP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                              MASKED: tl.constexpr):
     """Program (unit, split); unit = b * kv_heads + h. q is [B, Hq, D] (query heads h * GROUP to
-    h * GROUP + GROUP - 1 belong to KV head h); seqlens int32 [B]; K/V rows `row_stride` (Hkv * D)
-    elements apart, sequences `seq_stride` apart (contiguous) or gathered through the block table
-    (PAGE > 0, rows `table_stride` apart)."""
+    h * GROUP + GROUP - 1 belong to KV head h); seqlens int32 [B]; K/V addressed as `_row_offsets`
+    says (the block table's rows `table_stride` apart); with MASKED, mask bytes [B, >= L] (rows
+    `mask_stride` apart), a position attended only where its byte is nonzero."""
     # The combine kernel may take the SMs this launch's last programs leave (its programs wait for
     # this kernel to end before they read a record).
     dl.launch_dependents()
@@ -75,14 +83,20 @@ def flash_decode_split_kernel(q_ptr, k_ptr, v_ptr, seqlens_ptr, table_ptr, parti
     for first in range(start, stop, BLOCK_N):
         positions = first + tl.arange(0, BLOCK_N)
         valid = positions < stop
-        rows = _row_offsets(positions, valid, b, h, seq_stride, row_stride, table_ptr, table_stride, PAGE, D)
+        if MASKED:
+            valid = valid & (tl.load(mask_ptr + b.to(tl.int64) * mask_stride + positions, mask=valid, other=0) != 0)
+        rows = _row_offsets(positions, valid, b, h, seq_stride, row_stride, head_stride, table_ptr, table_stride,
+                            PAGE)
         k = tl.load(k_ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
         s = dl.dot(q, tl.trans(k), tl.zeros([ROWS, BLOCK_N], tl.float32)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds a valid position
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        pivot = m_new  # unmasked, finite: every tile holds a valid position
+        if MASKED:  # every position so far masked: all weights 0
+            pivot = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - pivot)
+        p = tl.exp2(s - pivot[:, None])
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
         acc = dl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m = m_new
