@@ -24,7 +24,7 @@ at the same time). None, the default, is the world.
 from .attention import DecodeAttention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ExpertParallelMoE, ParallelSparseMoeBlock, TensorParallelMoE
-from .hf_models import parallelize
+from .parallelize import parallelize
 
 __all__ = ["parallelize", "ColumnParallelLinear", "RowParallelLinear", "ExpertParallelMoE", "TensorParallelMoE",
            "ParallelSparseMoeBlock", "DecodeAttention"]

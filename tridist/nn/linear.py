@@ -3,39 +3,32 @@ process group: `group=`) by output columns (`ColumnParallelLinear`) or by input 
 (`RowParallelLinear`), as in Megatron-LM and vLLM. "The world size" and "rank r" below are the
 group's, with a group.
 
-Both keep their weight in the layout tridist's GEMMs read, `in_features x out_features` row-major
-(the transpose of `torch.nn.Linear.weight`), holding this rank's part only; `from_linear` cuts a
-`torch.nn.Linear` that every rank holds whole.
+Each layer holds this rank's part of the weight in the layout its kernel reads, laid out once when
+the layer is built: with the tokens replicated on every rank, torch.nn.Linear's `[out, in]` (the
+decode GEMM `ops.linear` streams it: split-K over the SMs at decode rows, cuBLAS above); with
+`sequence_parallel=True` (each rank holds some of the tokens), its transpose `[in, out]`,
+row-major, as `ops.ag_gemm` and `ops.gemm_rs` take it. `from_linear` cuts a `torch.nn.Linear` that
+every rank holds whole; `ColumnParallelLinear.from_linears` fuses several that read the same input
+(q, k and v; gate and up) into one GEMM.
 
-Each call picks its kernel from the number of rows (tokens), which is static for a given shape, so
-a decode step still captures in one CUDA graph:
+| layer | input | kernel |
+| --- | --- | --- |
+| column | replicated | `ops.linear` (with `activation="swiglu"`, SiLU(gate) * up in its epilogue) |
+| column | sequence parallel (this rank's rows) | `ops.ag_gemm`: the all-gather of the rows hidden behind the GEMM |
+| row | replicated, output summed | `ops.linear` then `ops.all_reduce` |
+| row | replicated, `sum_output=False` | `ops.linear`: this rank's partial product, which the caller sums (e.g. inside `ops.all_reduce_rms_norm`) |
+| row | sequence parallel (this rank's rows out) | `ops.gemm_rs` |
 
-| layer | input | rows | kernel |
-| --- | --- | --- | --- |
-| column | replicated | any | a local GEMM (torch) |
-| column | sequence parallel (this rank's rows) | any | `ops.ag_gemm`: the all-gather of the rows hidden behind the GEMM |
-| row | output replicated | up to `DECODE_ROWS` | a local GEMM then `ops.all_reduce` (with `DECODE_KERNEL = "gemm_ar"`: `ops.gemm_ar`, the GEMM's tiles summed over the ranks as they are made) |
-| row | output replicated | more, a multiple of the world size | `ops.gemm_rs` then `ops.all_gather` |
-| row | output replicated | more, otherwise | a local GEMM then `ops.all_reduce` |
-| row | sequence parallel (this rank's rows out) | any | `ops.gemm_rs` |
+The kernel depends only on the layer and the shapes, so a decode step captures in one CUDA graph.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tridist import ops
 from tridist.ops.ranks import ranks_of
 
-# Rows up to which a row-parallel layer with a replicated output runs its decode kernel
-# (`DECODE_KERNEL`); larger M goes through `ops.gemm_rs`, made for prefill-sized M. Not a measured
-# crossover: `tridist bench model` times both sides of it.
-DECODE_ROWS = 256
-# How a row-parallel layer with a replicated output runs those rows: "all_reduce" (torch's GEMM, then
-# `ops.all_reduce`: its LL method at decode sizes) or "gemm_ar". gemm_ar overlaps the sum with the
-# GEMM, but its GEMM at decode M is slower than cuBLAS's, and the whole decode step was faster with
-# "all_reduce" at batch 1, 8 and 64 (benchmarks/NOTES.md, "The model's decode step, second look");
-# `tridist bench model --row-decode` times either.
-DECODE_KERNEL = "all_reduce"
-DECODE_KERNELS = ("gemm_ar", "all_reduce")
+ACTIVATIONS = (None, "swiglu")
 
 
 def split(size: int, world_size: int, what: str, align: int = 1) -> int:
@@ -52,27 +45,15 @@ def rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-class _ShardedLinear(nn.Module):
-    """What the two tensor-parallel linear layers share: building one from a whole `torch.nn.Linear`."""
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs):
-        """This rank's part of a `torch.nn.Linear` that every rank holds whole (the same weights), on
-        the linear's device unless `device` is given; `kwargs` as the constructor's."""
-        kwargs.setdefault("device", linear.weight.device)
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=linear.weight.dtype,
-                    **kwargs)
-        weight, bias = layer._mine(linear.weight, linear.bias)
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-            if bias is not None:
-                layer.bias.copy_(bias)
-        return layer
+def _parameter(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class ColumnParallelLinear(_ShardedLinear):
-    """y = x @ W + b with W's output columns split over the ranks: rank r holds columns
-    r * out_local ... (r + 1) * out_local - 1 (and those of b) and returns them.
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W.T + b with W's output rows split over the ranks: rank r holds rows r * out_local
+    ... (r + 1) * out_local - 1 of W (and of b) and returns those columns of y. A layer fused from
+    several linears (`from_linears`) holds each one's part, one after another: its output columns
+    are this rank's columns of the first, then of the second, ... (`parts`).
 
     Args:
         in_features: columns of x.
@@ -83,6 +64,9 @@ class ColumnParallelLinear(_ShardedLinear):
             (`ops.ag_gemm`) and returns all of them. Otherwise x is the same on every rank
             (replicated) and the call is a local GEMM.
         gather_output: return every rank's columns (`ops.all_gather`), the same on every rank.
+        activation: None, or `"swiglu"`: the layer is [gate; up] (out_features = 2 I) and returns
+            SiLU(x @ W_gate.T) * (x @ W_up.T), this rank's I / world_size columns of it (in the
+            GEMM's epilogue, replicated).
         group: a `torch.distributed.ProcessGroup` or `tridist.Group` whose members hold the
             layer's parts (they build and call it together; the other ranks take no part), None
             for the world.
@@ -90,48 +74,96 @@ class ColumnParallelLinear(_ShardedLinear):
         device: of the weight; the world's device by default.
 
     Attributes:
-        weight: `[in_features, out_features / world_size]`, row-major: this rank's columns.
-        bias: `[out_features / world_size]` or None.
+        weight: this rank's rows of W: `[out_local, in_features]` (torch.nn.Linear's layout),
+            or its transpose `[in_features, out_local]` row-major with sequence_parallel.
+        bias: `[out_local]` or None.
+        parts: the columns of this rank's output that each fused linear gives (one part unless
+            built by `from_linears`).
 
     Raises:
-        ValueError: out_features not a multiple of the world size; a `group` this rank is not a
-            member of.
+        ValueError: out_features not a multiple of the world size; an unknown activation, or one
+            with gather_output; a `group` this rank is not a member of.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, sequence_parallel: bool = False,
-                 gather_output: bool = False, group=None, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 gather_output: bool = False, activation: str | None = None, group=None,
+                 dtype: torch.dtype | None = None, device: torch.device | None = None):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if activation and gather_output:
+            raise ValueError("gather_output gathers a plain layer's columns; a gated layer's output is the next "
+                             "layer's input, this rank's columns of it")
         ranks = ranks_of(group)
         self.world_size, self.rank, self.group = ranks.world_size, ranks.rank, ranks.group
         self.in_features, self.out_features = in_features, out_features
         self.out_local = split(out_features, ranks.world_size, "out_features")
-        self.sequence_parallel, self.gather_output = sequence_parallel, gather_output
+        self.parts = (self.out_local,)
+        self.sequence_parallel, self.gather_output, self.activation = sequence_parallel, gather_output, activation
         device = ranks.device if device is None else device
-        self.weight = nn.Parameter(torch.empty(in_features, self.out_local, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(self.out_local, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
+        shape = (in_features, self.out_local) if sequence_parallel else (self.out_local, in_features)
+        self.weight = _parameter(shape, dtype, device)
+        self.bias = _parameter(self.out_local, dtype, device) if bias else None
 
-    def _mine(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        """This rank's parts of a whole `torch.nn.Linear` weight ([out, in]) and bias, in this layer's layout."""
-        mine = slice(self.rank * self.out_local, (self.rank + 1) * self.out_local)
-        return weight[mine].t(), None if bias is None else bias[mine]
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "ColumnParallelLinear":
+        """This rank's part of a `torch.nn.Linear` that every rank holds whole (the same weights), on
+        the linear's device unless `device` is given; `kwargs` as the constructor's."""
+        return cls.from_linears([linear], **kwargs)
+
+    @classmethod
+    def from_linears(cls, linears: list[nn.Linear], **kwargs) -> "ColumnParallelLinear":
+        """One layer of several `torch.nn.Linear`s that read the same input (every rank holding them
+        whole), each split over the ranks by its own output rows, this rank's parts one after
+        another: q, k and v as one GEMM (split by heads, each a multiple of the world size), or
+        gate and up with `activation="swiglu"`. `kwargs` as the constructor's.
+
+        Raises:
+            ValueError: linears of different input sizes, dtypes or bias; an output size that does
+                not split over the ranks (the message names which); for swiglu, not two linears of
+                one size.
+        """
+        first = linears[0]
+        if any(l.in_features != first.in_features or l.weight.dtype != first.weight.dtype
+               or (l.bias is None) != (first.bias is None) for l in linears):
+            raise ValueError("from_linears fuses linears of one input size, dtype and bias (or none)")
+        if kwargs.get("activation") == "swiglu" and (len(linears) != 2 or linears[0].out_features
+                                                     != linears[1].out_features):
+            raise ValueError("a swiglu layer fuses two linears of one size: gate, then up")
+        if len(linears) > 1 and kwargs.get("gather_output"):
+            raise ValueError("gather_output takes one linear: a fused layer's output is this rank's parts")
+        kwargs.setdefault("device", first.weight.device)
+        ranks = ranks_of(kwargs.get("group"))
+        local = [split(l.out_features, ranks.world_size, f"out_features of linear {i}") for i, l in enumerate(linears)]
+        layer = cls(first.in_features, sum(l.out_features for l in linears), first.bias is not None,
+                    dtype=first.weight.dtype, **kwargs)
+        layer.parts = tuple(local)
+        mine = [slice(layer.rank * n, (layer.rank + 1) * n) for n in local]
+        weight = torch.cat([l.weight[part] for l, part in zip(linears, mine)])
+        with torch.no_grad():
+            layer.weight.copy_(weight.t() if layer.sequence_parallel else weight)
+            if layer.bias is not None:
+                layer.bias.copy_(torch.cat([l.bias[part] for l, part in zip(linears, mine)]))
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: `[..., in_features]` (replicated), or `[tokens_shard, in_features]` with
         sequence_parallel. Returns `[..., out_local]` (`[world_size * tokens_shard, out_local]`
-        with sequence_parallel), or every rank's columns with gather_output."""
+        with sequence_parallel; half that many columns with swiglu), or every rank's columns with
+        gather_output."""
         if self.sequence_parallel:
             if x.dim() != 2:
                 raise ValueError(f"a sequence-parallel ColumnParallelLinear takes [tokens_shard, in_features], got "
                                  f"shape {tuple(x.shape)}")
             y = (ops.ag_gemm(x.contiguous(), self.weight, group=self.group) if x.shape[0]
                  else x.new_empty(0, self.out_local))
-        else:
-            y = x @ self.weight
-        if self.bias is not None:
-            y = y + self.bias
+            if self.bias is not None:
+                y = y + self.bias
+            if self.activation:
+                gate, up = y.chunk(2, dim=-1)
+                y = F.silu(gate) * up
+            return y
+        y = ops.linear(x, self.weight, self.bias, activation=self.activation)
         if self.gather_output:
             gathered = (ops.all_gather(rows(y), group=self.group) if y.numel()
                         else y.new_empty(self.world_size * y.shape[0], 0))
@@ -141,22 +173,26 @@ class ColumnParallelLinear(_ShardedLinear):
 
     def extra_repr(self) -> str:
         """The sizes, in the module's printout."""
-        return (f"in_features={self.in_features}, out_features={self.out_features} ({self.out_local} on this rank), "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (f"in_features={self.in_features}, out_features={self.out_features} ({self.out_local} on this rank"
+                f"{', parts ' + str(self.parts) if len(self.parts) > 1 else ''}), bias={self.bias is not None}, "
+                f"activation={self.activation}, sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(_ShardedLinear):
-    """y = x @ W + b with W's input rows split over the ranks: rank r holds rows
-    r * in_local ... (r + 1) * in_local - 1 and takes those columns of x (what a
-    `ColumnParallelLinear` before it returns); the partial products are summed over the ranks.
+class RowParallelLinear(nn.Module):
+    """y = x @ W.T + b with W's input columns split over the ranks: rank r holds columns
+    r * in_local ... (r + 1) * in_local - 1 of W and takes those columns of x (what a
+    `ColumnParallelLinear` before it returns); the partial products are summed over the ranks,
+    here or, with `sum_output=False`, by the caller's next op.
 
     Args:
-        in_features: rows of the whole layer's weight; a multiple of the world size.
+        in_features: columns of the whole layer's weight; a multiple of the world size.
         out_features: columns of the output.
-        bias: whether the layer adds a bias (whole on every rank, added once after the sum).
+        bias: whether the layer adds a bias (whole on every rank, added once to the sum).
         sequence_parallel: return this rank's rows of the sum only (`ops.gemm_rs`, the rows a
-            multiple of the world size); otherwise every rank gets all of it, by the rows'
-            number as the module docstring's table says.
+            multiple of the world size); otherwise every rank gets all of it.
+        sum_output: False: return this rank's partial product (the bias added on rank 0 only, so
+            that the sum holds it once) and leave the sum over the ranks to the caller, who fuses
+            it into its next op (`ops.all_reduce_rms_norm`). Not with sequence_parallel.
         group: a `torch.distributed.ProcessGroup` or `tridist.Group` whose members hold the
             layer's parts (they build and call it together; the other ranks take no part), None
             for the world.
@@ -164,63 +200,66 @@ class RowParallelLinear(_ShardedLinear):
         device: of the weight; the world's device by default.
 
     Attributes:
-        weight: `[in_features / world_size, out_features]`, row-major: this rank's rows.
+        weight: this rank's columns of W: `[out_features, in_local]` (torch.nn.Linear's layout),
+            or its transpose `[in_local, out_features]` row-major with sequence_parallel.
         bias: `[out_features]` or None.
 
     Raises:
-        ValueError: in_features not a multiple of the world size; a `group` this rank is not a
-            member of.
+        ValueError: in_features not a multiple of the world size; sum_output=False with
+            sequence_parallel; a `group` this rank is not a member of.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, sequence_parallel: bool = False,
-                 group=None, dtype: torch.dtype | None = None, device: torch.device | None = None):
+                 sum_output: bool = True, group=None, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
         super().__init__()
+        if sequence_parallel and not sum_output:
+            raise ValueError("a sequence-parallel RowParallelLinear sums its output (gemm_rs): sum_output=False "
+                             "takes replicated outputs")
         ranks = ranks_of(group)
         self.world_size, self.rank, self.group = ranks.world_size, ranks.rank, ranks.group
         self.in_features, self.out_features = in_features, out_features
         self.in_local = split(in_features, ranks.world_size, "in_features")
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.sum_output = sequence_parallel, sum_output
         device = ranks.device if device is None else device
-        self.weight = nn.Parameter(torch.empty(self.in_local, out_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
-                     if bias else None)
+        shape = (self.in_local, out_features) if sequence_parallel else (out_features, self.in_local)
+        self.weight = _parameter(shape, dtype, device)
+        self.bias = _parameter(out_features, dtype, device) if bias else None
 
-    def _mine(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        """This rank's parts of a whole `torch.nn.Linear` weight ([out, in]) and bias, in this layer's layout."""
-        mine = slice(self.rank * self.in_local, (self.rank + 1) * self.in_local)
-        return weight[:, mine].t(), bias
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs) -> "RowParallelLinear":
+        """This rank's part of a `torch.nn.Linear` that every rank holds whole (the same weights), on
+        the linear's device unless `device` is given; `kwargs` as the constructor's."""
+        kwargs.setdefault("device", linear.weight.device)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=linear.weight.dtype,
+                    **kwargs)
+        weight = linear.weight[:, layer.rank * layer.in_local:(layer.rank + 1) * layer.in_local]
+        with torch.no_grad():
+            layer.weight.copy_(weight.t() if layer.sequence_parallel else weight)
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: `[..., in_local]`, this rank's columns. Returns `[..., out_features]`, the same on
-        every rank; with sequence_parallel `[rows / world_size, out_features]`, this rank's rows."""
-        a = rows(x)
-        m = a.shape[0]
+        """x: `[..., in_local]`, this rank's columns. Returns `[..., out_features]`: the sum, the
+        same on every rank (with sum_output=False this rank's partial product); with
+        sequence_parallel `[rows / world_size, out_features]`, this rank's rows of the sum."""
         if self.sequence_parallel:
-            if m % self.world_size:
-                raise ValueError(f"a sequence-parallel RowParallelLinear needs rows ({m}) that are a multiple of "
-                                 f"the world size ({self.world_size}): pad the tokens")
-            y = ops.gemm_rs(a, self.weight, group=self.group) if m else a.new_empty(0, self.out_features)
-        else:
-            if m == 0:
-                y = a.new_empty(0, self.out_features)
-            elif m <= DECODE_ROWS and DECODE_KERNEL not in DECODE_KERNELS:
-                raise ValueError(f"tridist.nn.linear.DECODE_KERNEL is {DECODE_KERNEL!r}: set it to one of "
-                                 f"{', '.join(DECODE_KERNELS)}")
-            elif m <= DECODE_ROWS and DECODE_KERNEL == "gemm_ar":
-                y = ops.gemm_ar(a, self.weight, group=self.group)
-            elif m <= DECODE_ROWS:
-                y = ops.all_reduce(a @ self.weight, group=self.group)
-            elif m % self.world_size == 0:
-                y = ops.all_gather(ops.gemm_rs(a, self.weight, group=self.group), group=self.group)
-            else:
-                y = ops.all_reduce(a @ self.weight, group=self.group)
-            y = y.view(*x.shape[:-1], self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+            a = rows(x)
+            if a.shape[0] % self.world_size:
+                raise ValueError(f"a sequence-parallel RowParallelLinear needs rows ({a.shape[0]}) that are a "
+                                 f"multiple of the world size ({self.world_size}): pad the tokens")
+            y = ops.gemm_rs(a, self.weight, group=self.group) if a.shape[0] else a.new_empty(0, self.out_features)
+            return y if self.bias is None else y + self.bias
+        if not self.sum_output:
+            return ops.linear(x, self.weight, self.bias if self.rank == 0 else None)
+        y = ops.linear(x, self.weight)
+        if y.numel():
+            y = ops.all_reduce(y.contiguous(), group=self.group)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         """The sizes, in the module's printout."""
         return (f"in_features={self.in_features} ({self.in_local} on this rank), out_features={self.out_features}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+                f"bias={self.bias is not None}, sum_output={self.sum_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
