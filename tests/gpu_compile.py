@@ -41,6 +41,7 @@ from tridist.ops.gemm import allgather_gemm, shard_gather  # noqa: E402
 from tridist.ops.gemm.gemm_all_reduce import ll as gemm_ar_ll, one_shot as gemm_ar_one_shot  # noqa: E402
 from tridist.ops.gemm.gemm_reduce_scatter import one_shot as gemm_rs_one_shot, two_d as gemm_rs_two_d  # noqa: E402
 from tridist.ops.gemm import grouped  # noqa: E402
+from tridist.ops.gemm.linear_gemm import policy as linear_policy, split_k  # noqa: E402
 from tridist.ops.gemm import persistent as gemm  # noqa: E402
 from tridist.ops.moe import _exchange as exchange  # noqa: E402
 from tridist.ops.moe import _sort as sort  # noqa: E402
@@ -202,6 +203,31 @@ def _grouped_cases():
             if not fp8:
                 constexprs.update(scale_a_ptr=None, scale_b_ptr=None)
             cases.append((grouped.grouped_gemm_kernel, signature, constexprs, options))
+    return cases
+
+
+def _linear_cases():
+    """The decode GEMM (`linear`) at each of its policy's GPU configs, for the most rows each takes:
+    plain with several splits (partials, counters) and with one, swiglu with several and a bias."""
+    cases = []
+    for most_rows, plain, fused in linear_policy.GPU_CONFIGS:
+        for config, swiglu, split in ((plain, False, True), (plain, False, False), (fused, True, True)):
+            signature = {"x_ptr": "*bf16", "w_ptr": "*bf16",
+                         "w_desc": f"tensordesc<bf16[{config['BLOCK_N']}, {config['BLOCK_K']}]>" if config["TMA"]
+                         else "constexpr", "bias_ptr": "*bf16" if swiglu else "constexpr", "out_ptr": "*bf16",
+                         "partials_ptr": "*fp32" if split else "constexpr",
+                         "counters_ptr": "*i32" if split else "constexpr",
+                         **{name: "i32" for name in ("M", "N", "ROWS", "K", "stride_xm", "k_per_split")},
+                         "splits": "i32" if split else "constexpr",
+                         **{name: "constexpr" for name in ("SWIGLU", "DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+            constexprs = {"SWIGLU": swiglu, "DOT": config["DOT"], "BLOCK_M": split_k.block_m(most_rows, config["DOT"]),
+                          "BLOCK_N": config["BLOCK_N"], "BLOCK_K": config["BLOCK_K"]}
+            constexprs.update({name: None for name, ty in signature.items() if ty == "constexpr" and
+                               name not in constexprs and name != "splits"})
+            if not split:
+                constexprs["splits"] = 1
+            cases.append((split_k.linear_split_k_kernel, signature, constexprs,
+                          {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}))
     return cases
 
 
@@ -458,6 +484,7 @@ def cases():
         *_gemm_cases(),
         *_attention_cases(),
         *_grouped_cases(),
+        *_linear_cases(),
         *_expert_parallel_cases(),
         *_moe_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),

@@ -12,11 +12,11 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode",
               "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe",
               "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep", "model": "tridist.bench.model",
-              "gemm_rs_epilogue": "tridist.bench.gemm_rs_epilogue"}
+              "gemm_rs_epilogue": "tridist.bench.gemm_rs_epilogue", "linear": "tridist.bench.linear"}
 # Modules with one benchmark: their `main` takes no benchmark name.
-SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model", "gemm_rs_epilogue")
+SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model", "gemm_rs_epilogue", "linear")
 DEFAULT_RANKS = 2
-ONE_RANK = ("gemm_rs_epilogue",)  # benchmarks of one GPU: one rank unless -n says otherwise
+ONE_RANK = ("gemm_rs_epilogue", "linear")  # benchmarks of one GPU: one rank unless -n says otherwise
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
 HELP = f"""{USAGE}
 
@@ -29,6 +29,8 @@ NAME:
                   tridist's methods against NCCL (sizes 4K..256M by default); --group-size G: groups of G
                   ranks at once (tensor parallelism), against NCCL on the same subgroups
   gemm            tridist's GEMM alone, every config, against cuBLAS on ag_gemm's local shapes
+  linear          the decode GEMM (tridist.ops.linear, M 1..64) on one GPU: the weight's bytes per call against a
+                  copy's rate and cuBLAS, on the models' shapes; --sweep times candidate configs per shape
   ag_gemm, gemm_rs, gemm_ar
                   the overlapped GEMMs against NCCL + cuBLAS one after the other, and against
                   PyTorch's fused ops where torch_fused saved their times in this run (TRIDIST_BENCH_RUN)

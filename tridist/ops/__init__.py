@@ -26,8 +26,8 @@ What holds for every op:
   (`gemm_rs`, the `2d` all-gather across nodes) launch co-resident (`kernel[grid](...,
   coresident=True)`, see `tridist.coresident_programs`) and shrink their persistent grid to what
   can be resident at their first call, also when ranks share a GPU.
-- **Within a process group: `group=`.** Every op function and class but the local `matmul` and
-  `grouped_gemm` takes `group=None`, its last keyword argument: a `torch.distributed.ProcessGroup`
+- **Within a process group: `group=`.** Every op function and class but the local `matmul`,
+  `grouped_gemm` and `linear` takes `group=None`, its last keyword argument: a `torch.distributed.ProcessGroup`
   (`dist.new_group(ranks)`, a DeviceMesh's `mesh.get_group("tp")`) or a
   [`tridist.Group`][tridist.Group], None for the world. The op then runs among the group's members
   only, as if they were the world: "rank" and "world size" in every op's documentation are the
@@ -104,7 +104,8 @@ block-table entry out of range points at.
 """
 from .attention import FlashDecode, decode_attention, flash_decode
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, all_reduce_, reduce_scatter
-from .gemm import AllGatherGEMM, GemmAllReduce, GemmReduceScatter, ag_gemm, gemm_ar, gemm_rs, grouped_gemm, matmul
+from .gemm import (AllGatherGEMM, GemmAllReduce, GemmReduceScatter, Linear, ag_gemm, gemm_ar, gemm_rs, grouped_gemm,
+                   linear, matmul)
 from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
                   all_to_all_v_2d, all_to_all_v_2d_offset, moe_rs)
 from .stencil import Jacobi2D, jacobi_reference
@@ -114,4 +115,4 @@ __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "
            "ReduceScatter", "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
            "grouped_gemm", "AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer",
            "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
-           "flash_decode", "decode_attention", "Jacobi2D", "jacobi_reference"]
+           "flash_decode", "decode_attention", "Jacobi2D", "jacobi_reference", "Linear", "linear"]

@@ -8,6 +8,7 @@ grouped GEMM of mixture-of-experts layers (`grouped`, `grouped_gemm`).
 | `gemm_rs(a, b)`, `GemmReduceScatter` | `reduce_scatter(a @ b)`, partial tiles sent from the GEMM's epilogue | a row-parallel layer |
 | `gemm_ar(a, b)`, `GemmAllReduce` | `all_reduce(a @ b)` | a row-parallel layer at decode-sized M |
 | `matmul(a, b)` | `a @ b` with the same persistent GEMM, on one rank | |
+| `linear(x, weight, bias=None, *, activation=None)`, `Linear` | `F.linear(x, weight, bias)`, or with `activation="swiglu"` LlamaMLP's `silu(gate) * up` from one weight, on one rank | decode-sized M: a split-K kernel that streams the weight over every SM |
 
 Operands of all four:
 
@@ -36,7 +37,8 @@ Modules, one per method of each op: `persistent` (the GEMM itself, its configs a
 two feeders, comm "ce" and "sm", which ag_moe shares); `gemm_reduce_scatter/` (`one_shot`,
 `two_d`) and `gemm_all_reduce/` (`one_shot`, `ll`), each package's `__init__` the op's front;
 `_tiles` (what the tile-exchanging methods of both share: sending and reading partial tiles,
-their workspace plan and launch); `policy` (every choice and threshold).
+their workspace plan and launch); `policy` (every choice and threshold); `linear_gemm/` (`linear`'s
+front, its split-K kernel `split_k` and, beside them, its own `policy` of configs).
 
 Configs: the overlapped GEMMs take `config=`, a dict from
 [`configs(device, dtype=...)`][tridist.ops.gemm.configs], None for
@@ -48,7 +50,8 @@ from .allgather_gemm import AllGatherGEMM, ag_gemm
 from .gemm_all_reduce import GemmAllReduce, gemm_ar
 from .gemm_reduce_scatter import GemmReduceScatter, gemm_rs
 from .grouped import grouped_gemm
+from .linear_gemm import Linear, linear
 from .persistent import FP8, configs, default_config, matmul, out_dtype
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "GemmAllReduce", "GemmReduceScatter", "gemm_ar", "gemm_rs", "FP8", "configs",
-           "default_config", "matmul", "out_dtype", "grouped_gemm"]
+           "default_config", "matmul", "out_dtype", "grouped_gemm", "Linear", "linear"]
