@@ -162,7 +162,7 @@ def _bench(w):
 
     rows = bench.run(bench.EMULATOR_SHAPES, [1, 3], timed=False)
     assert {row["shape"] for row in rows} == {name for name, *_ in bench.EMULATOR_SHAPES}
-    assert all(row["rel err"] <= bench.TOLERANCE[row["activation"] or None] for row in rows)
+    assert all(row["rel err"] <= bench.TOLERANCE[row["activation"] or None] and row["same bits"] for row in rows)
     every, best = bench.sweep(bench.EMULATOR_SHAPES[:1], [1], timed=False)
     assert len(best) == 1 and all(row.get("checked") for row in every), every
 

@@ -10,6 +10,8 @@ shape and M:
 - linear: `tridist.ops.linear(x, w, activation=...)` with the policy's config; `GB/s` is the
   weight's bytes over its time, `of copy` that over the copy's rate (the target, issue 54:
   >= 0.85 on the MLP's and the logits' shapes);
+- same bits: a second call gives the first's bits (the split-K fix-up sums in a fixed order, and
+  its tile counters are back at zero);
 - cuBLAS: `F.linear`, then for swiglu the epilogue in torch (`linear_gemm.reference`), the same
   weights; `vs cublas` is cuBLAS's time over linear's.
 Each is a CUDA graph of calls that rotate among copies of the weight (as many as make a graph's
@@ -18,9 +20,10 @@ measured; warm-up, many repetitions, the median (`timing.op_us`). Every result i
 cuBLAS's first.
 
 `--sweep` times instead a compact set of kernel configs (`KERNELS`: tensor cores or FMA, TMA or
-pointers, block sizes, warps, stages) at each split count of `SPLITS` that gives the grid between
-half a program and MOST_PROGRAMS_PER_SM programs per SM, per shape and M, each checked first; it prints every
-timing and then the best per shape and M next to the policy's pick, so that one GPU call can set
+pointers, block sizes, warps, stages) that fit in shared memory, at each split count of `SPLITS`
+that gives the grid between half a program and MOST_PROGRAMS_PER_SM programs per SM, per shape
+and M, each checked first (CUDA graphs of 20 calls, 5 repetitions); it prints every timing and
+then the best per shape and M next to the policy's pick, so that one GPU call can set
 `tridist.ops.gemm.linear_gemm.policy`. It stops early after `--budget-s` seconds (the shapes come
 in order of importance). In the emulator (CPU) both check their results on small shapes and time
 nothing.
@@ -146,7 +149,8 @@ def run(shapes, rows: list[int], timed: bool) -> list[dict]:
             op = Linear(m, n, k, torch.bfloat16, activation)
             row = {"shape": name, "N": n, "K": k, "M": m, "activation": activation or "",
                    "config": config_name(op.config), "programs": op.method.programs if op.method else 0,
-                   "rel err": check(f"{name} M={m}", out, x, weight, activation)}
+                   "rel err": check(f"{name} M={m}", out, x, weight, activation),
+                   "same bits": torch.equal(linear(x, weight, activation=activation), out)}
             op.free()
             if timed:
                 call = operands.rotating(lambda x, w: linear(x, w, activation=activation))
@@ -232,7 +236,8 @@ def _sweep_row(name: str, m: int, config: dict, policy: bool, operands: Operands
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="tridist bench linear")
     parser.add_argument("--sweep", action="store_true", help="time KERNELS x SPLITS per shape and M (see the module)")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="M values, comma separated (default %(default)s)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
+                        help="M values, comma separated (default %(default)s)")
     parser.add_argument("--shapes", default="", help="names of SHAPES to run, comma separated (default: all)")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="--sweep stops after this many seconds")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
     else:
         every = results = run(shapes, rows, timed)
         columns = ["shape", "M", "config", "programs", "us", "GB/s", "of copy", "cublas us", "cublas of copy",
-                   "vs cublas", "rel err"]
+                   "vs cublas", "rel err", "same bits"]
     print(table(results, columns))
     if timed:
         print("saved", save("linear-sweep" if args.sweep else "linear", every, args.out, extra))
