@@ -1,6 +1,7 @@
-"""`tridist bench model`: its checks on tiny dimensions (the timing needs GPUs): tridist.nn's model
-(experts in EP mode; tests/test_nn.py runs both modes) and the torch + NCCL baseline (on gloo here),
-each against the whole model."""
+"""`tridist bench model`: its checks on tiny dimensions (the timing needs GPUs): at world size 1
+tridist.nn's model and transformers' own, at 2 tridist.nn's (experts in EP mode; tests/test_nn.py runs
+both modes) and the torch + NCCL baseline (on gloo here), each against the whole model; the decode
+step it times, the bytes its bound counts and the FLOPs of a prefill; its options."""
 import argparse
 import warnings
 
@@ -21,18 +22,23 @@ TINY = {"dense": dict(hidden_size=64, intermediate_size=128, num_attention_heads
 
 
 def _bench(w, port):
-    """On GPUs the world's NCCL group runs the baselines; in the emulator a gloo group made here."""
+    """On GPUs the world's NCCL group runs the baselines; in the emulator a gloo group made here. At
+    world size 1 the MoE model alone (both models at 2), with a decode step checked."""
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=w.rank, world_size=w.world_size)
+    systems = bench.SYSTEMS[min(w.world_size, 2)]
     try:
-        for kind in ("dense", "moe"):
-            rows = bench.run(kind, 1, [], [], ["ep"], ["tridist", "megatron", "hf_tp"], timed=False,
+        for kind in ("moe",) if w.world_size == 1 else ("dense", "moe"):
+            rows = bench.run(kind, 1, [], [1] if w.world_size == 1 else [], ["ep"], systems, timed=False,
                              dims=TINY[kind])
-            # Untimed, a system that ran leaves no row; transformers' TP says why it did not run.
-            assert all(row["system"] == "hf_tp" and "skipped" in row for row in rows), rows
-            if w.device.type == "cpu":
+            # Untimed, a system that ran leaves no row; torch.compile and transformers' TP say why they did not run.
+            assert all(row["system"] in ("compile", "hf_tp") and "skipped" in row for row in rows), rows
+            if w.world_size == 1:
+                assert rows == [{"model": kind, "system": "compile", "skipped": "compiled in timed runs only (on a GPU "
+                                 "of its own)"}]
+            elif w.device.type == "cpu":
                 why = "transformers' tensor parallelism needs GPUs"
                 assert rows == [{"model": kind, "system": "hf_tp", "skipped": why}]
     finally:
@@ -40,16 +46,96 @@ def _bench(w, port):
             dist.destroy_process_group()
 
 
-@pytest.mark.worlds("2")
+@pytest.mark.worlds("1", "2")
 def test_model_bench_checks(world):
     world.run(_bench, port=_free_port())
 
 
-def test_model_bench_options():
+def test_model_bench_options(monkeypatch, capsys):
     assert bench.parse_ints("1, 8,64") == [1, 8, 64] and bench.parse_ints("") == []
     for text in ("0", "1,x"):
         with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
             bench.parse_ints(text)
+    assert bench.parse_layers("all") is None and bench.parse_layers("36") == 36
+    for text in ("0", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="or all"):
+            bench.parse_layers(text)
+    # Options wrong for the world size fail before tridist starts.
+    for size, argv, message in (("1", ["--systems", "tridist,megatron"], "--systems at world size 1"),
+                                ("2", ["--systems", "hf"], "--systems at world size 2"),
+                                ("1", ["--decode", "1,8", "--compile-decode", "64"], "--compile-decode"),
+                                ("1", ["--compile-modes", "fast"], "--compile-modes")):
+        monkeypatch.setenv("WORLD_SIZE", size)
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_model_configs():
+    """`--layers all` is each model's own count; the Llama-3-8B-shaped config as Meta's."""
+    assert [bench.make_config(kind, None).num_hidden_layers for kind in ("dense", "llama", "moe")] == [36, 32, 48]
+    llama = bench.make_config("llama", None)
+    assert (llama.model_type, llama.hidden_size, llama.intermediate_size, llama.num_attention_heads,
+            llama.num_key_value_heads, bench.head_dim(llama), llama.vocab_size) == ("llama", 4096, 14336, 32, 8, 128,
+                                                                                    128256)
+    assert llama.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    assert llama.rms_norm_eps == 1e-5 and not llama.tie_word_embeddings and not llama.attention_bias
+
+
+def test_bytes_and_flops_count_every_parameter():
+    """`decode_bytes` at world size 1 with every expert: 2 bytes for each parameter but the
+    embedding's, `batch` rows of the embedding and the KV attended, exactly; fewer experts, fewer
+    bytes; at world size 2 a rank's share of every matrix, the norms and the router whole.
+    `prefill_flops`: 2 per parameter a token touches (of an MoE layer's experts its top-k; the
+    embedding and the logits projection aside), the one position's logits and attention's causal
+    half."""
+    import torch
+
+    batch, positions, tokens = 3, 10, 5
+    for kind, dims in (("dense", TINY["dense"]), ("llama", {**TINY["dense"], "intermediate_size": 96}),
+                       ("moe", TINY["moe"])):
+        config = bench.make_config(kind, 2, dims)
+        params = sum(p.numel() for p in bench.build(config, torch.device("cpu")).parameters())
+        hidden, vocab, kv = config.hidden_size, config.vocab_size, config.num_key_value_heads * bench.head_dim(config)
+        whole = 2 * (params - vocab * hidden + batch * hidden) + 2 * 2 * 2 * batch * positions * kv
+        assert bench.decode_bytes(config, batch, positions) == whole, kind
+        qk_norms = 2 * 16 if kind != "llama" else 0
+        whole_on_each = batch * hidden + 2 * (2 * hidden + qk_norms) + hidden  # embedding rows, norms
+        if kind == "moe":
+            whole_on_each += 2 * config.num_experts * hidden  # the router
+        halved = whole // 2 - whole_on_each
+        assert bench.decode_bytes(config, batch, positions, world_size=2) == halved + 2 * whole_on_each, kind
+        expert = untouched = 0
+        if kind == "moe":
+            expert = 3 * hidden * config.moe_intermediate_size
+            untouched = 2 * (config.num_experts - config.num_experts_per_tok) * expert  # two layers
+        attention = 4 * config.num_attention_heads * 16 * 2 * tokens * (tokens + 1) // 2
+        assert bench.prefill_flops(config, tokens) == (2 * tokens * (params - 2 * vocab * hidden - hidden - untouched)
+                                                       + 2 * hidden * vocab + attention), kind
+    assert bench.decode_bytes(config, batch, positions, experts=[1, 3]) == whole - 2 * (3 + 1) * expert
+    with pytest.raises(ValueError, match="2 MoE layers"):
+        bench.decode_bytes(config, batch, positions, experts=[1])
+
+
+def test_decode_step_writes_one_position():
+    """Every call of the bench's decode step is the same step: it writes position CONTEXT - 1 of each
+    layer and attends over CONTEXT positions, whatever StaticLayer's own count; the MoE routing it
+    counts is within what `batch` tokens can touch."""
+    import torch
+
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    cpu = torch.device("cpu")
+    for kind in ("dense", "moe"):
+        config = bench.make_config(kind, 2, TINY[kind])
+        step = bench.decode_step(bench.build(config, cpu), 2, config.vocab_size, cpu)
+        first, experts = bench.routed_experts(step.model, step)
+        torch.testing.assert_close(step(), first, rtol=0, atol=0)
+        for layer in step.cache.layers:
+            assert layer.cumulative_length.item() == bench.CONTEXT
+            for cached in (layer.keys, layer.values):
+                # Position 0: the call that allocated the cache; the last: every step's.
+                assert cached[:, :, 1:-1].count_nonzero() == 0 and cached[:, :, -1].abs().amin(-1).gt(0).all()
+    assert len(experts) == 2 and all(2 <= n <= 4 for n in experts), experts
 
 
 def test_grouped_decode_attention_gives_sdpa_s_logits(monkeypatch):

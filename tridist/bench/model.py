@@ -1,16 +1,32 @@
-"""`tridist bench model`: whole decoder steps of a transformers model sharded by `tridist.nn`, against
-the same model run tensor- and expert-parallel with torch + NCCL in the same run.
+"""`tridist bench model`: whole decoder steps of a transformers model sharded by `tridist.nn`, each
+against what its hardware allows (its bound) and against other ways to run the same model in the
+same run: on one GPU (`-n 1`) transformers' own model and `torch.compile` of it, on several the same
+model tensor- and expert-parallel on torch + NCCL.
 
-Models (random weights from a fixed seed, bf16; nothing is downloaded), the real dimensions with
-`--layers` of their decoder layers (8 by default, so that the default run fits about 6 minutes with
-compiles; the result records how many of how many):
+Models (random weights from a fixed seed, built in bf16; nothing is downloaded), the real dimensions
+with `--layers` of their decoder layers (8 by default; `all`: the model's own count; the result
+records how many of how many):
 - dense: Qwen3-8B (hidden 4096, MLP 12288, 32 query heads over 8 KV heads of 128, vocabulary 151936,
   36 layers);
+- llama: Llama-3-8B (hidden 4096, MLP 14336, 32 query heads over 8 KV heads of 128, vocabulary
+  128256, 32 layers, rope theta 500000, untied embeddings);
 - moe: Qwen3-30B-A3B (hidden 2048, 32 query heads over 4 KV heads of 128, 128 experts of 768, top-8,
   vocabulary 151936, 48 layers).
 
-Systems, each a fresh copy of the model from the same seed:
+Systems (`--systems`), each a fresh copy of the model from the same seed. At world size 1:
 - `tridist`: `tridist.nn.parallelize(model, moe=...)` (`--moe ep,tp` for both MoE modes);
+- `hf`: transformers' model as built, unsharded;
+- `compile`: transformers' model with its forward compiled as transformers documents for
+  generation over a static cache, `model.forward = torch.compile(model.forward, mode=...,
+  fullgraph=True)` (`dynamic=False`: one compile per mode and batch), decode steps only (transformers
+  runs the prefill uncompiled: the `hf` rows). Each of `--compile-modes` is compiled and timed at each
+  of `--compile-decode`'s batches, and the row gives the faster, saying which, with every mode's time
+  and its seconds to compile (the first calls, on the GPU); where `fullgraph=True` fails, the mode is
+  compiled again without it and the row says so. Modes without CUDA graphs of their own run inside
+  the bench's graph as every other system does; `reduce-overhead` and `max-autotune` replay their own
+  (cudagraph trees), called eagerly.
+At world size 2 or more:
+- `tridist` as above;
 - `megatron`: the same shards with torch's GEMMs and NCCL: an all-reduce after each row-parallel
   layer, an all-gather of the vocabulary-parallel logits and of the MoE blocks' token shares, and
   for the experts the pairs sorted by expert, the counts exchanged and read on the host, NCCL
@@ -19,14 +35,33 @@ Systems, each a fresh copy of the model from the same seed:
   a checkpoint of the same weights saved to a temporary folder; where transformers refuses or
   fails, the row says why.
 
-Every system's logits are checked first against the whole model's (a prefill of 2 x 16 tokens and
-two decode steps with a `DynamicCache`, within `TOLERANCE` of the largest logit). Then, timed:
+Checks come first: every system's logits against the whole model's (a prefill of 2 x 16 tokens and
+two decode steps with a `DynamicCache`; `compile` skips these, which would compile other shapes),
+then each decode step's logits against the whole model's same step, every system's `compile`
+included, within `TOLERANCE` of the largest logit. Then, timed:
 - prefill of `--prefill` tokens (one sequence; the last position's logits), eagerly;
-- a decode step at each `--decode` batch over a `StaticCache` of `CONTEXT` positions, captured in a
-  CUDA graph (5 steps a replay); the megatron MoE step reads its splits on the host, which a graph
-  cannot capture, so it is timed eagerly, as is any system whose capture fails (the row says so).
+- a decode step at each `--decode` batch over a `StaticCache` of `CONTEXT` positions, in a CUDA
+  graph of GRAPH_STEPS steps, or eagerly where the row says why (the megatron MoE step reads its
+  splits on the host; a capture that fails). What one step does (`decode_step`): one small kernel
+  sets every cache layer's write position to CONTEXT - 1 (transformers' `StaticLayer` writes an
+  update at its `cumulative_length`, a device counter each update advances, not at
+  `cache_position`), then the model runs `batch` tokens at position CONTEXT - 1: every step writes
+  position CONTEXT - 1 and attends over all CONTEXT positions, replay after replay, in every system
+  (position 0 holds the KV of the eager call that allocated the cache, the rest zeros).
 `us per layer` is the step's time over the decoder layers run (embedding and logits included).
-`--kernels` prints where each step's GPU time goes, by kernel.
+
+Bounds, against rates measured in the same run, before any model is built:
+- the copy rate: a device-to-device copy of `timing.COPY_BYTES`, bytes read plus written
+  (`timing.copy_rate`); the GEMM rate: cuBLAS's bf16 8192^3 `torch.matmul` (`timing.gemm_rate`);
+- a decode row's `bound us`: the bytes the rank must read (`decode_bytes`: every weight it holds
+  once, the embedding only for the step's rows, and the KV it attends; in an MoE layer only the
+  experts the step's routing touches, found by transformers' model on the same step) over the copy
+  rate; `of bound` is bound / time, the step's fraction of memory speed;
+- a prefill row's `TFLOP/s` (`prefill_flops`: 2 x the parameters each token touches x tokens,
+  attention's causal half, the last position's logits) and `of GEMM rate`.
+`--kernels` gives each step's GPU time by kernel, as profiled in the way the step is timed: each
+kernel's time per step, launches and share of the kernels' total; a decode step's bandwidth only as
+a whole (its bytes over its time), since the bench knows no kernel's own bytes.
 
 Attention is the same in every system unless `--tridist-attention` says otherwise for tridist's:
 transformers' SDPA attention, with a decode step's grouped-query attention reading each KV head where
@@ -40,9 +75,13 @@ second look").
 """
 import argparse
 import copy
+import os
 import shutil
+import statistics
 import tempfile
+import time
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -56,12 +95,16 @@ from tridist.nn.moe import free_buffers, gated
 from . import shared_gpu
 from .ep import torch_combine, torch_dispatch
 from .results import relative_error, save, table
-from .timing import captured, print_kernels, slowest, time_us
+from .timing import captured, copy_rate, gemm_rate, kernel_us, slowest, time_us
 
 MODELS = {
     "dense": ("Qwen3-8B", "Qwen3Config", dict(
         hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)),
+    "llama": ("Llama-3-8B", "LlamaConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False)),
     "moe": ("Qwen3-30B-A3B", "Qwen3MoeConfig", dict(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
@@ -73,14 +116,19 @@ LAYERS = 8
 PREFILL = (4096, 16384)
 DECODE = (1, 8, 64)
 CONTEXT = 4096  # positions of the static cache a decode step attends over
-SYSTEMS = ("tridist", "megatron", "hf_tp")
+SYSTEMS = {1: ("tridist", "hf", "compile"), 2: ("tridist", "megatron", "hf_tp")}  # by world size: 1, or 2 and more
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+OWN_GRAPHS = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay CUDA graphs of their own
+COMPILE_CALLS = 3  # a compiled step's first calls: the compile, then (cudagraph trees) a warm-up and the recording
+ELEMENT_BYTES = 2  # bf16: every weight and the KV cache
 # bf16 logits against the whole model's, over the largest. Splitting the row-parallel sums over 2 ranks
 # alone moves 8 random bf16 layers' logits by 2.3e-2 (plain torch); transformers' TP by 3.1e-2 (NOTES:
 # "the dense model's wrong logits"). Ranks that sharded different weights were off by 1.5.
 TOLERANCE = 5e-2
 CHECK_BATCH, CHECK_TOKENS, CHECK_STEPS = 2, 16, 2
 GRAPH_STEPS = 5  # decode steps in one CUDA-graph replay
-NOTES = {"megatron moe decode": "eager: its splits are read on the host, which a CUDA graph cannot capture"}
+NOTES = {"megatron moe decode": "eager: its splits are read on the host, which a CUDA graph cannot capture",
+         "compile own graphs": "eager calls of the compiled step, which replays its own CUDA graphs"}
 GROUPED = "tridist_bench_grouped_decode"  # the name `grouped_decode_attention` is registered under in transformers
 SPLIT_KV = "tridist_bench_split_kv_decode"  # and `split_kv_decode_attention`'s
 ATTENTION = {"grouped": GROUPED, "sdpa": "sdpa", "split_kv": SPLIT_KV}
@@ -236,21 +284,26 @@ def megatron(model):
 
 
 # ---- models and steps -----------------------------------------------------------------------------
-def make_config(kind: str, layers: int, dims: dict | None = None):
-    """The transformers config of `kind` with `layers` decoder layers (`dims` overrides sizes: tests)."""
+def make_config(kind: str, layers: int | None, dims: dict | None = None):
+    """The transformers config of `kind` with `layers` decoder layers (None: the model's own count;
+    `dims` overrides sizes: tests)."""
     import transformers
 
     _, class_name, sizes = MODELS[kind]
-    return getattr(transformers, class_name)(**{**sizes, **(dims or {}), "num_hidden_layers": layers})
+    sizes = {**sizes, **(dims or {})}
+    if layers is not None:
+        sizes["num_hidden_layers"] = layers
+    return getattr(transformers, class_name)(**sizes)
 
 
 def build(config, device) -> torch.nn.Module:
-    """The model of `config` with weights drawn from seed 0 (the same on every rank), bf16, for inference."""
+    """The model of `config` with weights drawn from seed 0 (the same on every rank), built in bf16 (a
+    float32 build of the MoE model's 48 layers would need twice its 61 GB), for inference."""
     import transformers
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model.to(torch.bfloat16).eval()
 
 
@@ -278,8 +331,14 @@ def prefill_step(model, tokens: int, vocab: int, device):
 
 
 def decode_step(model, batch: int, vocab: int, device):
-    """One decode step of `batch` sequences at position CONTEXT - 1 of a `StaticCache`, on static
-    tensors: a step a CUDA graph can capture (each replay writes the same cache position)."""
+    """One decode step of `batch` sequences over a `StaticCache` of CONTEXT positions, on static
+    tensors, as a function that a CUDA graph can capture and whose every call is the same step: one
+    kernel sets each cache layer's `cumulative_length` (where transformers' `StaticLayer` writes an
+    update, advancing it) to CONTEXT - 1, then `model` runs at position CONTEXT - 1, so that each
+    call writes position CONTEXT - 1 and attends over all CONTEXT positions. The cache is allocated
+    here by one eager call of `model`, which writes position 0: make the step before `model.forward`
+    is compiled, so that the cache's tensors are made, and marked static, outside the compile.
+    `step.model` and `step.cache` are `model` and the cache."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=CONTEXT)
@@ -288,10 +347,42 @@ def decode_step(model, batch: int, vocab: int, device):
     cache_position = torch.full((1,), CONTEXT - 1, device=device)
 
     @torch.no_grad()
-    def run():
+    def forward():
         return model(ids, position_ids=position, cache_position=cache_position, past_key_values=cache,
                      use_cache=True, logits_to_keep=1).logits
-    return run
+
+    forward()
+    written = [layer.cumulative_length for layer in cache.layers]  # device tensors once the layers are allocated
+    last = [torch.full_like(length, CONTEXT - 1) for length in written]
+
+    def step():
+        torch._foreach_copy_(written, last)
+        return forward()
+    step.model, step.cache = model, cache
+    return step
+
+
+@torch.no_grad()
+def routed_experts(model, step) -> tuple[torch.Tensor, list[int]]:
+    """`step()`'s logits, and for each MoE layer of `model` (transformers' own, whose MoE blocks have a
+    `gate` of weight [experts, hidden] and `experts`) the number of distinct experts its routing sends
+    the step's tokens to: the top `num_experts_per_tok` of the fp32 softmax of the gate's logits, as
+    transformers' router picks them, recomputed from each block's input. [] for a dense model."""
+    counts = []
+
+    def count(block, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        probabilities = F.softmax(F.linear(x, block.gate.weight), dim=-1, dtype=torch.float32)
+        counts.append(probabilities.topk(model.config.num_experts_per_tok, dim=-1).indices.unique().numel())
+
+    hooks = [module.register_forward_pre_hook(count) for module in model.modules()
+             if hasattr(module, "gate") and hasattr(module, "experts")]
+    try:
+        logits = step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, counts
 
 
 def hf_tensor_parallel(folder: str, attention: str):
@@ -301,12 +392,116 @@ def hf_tensor_parallel(folder: str, attention: str):
                                                              attn_implementation=attention).eval()
 
 
+# ---- bounds: what a step must read, what a prefill must compute ----------------------------------
+class Rates(NamedTuple):
+    """The rates a run's bounds divide by, measured in it: bytes read plus written per microsecond
+    by a large device-to-device copy, bf16 FLOPs per microsecond of cuBLAS."""
+    copy: float
+    gemm: float
+
+
+def _split(size: int, world_size: int) -> int:
+    """A rank's share of `size` split over `world_size` ranks: the largest share, at least 1 (KV heads
+    fewer than the ranks are repeated)."""
+    return -(-size // world_size)
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _moe_layers(config) -> list[int]:
+    """The decoder layers of `config` that are MoE layers (transformers' Qwen3-MoE rule)."""
+    if not getattr(config, "num_experts", 0):
+        return []
+    return [i for i in range(config.num_hidden_layers)
+            if i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0]
+
+
+def _layer_elements(config, moe: bool, world_size: int) -> tuple[int, int]:
+    """(the elements of a decoder layer's weights that a rank holds and every token uses: attention,
+    norms, a dense MLP or an MoE layer's router; the elements of one expert's weights it holds, 0
+    without experts). Split as every system here splits them: query heads, KV heads and the MLP's
+    columns over the ranks, norms and the router whole, each expert too (its share under tensor
+    parallelism, the average over the ranks under expert parallelism)."""
+    hidden, dim = config.hidden_size, head_dim(config)
+    q = _split(config.num_attention_heads, world_size) * dim
+    kv = _split(config.num_key_value_heads, world_size) * dim
+    shared = hidden * (2 * q + 2 * kv) + 2 * hidden  # q, k, v and o; the norms before attention and the MLP
+    if getattr(config, "attention_bias", False):
+        shared += q + 2 * kv + hidden
+    if config.model_type in ("qwen3", "qwen3_moe"):
+        shared += 2 * dim  # Qwen3 normalises each query and key head
+    if moe:
+        return shared + config.num_experts * hidden, 3 * hidden * _split(config.moe_intermediate_size, world_size)
+    columns = _split(config.intermediate_size, world_size)
+    return shared + 3 * hidden * columns + (2 * columns + hidden if getattr(config, "mlp_bias", False) else 0), 0
+
+
+def decode_bytes(config, batch: int, positions: int, world_size: int = 1, experts: list[int] | None = None) -> int:
+    """Bytes one rank must read in a decode step of `batch` sequences attending over `positions` each,
+    in bf16: each weight it holds once (`_layer_elements`, the final norm, its rows of the logits
+    projection), the embedding at the step's `batch` rows only, and the K and V it attends (a layer:
+    batch x positions x its KV heads x head_dim, twice). An MoE layer reads the experts its routing
+    touched, `experts[i]` for the i-th MoE layer, or all of them where `experts` is None. At world
+    size 1 with all experts: 2 bytes for each parameter of the model but the embedding's, for
+    `batch` rows of the embedding, and for each element of the KV attended.
+
+    Raises:
+        ValueError: `experts` does not give one count for each MoE layer."""
+    moe = _moe_layers(config)
+    if experts is not None and len(experts) != len(moe):
+        raise ValueError(f"experts gives {len(experts)} counts; the model has {len(moe)} MoE layers")
+    hidden = config.hidden_size
+    elements = batch * hidden + hidden + _split(config.vocab_size, world_size) * hidden
+    for index in range(config.num_hidden_layers):
+        shared, expert = _layer_elements(config, index in moe, world_size)
+        touched = 0 if not expert else config.num_experts if experts is None else experts[moe.index(index)]
+        elements += shared + expert * touched
+    kv_heads = _split(config.num_key_value_heads, world_size)
+    elements += config.num_hidden_layers * batch * positions * kv_heads * head_dim(config) * 2
+    return ELEMENT_BYTES * elements
+
+
+def prefill_flops(config, tokens: int, world_size: int = 1) -> int:
+    """FLOPs one rank does in a prefill of one sequence of `tokens` that keeps the last position's
+    logits: 2 x tokens x the weights each token touches at the rank (`_layer_elements`; in an MoE
+    layer its top num_experts_per_tok experts), attention's causal half (4 x head_dim for each query
+    head the rank holds and each of a layer's tokens x (tokens + 1) / 2 query-key pairs), and 2 x
+    hidden x the rank's rows of the logits projection, for the one position."""
+    moe = _moe_layers(config)
+    per_token = 0
+    for index in range(config.num_hidden_layers):
+        shared, expert = _layer_elements(config, index in moe, world_size)
+        per_token += shared + expert * (config.num_experts_per_tok if expert else 0)
+    pairs = config.num_hidden_layers * tokens * (tokens + 1) // 2
+    attention = 4 * _split(config.num_attention_heads, world_size) * head_dim(config) * pairs
+    return 2 * tokens * per_token + attention + 2 * config.hidden_size * _split(config.vocab_size, world_size)
+
+
 # ---- the run --------------------------------------------------------------------------------------
-def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool, kernels: bool = False,
-        dims: dict | None = None, attention: str = "grouped", tridist_attention: str | None = None) -> list[dict]:
+class Case(NamedTuple):
+    """One model's run: what every system is checked against and how it is timed."""
+    kind: str
+    config: object  # the transformers config every system but tridist's (`--tridist-attention`) is built from
+    prompt: torch.Tensor
+    expected: list  # check_logits of the whole model
+    steps: dict  # decode batch -> (the whole model's logits of `decode_step`, `routed_experts`' counts)
+    prefill: list
+    decode: list
+    timed: bool
+    kernels: bool
+    rates: Rates | None
+
+
+def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, timed: bool, kernels: bool = False,
+        dims: dict | None = None, attention: str = "grouped", tridist_attention: str | None = None,
+        rates: Rates | None = None, compile_modes=("default", "reduce-overhead"), compile_decode=None) -> list[dict]:
     """Each system of `systems` built, checked and (if `timed`) timed, every model with `attention`
-    (`ATTENTION`) but tridist's with `tridist_attention` where given; a row per (system, step), or
-    one saying why a system did not run."""
+    (`ATTENTION`) but tridist's with `tridist_attention` where given, `layers` decoder layers (None:
+    the model's own count); `compile` in `compile_modes` at the batches of `decode` that are in
+    `compile_decode` (None: all). A row per (system, step), with its bound where `rates` are given,
+    or one saying why a system did not run."""
     w = tridist.world()
     config = make_config(kind, layers, dims)
     use_attention(config, attention)
@@ -319,7 +514,8 @@ def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool
     whole = build(copy.deepcopy(config), w.device)
     prompt = torch.randint(0, config.vocab_size, (CHECK_BATCH, CHECK_TOKENS + CHECK_STEPS),
                            generator=torch.Generator().manual_seed(1)).to(w.device)
-    expected = check_logits(whole, prompt)
+    steps = {batch: routed_experts(whole, decode_step(whole, batch, config.vocab_size, w.device)) for batch in decode}
+    case = Case(kind, config, prompt, check_logits(whole, prompt), steps, prefill, decode, timed, kernels, rates)
     folder = _save_checkpoint(whole) if "hf_tp" in systems and w.device.type == "cuda" else None
     del whole
     variants = [(system, moe) for system in systems
@@ -328,41 +524,50 @@ def run(kind: str, layers: int, prefill, decode, moe_modes, systems, timed: bool
     try:
         for system, moe in variants:
             name = system if moe is None else f"{system} moe={moe}"
-            why = _unavailable(system, w)
+            why = _unavailable(system, w, timed)
             if why:
                 rows.append({"model": kind, "system": name, "skipped": why})
-                continue
-            own = tridist_config if system == "tridist" else config
-            try:
-                rows += _system(kind, name, _shard(system, moe, own, folder, w.device), own, prompt, expected,
-                                timed, prefill, decode, kernels, layers)
-            except Exception as error:  # noqa: BLE001 - recorded: transformers' TP may refuse or fail on a model
-                if system != "hf_tp":
-                    raise
-                rows.append({"model": kind, "system": name, "skipped": f"{type(error).__name__}: {error}"[:300]})
+            elif system == "compile":
+                batches = [batch for batch in decode if compile_decode is None or batch in compile_decode]
+                rows += _compiled(case, compile_modes, batches)
+            else:
+                own = tridist_config if system == "tridist" else config
+                try:
+                    rows += _system(case, name, _shard(system, moe, own, folder, w.device), own)
+                except Exception as error:  # noqa: BLE001 - recorded: transformers' TP may refuse or fail on a model
+                    if system != "hf_tp":
+                        raise
+                    rows.append({"model": kind, "system": name, "skipped": f"{type(error).__name__}: {error}"[:300]})
     finally:
         if folder and w.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return _ratios(rows)
 
 
-def _system(kind, name, model, config, prompt, expected, timed, prefill, decode, kernels, layers) -> list[dict]:
-    """One system's model checked against the whole model's logits, then timed."""
-    error = slowest(max(relative_error(got, want) for got, want in zip(check_logits(model, prompt), expected)))
+def _check(case: Case, name: str, what: str, got: list, want: list) -> None:
+    """Raises AssertionError (on every rank) unless `got` is within TOLERANCE of `want`, tensor by tensor."""
+    error = slowest(max(relative_error(g, e) for g, e in zip(got, want)))
     if error > TOLERANCE:
-        raise AssertionError(f"{kind} {name}: logits off by {error:.2e} of the largest (tolerance {TOLERANCE})")
+        raise AssertionError(f"{case.kind} {name}: {what} off by {error:.2e} of the largest (tolerance {TOLERANCE})")
     if tridist.world().rank == 0:
-        print(f"{kind} {name}: logits within {error:.1e} of the whole model's", flush=True)
-    rows = _timings(kind, name, model, config, prefill, decode, kernels, layers) if timed else []
+        print(f"{case.kind} {name}: {what} within {error:.1e} of the whole model's", flush=True)
+
+
+def _system(case: Case, name: str, model, config) -> list[dict]:
+    """One system's model checked against the whole model's logits, then its steps checked and timed."""
+    _check(case, name, "logits", check_logits(model, case.prompt), case.expected)
+    rows = _timings(case, name, model, config)
     _free(model)
     return rows
 
 
-def _unavailable(system: str, w) -> str | None:
+def _unavailable(system: str, w, timed: bool) -> str | None:
     if system in ("megatron", "hf_tp") and not dist.is_initialized():
         return "needs torch.distributed (NCCL on GPUs)"
     if system == "hf_tp" and w.device.type != "cuda":
         return "transformers' tensor parallelism needs GPUs"
+    if system == "compile" and not timed:
+        return "compiled in timed runs only (on a GPU of its own)"
     return None
 
 
@@ -370,6 +575,8 @@ def _shard(system: str, moe, config, folder, device):
     if system == "hf_tp":
         return hf_tensor_parallel(folder, config._attn_implementation)
     model = build(config, device)
+    if system == "hf":
+        return model
     return megatron(model) if system == "megatron" else tridist.nn.parallelize(model, moe=moe or "ep")
 
 
@@ -391,38 +598,141 @@ def _free(model) -> None:
         torch.cuda.empty_cache()
 
 
-def _timings(kind, name, model, config, prefill, decode, kernels: bool, layers: int) -> list[dict]:
+def _timings(case: Case, name: str, model, config) -> list[dict]:
+    """`model`'s decode step at each batch checked against the whole model's; in a timed run the
+    prefills and those steps timed."""
     w = tridist.world()
     rows = []
-    for tokens in prefill:
+    for tokens in case.prefill if case.timed else ():
         step = prefill_step(model, tokens, config.vocab_size, w.device)
         us = slowest(time_us(step, inner=1, repetitions=5, warmup=2))
-        rows.append({"model": kind, "system": name, "step": f"prefill {tokens}", "us": us, "us per layer": us / layers})
-        if kernels:
-            print_kernels(f"{kind} {name} prefill {tokens}", step, w.rank)
-    for batch in decode:
+        rows.append(_row(case, name, f"prefill {tokens}", us, "eager", step))
+    for batch in case.decode:
         step = decode_step(model, batch, config.vocab_size, w.device)
-        step()  # the static cache's first update allocates it
-        timing = "cuda graph"
-        if name == "megatron" and kind == "moe":
-            timing = NOTES["megatron moe decode"]
-            us = slowest(time_us(step, inner=GRAPH_STEPS, repetitions=10, warmup=2))
-        else:
-            try:
-                us = slowest(time_us(step, inner=GRAPH_STEPS, repetitions=10, warmup=2, graph=True))
-            except RuntimeError as error:  # a capture transformers' code does not allow: timed eagerly
-                timing = f"eager (capture failed: {error})"[:200]
-                torch.cuda.synchronize()
-                us = slowest(time_us(step, inner=GRAPH_STEPS, repetitions=10, warmup=2))
-        rows.append({"model": kind, "system": name, "step": f"decode {batch}", "us": us, "us per layer": us / layers,
-                     "timing": timing})
-        if kernels:  # in the graph the step is timed in: eagerly, waits for the peer's launches would count
-            graphed = timing == "cuda graph"
-            print_kernels(f"{kind} {name} decode {batch}", captured(step) if graphed else step, w.rank,
-                          "cuda graph" if graphed else "eager")
-        if w.rank == 0:
-            print(f"  {kind} {name} decode {batch}: {us:.1f} us ({timing})", flush=True)
+        _check(case, name, f"decode {batch}", [step()], [case.steps[batch][0]])
+        if case.timed:
+            eager = NOTES["megatron moe decode"] if name == "megatron" and case.kind == "moe" else None
+            rows.append(_row(case, name, f"decode {batch}", *_decode_us(step, eager), step))
     return rows
+
+
+def _decode_us(step, eager: str | None = None) -> tuple[float, str]:
+    """(the slowest rank's median microseconds per step, how it was timed): in a CUDA graph of
+    GRAPH_STEPS steps ("cuda graph"), or eagerly where `eager` says why or where the capture fails."""
+    if eager is None:
+        try:
+            return slowest(time_us(step, inner=GRAPH_STEPS, repetitions=10, warmup=2, graph=True)), "cuda graph"
+        except RuntimeError as error:  # a capture transformers' code does not allow: timed eagerly
+            eager = f"eager (capture failed: {error})"[:200]
+            torch.cuda.synchronize()
+    return slowest(time_us(step, inner=GRAPH_STEPS, repetitions=10, warmup=2)), eager
+
+
+def _row(case: Case, name: str, step_name: str, us: float, timing: str, step, **extra) -> dict:
+    """A timed step's row: its time, its bound (a decode step: `decode_bytes` over the copy rate) or
+    FLOP rate (a prefill: `prefill_flops`, and its fraction of the GEMM rate) where the run has
+    rates, `extra`, and with `--kernels` its kernels (`_kernels`: a collective)."""
+    w = tridist.world()
+    what, size = step_name.split()
+    layers = case.config.num_hidden_layers
+    row = {"model": case.kind, "system": name, "step": step_name, "us": us, "us per layer": us / layers,
+           "timing": timing, **extra}
+    if case.rates and what == "decode":
+        experts = case.steps[int(size)][1]
+        nbytes = decode_bytes(case.config, int(size), CONTEXT, w.world_size, experts or None)
+        row.update({"GB read": nbytes / 1e9, "bound us": nbytes / case.rates.copy,
+                    "of bound": nbytes / case.rates.copy / us})
+        if experts:
+            row["experts a layer"] = statistics.mean(experts)
+    elif case.rates:
+        flops = prefill_flops(case.config, int(size), w.world_size)
+        row.update({"TFLOP/s": flops / us / 1e6, "of GEMM rate": flops / us / case.rates.gemm})
+    if w.rank == 0:
+        rate = ""
+        if "of bound" in row:
+            rate = f", {row['of bound']:.0%} of its bound"
+        elif "TFLOP/s" in row:
+            rate = f", {row['TFLOP/s']:.0f} TFLOP/s, {row['of GEMM rate']:.0%} of the GEMM rate"
+        print(f"  {case.kind} {name} {step_name}: {us:.1f} us ({timing}){rate}", flush=True)
+    if case.kernels:  # profiled as timed: eagerly, waits for a peer's launches would count
+        row["kernels"] = _kernels(row, captured(step) if timing == "cuda graph" else step)
+    return row
+
+
+def _kernels(row: dict, fn) -> list[list]:
+    """`fn`'s GPU time by kernel (`timing.kernel_us`), printed on rank 0 under `row`'s step and
+    returned as [kernel, microseconds per step, launches per step, share of the kernels' total]; the
+    step's bandwidth as a whole where its bytes are known. A collective."""
+    times = kernel_us(fn)
+    total = sum(us for us, _ in times.values())
+    kernels = [[kernel, us, launches, us / total] for kernel, (us, launches) in times.items()]
+    if tridist.world().rank == 0:
+        read = (f"; {row['GB read']:.2f} GB to read, {row['GB read'] * 1e3 / row['us']:.2f} TB/s over the timed "
+                "step" if "GB read" in row else "")
+        print(f"  {row['model']} {row['system']} {row['step']}, rank 0's GPU time by kernel ({row['timing']}): "
+              f"{total:.1f} us of kernels a step, {row['us']:.1f} us timed{read}\n"
+              + "\n".join(f"    {share:6.1%} {us:10.1f} us x {launches:g}  {kernel}"
+                          for kernel, us, launches, share in kernels), flush=True)
+    return kernels
+
+
+def _compiled(case: Case, modes, batches) -> list[dict]:
+    """transformers' model with its forward compiled in each of `modes`, each decode step of `batches`
+    checked and timed in each mode; a row per batch giving the fastest mode (module docstring)."""
+    import torch._dynamo
+
+    w = tridist.world()
+    if not batches:
+        return [{"model": case.kind, "system": "compile", "skipped": "no decode batch of --compile-decode"}]
+    model = build(case.config, w.device)
+    forward = model.forward
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, len(modes) * len(batches) + 1)  # none evicted
+    compiled = {mode: torch.compile(forward, mode=mode, fullgraph=True, dynamic=False) for mode in modes}
+    rows = []
+    try:
+        for batch in batches:
+            model.forward = forward
+            step = decode_step(model, batch, case.config.vocab_size, w.device)  # its cache made uncompiled
+            times, notes = {}, []
+            for mode in modes:
+                model.forward = compiled[mode]
+                try:
+                    seconds = _first_calls(step)
+                except Exception as error:  # noqa: BLE001 - recorded: a model may not compile whole
+                    notes.append(f"{mode}: fullgraph=True failed ({type(error).__name__}: {error}"[:200]
+                                 + "), compiled without it")
+                    compiled[mode] = model.forward = torch.compile(forward, mode=mode, dynamic=False)
+                    seconds = _first_calls(step)
+                _check(case, f"compile {mode}", f"decode {batch}", [step()], [case.steps[batch][0]])
+                times[mode] = (*_decode_us(step, NOTES["compile own graphs"] if mode in OWN_GRAPHS else None), seconds)
+                if w.rank == 0:
+                    print(f"  {case.kind} compile {mode} decode {batch}: compiled in {seconds:.0f} s, "
+                          f"{times[mode][0]:.1f} us ({times[mode][1]})", flush=True)
+            best = min(times, key=lambda mode: times[mode][0])
+            model.forward = compiled[best]
+            modes_us = "; ".join(f"{mode} {us:.1f} us, compiled in {seconds:.0f} s" for mode, (us, _, seconds)
+                                 in times.items())
+            extra = {"compile mode": best, "compile modes": modes_us}
+            if notes:
+                extra["compile notes"] = "; ".join(notes)
+            rows.append(_row(case, "compile", f"decode {batch}", *times[best][:2], step, **extra))
+    finally:
+        model.forward = forward
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
+        _free(model)
+    return rows
+
+
+def _first_calls(step) -> float:
+    """Seconds that a compiled step's first COMPILE_CALLS calls take: its compile, and with cudagraph
+    trees their warm-up and recording."""
+    start = time.perf_counter()
+    for _ in range(COMPILE_CALLS):
+        step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
@@ -430,7 +740,7 @@ def _ratios(rows: list[dict]) -> list[dict]:
     times = {(row["system"], row.get("step")): row["us"] for row in rows if "us" in row}
     for row in rows:
         if row["system"].startswith("tridist") and "us" in row:
-            for baseline in ("megatron", "hf_tp"):
+            for baseline in ("megatron", "hf_tp", "hf", "compile"):
                 if (baseline, row["step"]) in times:
                     row[f"{baseline} / tridist"] = times[(baseline, row["step"])] / row["us"]
     return rows
@@ -447,17 +757,46 @@ def parse_ints(text: str) -> list[int]:
     return values
 
 
+def parse_layers(text: str) -> int | None:
+    """'8' -> 8, 'all' -> None (the model's own count); an argparse `type`."""
+    if text == "all":
+        return None
+    try:
+        layers = int(text)
+    except ValueError:
+        layers = 0
+    if layers < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a positive integer, or all (the model's own count)")
+    return layers
+
+
+def _world_size() -> int:
+    """The world size the launcher gave (WORLD_SIZE; 1 for a process started alone), read before
+    tridist starts, so that options wrong for it fail first."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def main(argv=None) -> int:
+    one, several = (", ".join(SYSTEMS[n]) for n in (1, 2))
     parser = argparse.ArgumentParser(prog="tridist bench model", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="dense,moe", help="dense, moe or both (default %(default)s)")
-    parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers of each model (default %(default)s)")
+    parser.add_argument("--models", default="dense,moe",
+                        help=f"of {', '.join(MODELS)}, comma separated (default %(default)s)")
+    parser.add_argument("--layers", type=parse_layers, default=LAYERS,
+                        help="decoder layers of each model, or all: its own count (default %(default)s)")
     parser.add_argument("--prefill", type=parse_ints, default=list(PREFILL),
                         help="prefill tokens, comma separated, '' for none (default %(default)s)")
     parser.add_argument("--decode", type=parse_ints, default=list(DECODE),
                         help="decode batches, comma separated, '' for none (default %(default)s)")
     parser.add_argument("--moe", default="ep", help="tridist's MoE modes: ep, tp or ep,tp (default %(default)s)")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="of %(default)s")
-    parser.add_argument("--kernels", action="store_true", help="also print where each step's GPU time goes, by kernel")
+    parser.add_argument("--systems", default=None,
+                        help=f"at world size 1 of {one}; at 2 or more of {several} (default: all of the world size's)")
+    parser.add_argument("--compile-modes", default="default,reduce-overhead",
+                        help=f"torch.compile's modes for the compile system, of {', '.join(COMPILE_MODES)}: each "
+                             "compiled at each batch, the faster reported (default %(default)s)")
+    parser.add_argument("--compile-decode", type=parse_ints, default=None,
+                        help="the decode batches the compile system runs, of --decode's (default: all of them)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also print each step's GPU time by kernel: time per step, launches, share")
     parser.add_argument("--row-decode", choices=tridist.nn.linear.DECODE_KERNELS,
                         default=tridist.nn.linear.DECODE_KERNEL,
                         help="how tridist's row-parallel layers end a decode step (tridist.nn.linear.DECODE_KERNEL; "
@@ -469,34 +808,45 @@ def main(argv=None) -> int:
                         help="tridist's attention, where it differs from the others' (default: --attention's)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
-    kinds, moe_modes, systems = (v.split(",") for v in (args.models, args.moe, args.systems))
+    world_size = _world_size()
+    allowed_systems = SYSTEMS[min(world_size, 2)]
+    kinds, moe_modes, modes = (v.split(",") for v in (args.models, args.moe, args.compile_modes))
+    systems = args.systems.split(",") if args.systems else list(allowed_systems)
     for values, allowed, what in ((kinds, MODELS, "--models"), (moe_modes, ("ep", "tp"), "--moe"),
-                                  (systems, SYSTEMS, "--systems")):
+                                  (systems, allowed_systems, f"--systems at world size {world_size}"),
+                                  (modes, COMPILE_MODES, "--compile-modes")):
         if not values or not set(values) <= set(allowed):
             parser.error(f"{what} takes a comma separated list of {', '.join(allowed)}")
-    if args.layers < 1:
-        parser.error("--layers takes a positive integer")
+    if args.compile_decode is not None and not set(args.compile_decode) <= set(args.decode):
+        parser.error(f"--compile-decode takes batches of --decode ({','.join(map(str, args.decode))})")
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers 5.24 renames it `cache`
     tridist.nn.linear.DECODE_KERNEL = args.row_decode
     w = tridist.init()
     shared = shared_gpu.announce("tridist bench model", w.rank)
     timed = w.backend == "nvshmem" and not shared
+    rates = Rates(copy_rate(w.device), gemm_rate(w.device)) if timed else None  # before any model takes memory
+    if rates and w.rank == 0:
+        print(f"copy rate {rates.copy / 1e3:.0f} GB/s (read + written), cuBLAS bf16 GEMM "
+              f"{rates.gemm / 1e6:.0f} TFLOP/s", flush=True)
     rows = []
     for kind in kinds:
         rows += run(kind, args.layers, args.prefill, args.decode, moe_modes, systems, timed, args.kernels,
-                    attention=args.attention, tridist_attention=args.tridist_attention)
+                    attention=args.attention, tridist_attention=args.tridist_attention, rates=rates,
+                    compile_modes=modes, compile_decode=args.compile_decode)
     if w.rank == 0 and not timed:
         print(f"model: every check passed; nothing timed ({'ranks share a GPU' if shared else 'no GPU'})")
     elif w.rank == 0:
         columns = []
         for row in rows:
-            columns += [c for c in row if c not in columns]
+            columns += [c for c in row if c not in columns and c != "kernels"]
         print(table(rows, columns))
+        own = {kind: MODELS[kind][2]["num_hidden_layers"] for kind in kinds}
         extra = {"world_size": w.world_size, "timed": timed, "context": CONTEXT, "tolerance": TOLERANCE,
                  "attention": args.attention, "tridist attention": args.tridist_attention or args.attention,
-                 "row-parallel decode": args.row_decode,
-                 "models": {kind: {"like": MODELS[kind][0], "layers": f"{args.layers} of "
-                                   f"{MODELS[kind][2]['num_hidden_layers']}", **MODELS[kind][2]} for kind in kinds},
+                 "row-parallel decode": args.row_decode, "copy GB/s": rates.copy / 1e3,
+                 "GEMM TFLOP/s": rates.gemm / 1e6, "compile modes": modes,
+                 "models": {kind: {"like": MODELS[kind][0], "layers": f"{args.layers or own[kind]} of {own[kind]}",
+                                   **MODELS[kind][2]} for kind in kinds},
                  "graph steps per replay": GRAPH_STEPS, "notes": NOTES}
         print(f"saved {save('model', rows, args.out, extra)}")
     tridist.finalize()

@@ -104,6 +104,18 @@ def copy_rate(device) -> float:
     return 2 * COPY_BYTES / op_us(lambda: target.copy_(source))
 
 
+GEMM_SIZE = 8192  # the square GEMM whose rate the benchmarks' "of GEMM rate" divides by
+
+
+def gemm_rate(device, size: int = GEMM_SIZE) -> float:
+    """bf16 FLOPs per microsecond of cuBLAS (`torch.matmul`) on a `size` x `size` x `size` GEMM of
+    random data: what a compute-bound step is measured against."""
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn_like(a)
+    out = torch.empty_like(a)
+    return 2 * size ** 3 / op_us(lambda: torch.matmul(a, b, out=out))
+
+
 def all_ranks(ok: bool) -> bool:
     """Whether `ok` holds on every rank. A collective that gives every rank the same answer: a rank
     that went on to time an op while a peer skipped it would wait for that peer forever."""
