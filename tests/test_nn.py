@@ -2,7 +2,6 @@
 examples/llm.py as users run it) against the whole model, prefill and decode with transformers'
 KV cache; the inputs it refuses; and the layers alone against torch."""
 import copy
-import warnings
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 
 import tridist
 import tridist.nn
-from tridist.nn import linear, moe as nn_moe
+from tridist.nn import moe as nn_moe
 
 from .harness import GROUP_LAYOUTS, join_groups, load_script
 
@@ -36,18 +35,15 @@ def _same_within_groups(results, layout):
                 f"rank {rank}'s results differ from rank {members[0]}'s"
 
 
-def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, decode_rows, low_latency_tokens,
-                         layout=None):
+def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, low_latency_tokens, layout=None):
     """Every step's logits within the example's tolerance of the whole model's (fed the same tokens),
     the same greedy tokens; returns the logits, which must be the same bits on every rank (of the
     group: with `layout`, each group shards and runs the model on its own prompt).
-    `decode_rows` and `low_latency_tokens` stand in for the layers' thresholds so that a prefill of a
-    few tokens runs the prefill kernels (gemm_rs, EP's normal mode) and a decode step the decode ones."""
-    warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers 5.24 renames it to `cache`
+    `low_latency_tokens` stands in for the EP layer's threshold so that a prefill of a few tokens
+    runs EP's normal mode and a decode step its low-latency one."""
     example = load_script("examples", "llm")
     index, group, _, _ = _in_group(w, layout)
-    thresholds = linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS
-    linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS = decode_rows, low_latency_tokens
+    threshold, nn_moe.LOW_LATENCY_TOKENS = nn_moe.LOW_LATENCY_TOKENS, low_latency_tokens
     try:
         sharded = example.build_model(example.tiny_config(model), w.device)
         whole = copy.deepcopy(sharded)
@@ -55,27 +51,23 @@ def _matches_whole_model(w, model, moe, batch, prompt_tokens, new_tokens, decode
         prompt = torch.randint(0, 128, (batch, prompt_tokens), generator=torch.Generator().manual_seed(1 + index))
         tokens, steps, _ = example.generate(sharded, prompt.to(w.device), new_tokens)
     finally:
-        linear.DECODE_ROWS, nn_moe.LOW_LATENCY_TOKENS = thresholds
+        nn_moe.LOW_LATENCY_TOKENS = threshold
     error, wrong = example.compare(steps, example.teacher_forced(whole, prompt.to(w.device), tokens))
     assert error < example.LOGITS_TOLERANCE and wrong == 0, \
         f"rank {w.rank}: logits off by {error:.2e} of the largest, {wrong} steps with other tokens"
     return [step.cpu() for step in steps]
 
 
-# Dense: Llama with a prefill of 2 x 3 rows through gemm_rs + all-gather, Qwen3 with 5 rows (not a
-# multiple of the world size) through a GEMM + all_reduce; decode steps of 2 and 1 rows through DECODE_KERNEL.
 # MoE: a prefill of 3 tokens a rank in EP's normal mode, decode steps of one token a rank in its
 # low-latency mode; tensor-parallel experts (ag_moe, moe_rs) the same way.
-CASES = {"llama": dict(model="llama", moe="ep", batch=2, prompt_tokens=3, new_tokens=2),
-         "qwen3": dict(model="qwen3", moe="ep", batch=1, prompt_tokens=5, new_tokens=1),
-         "qwen3-moe-ep": dict(model="qwen3-moe", moe="ep", batch=1, prompt_tokens=6, new_tokens=2),
+CASES = {"qwen3-moe-ep": dict(model="qwen3-moe", moe="ep", batch=1, prompt_tokens=6, new_tokens=2),
          "qwen3-moe-tp": dict(model="qwen3-moe", moe="tp", batch=1, prompt_tokens=6, new_tokens=1)}
 
 
 @pytest.mark.worlds("2")
 @pytest.mark.parametrize("case", CASES)
 def test_parallelize_matches_the_whole_model(world, case):
-    results = world.run(_matches_whole_model, **CASES[case], decode_rows=2, low_latency_tokens=2)
+    results = world.run(_matches_whole_model, **CASES[case], low_latency_tokens=2)
     _same_within_groups(results, None)
 
 
@@ -83,9 +75,48 @@ def test_parallelize_matches_the_whole_model(world, case):
 def test_parallelize_in_groups(world):
     """Two groups each shard the MoE model (its attention, experts and lm_head over the pair) and
     run it on their own prompt at once."""
-    results = world.run(_matches_whole_model, **CASES["qwen3-moe-ep"], decode_rows=2, low_latency_tokens=2,
-                        layout="pairs")
+    results = world.run(_matches_whole_model, **CASES["qwen3-moe-ep"], low_latency_tokens=2, layout="pairs")
     _same_within_groups(results, "pairs")
+
+
+def _generates_like_the_whole_model(w, model, moe, cache, padded):
+    """transformers' own `generate` (greedy, `cache` "static" or "dynamic") on the sharded model gives
+    the whole model's tokens, up to the first step where the whole model's best two logits are a near
+    tie; every step's logits until then within the example's tolerance. With `padded`, the second of
+    two prompts is left-padded (its attention mask zero there), which tridist's decode attention
+    must skip. Returns the tokens, which must be the same on every rank."""
+    example = load_script("examples", "llm")
+    sharded = example.build_model(example.tiny_config(model), w.device)
+    whole = copy.deepcopy(sharded)
+    tridist.nn.parallelize(sharded, moe=moe)
+    prompt = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(3)).to(w.device)
+    mask = torch.ones_like(prompt)
+    if padded:
+        prompt[1, :2], mask[1, :2] = 0, 0
+    options = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True,
+                   return_dict_in_generate=True, **({"cache_implementation": "static"} if cache == "static" else {}))
+    got, want = sharded.generate(prompt, **options), whole.generate(prompt, **options)
+    same = (got.sequences == want.sequences).all(dim=0)
+    steps = int(same[prompt.shape[1]:].long().cumprod(0).sum()) + 1  # up to the first step that differs
+    error, wrong = example.compare(list(got.logits[:steps]), list(want.logits[:steps]))
+    assert error < example.LOGITS_TOLERANCE and wrong == 0, \
+        f"rank {w.rank}: logits off by {error:.2e} of the largest, {wrong} steps with other tokens"
+    nn_moe.free_buffers()
+    return got.sequences.cpu()
+
+
+GENERATE_CASES = {"llama-static": ("llama", "ep", "static", False), "llama-dynamic-padded": ("llama", "ep", "dynamic", True),
+                  "qwen3-static-padded": ("qwen3", "ep", "static", True), "qwen3-dynamic": ("qwen3", "ep", "dynamic", False),
+                  "qwen3-moe-ep-static": ("qwen3-moe", "ep", "static", False),
+                  "qwen3-moe-tp-dynamic": ("qwen3-moe", "tp", "dynamic", True)}
+
+
+@pytest.mark.worlds("1", "2")
+@pytest.mark.parametrize("case", GENERATE_CASES)
+def test_generate_matches_the_whole_model(world, case):
+    model, moe, cache, padded = GENERATE_CASES[case]
+    results = world.run(_generates_like_the_whole_model, model=model, moe=moe, cache=cache, padded=padded)
+    assert all(torch.equal(results[0], tokens) for tokens in results[1:]), "the ranks generated different tokens"
 
 
 def _refuses(w):
@@ -126,6 +157,34 @@ def test_parallelize_refuses_what_it_cannot_split(world):
     world.run(_refuses)
 
 
+def _refuses_configs(w):
+    """What tridist's layers cannot run is refused before anything changes, saying what."""
+    example = load_script("examples", "llm")
+    model = example.build_model(example.tiny_config("qwen3"), w.device)
+    with pytest.raises(ValueError, match=r"bf16 or fp16 .* model.to\(torch.bfloat16\)"):
+        tridist.nn.parallelize(model.float())
+    config = example.tiny_config("qwen3")
+    config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(NotImplementedError, match="sliding-window attention is not supported"):
+        tridist.nn.parallelize(example.build_model(config, w.device))
+    config = example.tiny_config("llama")
+    config.hidden_act = "gelu"
+    with pytest.raises(NotImplementedError, match="SiLU.* 'gelu'"):
+        tridist.nn.parallelize(example.build_model(config, w.device))
+    config = example.tiny_config("llama")
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": 2.0,
+                              "partial_rotary_factor": 0.5}
+    with pytest.raises(NotImplementedError, match="rotates whole heads only"):
+        tridist.nn.parallelize(example.build_model(config, w.device))
+    with pytest.raises(NotImplementedError, match="a family it has a plan for"):
+        tridist.nn.parallelize(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.worlds("1")
+def test_parallelize_refuses_what_its_layers_cannot_run(world):
+    world.run(_refuses_configs)
+
+
 def _layers(w, layout=None):
     """A Megatron MLP block with sequence-parallel inputs (ag_gemm in, gemm_rs out), column outputs
     gathered, and replicated rows through each of the row layer's kernels, each against torch on the
@@ -152,25 +211,34 @@ def _layers(w, layout=None):
     gathered = tridist.nn.ColumnParallelLinear.from_linear(up, gather_output=True, group=group)
     torch.testing.assert_close(gathered(x.to(w.device)).float().cpu(), expected_up, rtol=2e-2, atol=2e-2)
     replicated = tridist.nn.RowParallelLinear.from_linear(down, group=group)
+    partial = tridist.nn.RowParallelLinear.from_linear(down, sum_output=False, group=group)
     a = torch.randn(14 * n, inner, generator=g).to(torch.bfloat16)
-    # 2 rows: gemm_ar, or a GEMM + all_reduce; 14n (with DECODE_ROWS 1): gemm_rs + all-gather; 13, prime:
-    # a GEMM + all_reduce.
-    for rows, decode_rows, decode_kernel in ((2, linear.DECODE_ROWS, "gemm_ar"), (2, linear.DECODE_ROWS, "all_reduce"),
-                                             (14 * n, 1, "gemm_ar"), (13, 1, "gemm_ar")):
-        saved = linear.DECODE_ROWS, linear.DECODE_KERNEL
-        linear.DECODE_ROWS, linear.DECODE_KERNEL = decode_rows, decode_kernel
-        try:
-            got = replicated(a[:rows, columns].to(w.device))
-        finally:
-            linear.DECODE_ROWS, linear.DECODE_KERNEL = saved
+    for rows in (2, 13):  # decode rows, and a count that is no multiple of anything
         want = a[:rows].float() @ down.weight.float().cpu().t() + down.bias.float().cpu()
+        got = replicated(a[:rows, columns].to(w.device))
         torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
-    saved, linear.DECODE_KERNEL = linear.DECODE_KERNEL, "gemm"
-    try:
-        with pytest.raises(ValueError, match="DECODE_KERNEL is 'gemm': set it to one of gemm_ar, all_reduce"):
-            replicated(a[:2, columns].to(w.device))
-    finally:
-        linear.DECODE_KERNEL = saved
+        got = tridist.ops.all_reduce(partial(a[:rows, columns].to(w.device)).contiguous(), group=group)
+        torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
+
+    # Fused: three linears of their own sizes (q, k, v) in one GEMM, each split by its rows; gate and
+    # up with SiLU(gate) * up in the epilogue.
+    q, k, v = (torch.nn.Linear(hidden, size * n, bias=True) for size in (16, 8, 8))
+    gate = torch.nn.Linear(hidden, inner, bias=False)
+    for param in (*q.parameters(), *k.parameters(), *v.parameters(), *gate.parameters()):
+        param.data = torch.randn(param.shape, generator=g).div(param.shape[-1] ** 0.5).to(torch.bfloat16)
+    for linear_ in (q, k, v, gate):
+        linear_.to(w.device)
+    qkv = tridist.nn.ColumnParallelLinear.from_linears([q, k, v], group=group)
+    assert qkv.parts == (16, 8, 8)
+    got = qkv(x.to(w.device)).float().cpu().split(qkv.parts, dim=-1)
+    for piece, whole in zip(got, (q, k, v)):
+        want = x.float() @ whole.weight.float().cpu().t() + whole.bias.float().cpu()
+        part = whole.out_features // n
+        torch.testing.assert_close(piece, want[:, me * part:(me + 1) * part], rtol=2e-2, atol=2e-2)
+    up.bias = None
+    gate_up = tridist.nn.ColumnParallelLinear.from_linears([gate, up], activation="swiglu", group=group)
+    want = F.silu(x.float() @ gate.weight.float().cpu().t()) * (x.float() @ up.weight.float().cpu().t())
+    torch.testing.assert_close(gate_up(x.to(w.device)).float().cpu(), want[:, columns], rtol=3e-2, atol=3e-2)
     tridist.barrier_all()
 
 

@@ -13,30 +13,29 @@ way by heads: q, k and v are column-parallel (a rank holds whole heads, and with
 attention whole groups: a query head's KV head lives on its rank), each rank attends over its own
 heads, and the output projection `o_proj` is row-parallel. Each rank's KV cache holds its heads only.
 
-`tridist.nn` has these layers over tridist's kernels. `ColumnParallelLinear` is a local GEMM (or,
-when each rank holds only some of the tokens, `ag_gemm`, which gathers them while it multiplies).
-`RowParallelLinear` chooses its kernel by the number of tokens, which is fixed for a given shape, so
-a decode step still captures in a CUDA graph: a decode step's few rows go through a local GEMM and
-the low-latency all-reduce (or, with `tridist.nn.linear.DECODE_KERNEL = "gemm_ar"`, through
-`gemm_ar`, whose tiles are summed across the ranks as the GEMM makes them); a prefill's many rows
-through `gemm_rs`, the reduce-scatter hidden behind the GEMM, then an all-gather. Mixtures of experts get
+`tridist.nn` has these layers over tridist's kernels. `ColumnParallelLinear` is a local GEMM,
+`ops.linear` (or, when each rank holds only some of the tokens, `ag_gemm`, which gathers them while
+it multiplies); `from_linears` fuses layers that read the same input, q, k and v, or gate and up
+with SiLU(gate) * up in the GEMM's epilogue. `RowParallelLinear` is a local GEMM and an all-reduce,
+or, with `sum_output=False`, leaves the sum to the next op: tridist's decoder layer sums it inside
+the next norm (`ops.all_reduce_rms_norm`, the exchange, the residual add and the RMSNorm in one
+kernel). Nothing depends on values on the host, so a decode step captures in a CUDA graph. Mixtures of experts get
 `ExpertParallelMoE` (whole experts per rank: `EPBuffer`'s dispatch and combine around grouped GEMMs,
 the low-latency mode for decode) and `TensorParallelMoE` (a slice of every expert: `ag_moe` and
 `moe_rs`).
 
-`tridist.nn.parallelize(model)` puts these layers into a Hugging Face `transformers` model in place
-(Llama, Qwen3, Qwen3-MoE), so the model's own code, masks and caches run unchanged and every rank
-returns the whole model's logits. This tutorial splits an MLP by hand, then shards a tiny
+`tridist.nn.parallelize(model)` builds tridist's own decoder layers from a Hugging Face
+`transformers` model's (Llama, Qwen3, Qwen3-MoE) and puts them in place, so the model's own loop,
+masks, caches and `generate` run around them and every rank returns the whole model's logits. This tutorial splits an MLP by hand, then shards a tiny
 Qwen3-MoE and generates with it.
 
 Run: `tridist run -n 2 tutorials/12-sharding-a-model.py`
 """
 # %%
 # An MLP by hand. Every rank builds the same whole layers from one seed (a model loaded from a
-# checkpoint is the same on every rank too), and `from_linear` keeps this rank's part. The layers
-# store their weights as [in, out], the layout tridist's GEMMs read: `gate.weight` here is
-# [64, 128 / n]. The input is the same on every rank; so is the output: the row-parallel layer's
-# sum over the ranks.
+# checkpoint is the same on every rank too), and `from_linear` keeps this rank's part, in
+# torch.nn.Linear's layout: `gate.weight` here is [128 / n, 64]. The input is the same on every
+# rank; so is the output: the row-parallel layer's sum over the ranks.
 import copy
 import sys
 
@@ -59,7 +58,7 @@ def mlp_by_hand(w) -> bool:
 
     gate_r, up_r = ColumnParallelLinear.from_linear(gate), ColumnParallelLinear.from_linear(up)
     down_r = RowParallelLinear.from_linear(down)
-    assert gate_r.weight.shape == (64, 128 // w.world_size)
+    assert gate_r.weight.shape == (128 // w.world_size, 64)
     sharded = down_r(F.silu(gate_r(x)) * up_r(x))
     return (sharded.float() - whole.float()).abs().max().item() <= 2e-2 * whole.float().abs().max().item()
 
