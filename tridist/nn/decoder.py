@@ -80,6 +80,7 @@ class DecodeStep:
 
     def __init__(self):
         self._mask, self._length, self._positions = None, None, None
+        self._ends = None  # 1 ... length, each position's end, kept across steps
         self._advanced: list[torch.Tensor] = []
 
     def positions(self, mask: torch.Tensor | None, batch: int, length: int, device: torch.device):
@@ -94,8 +95,9 @@ class DecodeStep:
                 allowed = None
             else:
                 allowed = mask[:, 0, -1, :length]
-                ends = torch.arange(1, length + 1, dtype=torch.int32, device=device)
-                seqlens = torch.where(allowed, ends, 0).amax(dim=-1).to(torch.int32)
+                if self._ends is None or self._ends.shape[0] != length or self._ends.device != device:
+                    self._ends = torch.arange(1, length + 1, dtype=torch.int32, device=device)
+                seqlens = torch.where(allowed, self._ends, 0).amax(dim=-1).to(torch.int32)
             self._mask, self._length, self._positions = mask, length, (seqlens, allowed)
         return self._positions
 

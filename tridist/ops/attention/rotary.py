@@ -27,6 +27,7 @@ from tridist.runtime.jit import jit
 from ..checks import check_input
 
 DTYPES = (torch.bfloat16, torch.float16)
+WARPS = 1  # a program holds one head: 64 elements a half at D = 128, two a thread of one warp
 
 
 @triton.jit
@@ -167,5 +168,6 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
         rotary_qkv_kernel[(batch * seq_len, num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, q, k_out,
             v_out, index if index is not None else qkv, eps, seq_len, qkv.stride(1), *cos.stride()[:2], *q.stride()[:3],
-            *k_out.stride()[:3], num_heads, num_kv_heads, D=head_dim, NORM=q_norm is not None, CACHE=cache is not None)
+            *k_out.stride()[:3], num_heads, num_kv_heads, D=head_dim, NORM=q_norm is not None, CACHE=cache is not None,
+            num_warps=WARPS)
     return q, k, v
