@@ -49,8 +49,11 @@ from tridist.ops.moe.all_to_all import staged as alltoall  # noqa: E402
 from tridist.ops.moe.expert_parallel import _staging as ep_staging  # noqa: E402
 from tridist.ops.moe.expert_parallel import low_latency as ep_low_latency  # noqa: E402
 from tridist.ops.moe.expert_parallel import normal as ep_normal  # noqa: E402
+from tridist.ops.moe.local import experts as local_experts, policy as local_policy, router as local_router  # noqa: E402
 from tridist.ops.moe.tensor_parallel import ag_moe, moe_rs  # noqa: E402
 from tridist.ops.moe.tensor_parallel import routing as tp_routing  # noqa: E402
+from tridist.ops.norm import ll as norm_ll, local as norm_local, one_shot as norm_one_shot  # noqa: E402
+from tridist.ops.norm import policy as norm_policy  # noqa: E402
 from tridist.ops.stencil import fused as jacobi_fused, host_loop as jacobi_host_loop  # noqa: E402
 from tridist.ops.stencil import policy as stencil_policy  # noqa: E402
 from tridist.runtime import device_library  # noqa: E402
@@ -282,6 +285,75 @@ def _moe_cases():
     return cases
 
 
+def _local_moe_cases():
+    """The local MoE at Qwen3-30B-A3B's sizes (128 experts, top-8): the router; both kernels of the
+    experts with the dense rows of a batch of 8 and with the sorted rows of prefill, at the tiles
+    `local.policy` gives them; the sorted rows' order."""
+    routing = local_experts.Routing(idx="*i64", weights="*fp32", order="*i32", offs="*i32", experts="i32")
+    sizes = {name: "i32" for name in ("tokens", "hidden", "inner")}
+    pads = {"TOPK": 8, "E_PAD": 128, "K_PAD": 8}
+    cases = [(local_router.moe_route_kernel,
+              {"logits_ptr": "*bf16", "idx_ptr": "*i64", "weights_ptr": "*fp32", "tokens": "i32", "E": "i32",
+               **{name: "constexpr" for name in ("TOPK", "NORM", "DTYPE", "PRECISE", "E_PAD", "K_PAD", "BLOCK_T")}},
+              {"TOPK": 8, "NORM": True, "DTYPE": tl.bfloat16, "PRECISE": True, "E_PAD": 128, "K_PAD": 8,
+               "BLOCK_T": local_router.ROUTE_TOKENS}),
+             (local_experts.moe_order_kernel, {"idx_ptr": "*i64", "positions_ptr": "*i32", "offs_ptr": "*i32",
+                                               "order_ptr": "*i32", "pairs": "i32", "E": "i32", "BLOCK": "constexpr"},
+              {"BLOCK": local_experts.ORDER_BLOCK})]
+    dense_up = {"BLOCK_M": local_policy.dense_rows(8), "BLOCK_N": local_policy.DENSE_UP_COLUMNS[0],
+                "BLOCK_K": local_policy.DENSE_BLOCK_K, "GROUP_M": 1, "num_warps": 4,
+                "num_stages": local_policy.DENSE_STAGES}
+    dense_down = {**dense_up, "BLOCK_N": local_policy.DENSE_DOWN_COLUMNS[0]}
+    for dense, up, down in ((True, dense_up, dense_down), (False, local_policy.SORTED_UP, local_policy.SORTED_DOWN)):
+        for kernel, config in ((local_experts.moe_gate_up_kernel, up), (local_experts.moe_down_kernel, down)):
+            config = dict(config)
+            options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
+            weights = f"tensordesc<bf16[1, {config['BLOCK_K']}, {config['BLOCK_N']}]>"
+            if kernel is local_experts.moe_gate_up_kernel:
+                head = {"x_ptr": "*bf16", "w_desc": weights, "h_ptr": "*bf16"}
+                tail, constexprs = {"down_tiles": "i32"}, {"ZB": 1}
+            else:
+                head, tail, constexprs = {"h_ptr": "*bf16", "w_desc": weights, "parts_ptr": "*fp32"}, {}, {}
+            constexprs.update(pads, DENSE=dense, P_PAD=64, **config)
+            signature = {**head, "routing": routing, "counts_ptr": "*i32", "y_ptr": "*bf16", **sizes, **tail,
+                         **{name: "constexpr" for name in constexprs}}
+            cases.append((kernel, signature, constexprs, options))
+    return cases
+
+
+def _norm_cases():
+    """all_reduce_rms_norm's kernels as they launch (no FMA contraction) at hidden 4096 in one pass, and
+    at 32768 in two: the local kernel with and without a residual, and on fp32 sums ("two_shot"); the
+    LL and one-shot kernels for the world and within a group."""
+    rows = {"residual_ptr": "*bf16", "weight_ptr": "*bf16", "y_ptr": "*bf16", "new_residual_ptr": "*bf16"}
+    scalars = {"eps": "fp32", "count": "fp32", "factor": "fp32", "DIVIDE": "constexpr", "BLOCK": "constexpr",
+               "ONE_PASS": "constexpr"}
+    cases = []
+    for hidden in (4096, 32768):
+        block, warps, one_pass = norm_policy.row_shape(hidden)
+        shape = {"DIVIDE": False, "BLOCK": block, "ONE_PASS": one_pass}
+        options = {"num_warps": warps, "enable_fp_fusion": False}
+        for x, residual in (("*bf16", True), ("*bf16", False), ("*fp32", True))[:3 if hidden > 4096 else 2]:
+            signature = {"x_ptr": x, **rows, "hidden": "i32", **scalars, "HAS_RESIDUAL": "constexpr"}
+            constexprs = {**shape, "HAS_RESIDUAL": residual}
+            if not residual:
+                signature.update(residual_ptr="constexpr", new_residual_ptr="constexpr")
+                constexprs.update(residual_ptr=None, new_residual_ptr=None)
+            cases.append((norm_local.add_rms_norm_kernel, signature, constexprs, options))
+        for group in ("constexpr", "*i32"):
+            cases += [
+                (norm_ll.all_reduce_rms_norm_ll_kernel,
+                 {"x_words": "*i32", **rows, "packets_ptr": "*i64", "calls_ptr": "*i64", "tokens": "i32", "hidden": "i32",
+                  "row": "i32", "slot_numel": "i32", **scalars, "DTYPE": "constexpr", "group": group},
+                 {**shape, "DTYPE": tl.bfloat16, **({"group": None} if group == "constexpr" else {})}, options),
+                (norm_one_shot.all_reduce_rms_norm_one_shot_kernel,
+                 {"x_ptr": "*bf16", **rows, "staging_ptr": "*bf16", "flags_ptr": "*i64", "calls_ptr": "*i64",
+                  "tokens": "i32", "hidden": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
+                  **scalars, "group": group},
+                 {**shape, **({"group": None} if group == "constexpr" else {})}, options)]
+    return cases
+
+
 def _sort_cases(one_group: bool, groups: int):
     """The counting sort's two kernels (`_sort`), at the chunk of `groups` and the blocks it takes for
     a million items."""
@@ -487,6 +559,8 @@ def cases():
         *_linear_cases(),
         *_expert_parallel_cases(),
         *_moe_cases(),
+        *_norm_cases(),
+        *_local_moe_cases(),
         (lang.identity_kernel, {"out_ptr": "*i32"}, {}),
         *[(allgather.push.all_gather_push_kernel,
            {"x_ptr": t, "out_ptr": t, "staging_ptr": t, "flags_ptr": "*i64", "calls_ptr": "*i64", "n": "i32",

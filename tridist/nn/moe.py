@@ -16,6 +16,11 @@ same ones.
 - `TensorParallelMoE` holds a slice of every expert: its columns of W_gate and W_up and its rows
   of W_down. `ops.ag_moe` gathers every rank's tokens behind the grouped up-projection, and
   `ops.moe_rs` sums each token's top-k and the ranks' partial products back to the token's rank.
+
+At world size 1 (of the layer's group) both hold every expert whole and run the local MoE,
+`ops.moe_local`, with no exchange and no symmetric memory: two kernels, SiLU(gate) * up fused into
+the first, the weighting and each token's top-k sum into the second; an activation other than
+SiLU runs the experts unfused (`unfused_experts`).
 """
 from collections.abc import Callable
 
@@ -75,6 +80,40 @@ def gated(h: torch.Tensor, activation: Callable) -> torch.Tensor:
     return activation(gate) * up
 
 
+def computes_silu(activation: Callable, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `activation` is SiLU (`F.silu`, `nn.SiLU`, transformers' `SiLUActivation`), which
+    `ops.moe_local` fuses, judged by its values on a probe of `dtype` on `device`."""
+    probe = torch.linspace(-8, 8, 33, device=device).to(dtype)
+    return torch.equal(activation(probe), F.silu(probe))
+
+
+def unfused_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor, activation: Callable) -> torch.Tensor:
+    """Each token's pairs through their experts as grouped GEMMs on the pairs sorted by expert
+    (on the device), then weighted and summed in fp32: x `[T, hidden]`, topk_idx `[T, k]` (ids
+    outside 0 ... E-1 name none), topk_weights float32 `[T, k]`; returns `[T, hidden]`."""
+    experts, top_k = w_down.shape[0], topk_idx.shape[1]
+    pairs = topk_idx.reshape(-1)
+    real = (pairs >= 0) & (pairs < experts)
+    order = torch.argsort(torch.where(real, pairs, experts), stable=True)
+    offs = (pairs[:, None] == torch.arange(experts, device=x.device)).sum(0).cumsum(0).to(torch.int32)
+    h = ops.grouped_gemm(x[order // top_k], w_gate_up, offs)
+    y = torch.empty(pairs.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    # rows of no expert: zeros (grouped_gemm leaves the rows past the last expert's as they are)
+    y[order] = ops.grouped_gemm(gated(h, activation), w_down, offs, out=torch.zeros_like(y))
+    weights = torch.where(real.view_as(topk_weights), topk_weights, 0.0)
+    return (y.view(-1, top_k, x.shape[1]).float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def local_forward(layer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """A layer's forward at world size 1, where it holds every expert whole: `ops.moe_local`, or
+    `unfused_experts` for an activation other than SiLU."""
+    if layer.fused:
+        return ops.moe_local(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), layer.w_gate_up,
+                             layer.w_down)
+    return unfused_experts(x, topk_idx, topk_weights, layer.w_gate_up, layer.w_down, layer.activation)
+
+
 class ExpertParallelMoE(nn.Module):
     """Whole experts on each rank, tokens sent to their experts' ranks and back (`EPBuffer`).
 
@@ -84,7 +123,7 @@ class ExpertParallelMoE(nn.Module):
         intermediate_size: an expert's inner size (I).
         max_tokens_per_rank: the most tokens a rank passes to one call; `reserve` raises it. The
             symmetric buffers are shared by the layers of one shape (`shared_buffer`):
-            `free_buffers()` gives them back.
+            `free_buffers()` gives them back. At world size 1 there are none (`local_forward`).
         activation: of the gate, SiLU by default (SwiGLU experts).
         group: a `torch.distributed.ProcessGroup` or `tridist.Group` whose members hold the
             layer's experts (they build and call it together; the other ranks take no part),
@@ -96,6 +135,7 @@ class ExpertParallelMoE(nn.Module):
         w_gate_up: `[E_local, hidden_size, 2 * I]`, this rank's experts' W_gate columns, then W_up's.
         w_down: `[E_local, I, hidden_size]`.
         padding_expert: the expert id (-1: none) of a padding token.
+        fused: the activation is SiLU, which the local kernels fuse (`local_forward`, world size 1).
 
     Raises:
         ValueError: experts not a multiple of the world size; sizes EPBuffer does not take; a
@@ -118,6 +158,7 @@ class ExpertParallelMoE(nn.Module):
                                                   device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(self.local_experts, intermediate_size, hidden_size, dtype=dtype,
                                                device=device), requires_grad=False)
+        self.fused = computes_silu(activation, dtype, device)
         self.max_tokens_per_rank = 0
         self.reserve(max_tokens_per_rank)
 
@@ -133,8 +174,9 @@ class ExpertParallelMoE(nn.Module):
         """Make room for calls of up to `max_tokens_per_rank` tokens a rank: a collective that may
         grow the shared buffers (see `shared_buffer`), outside any CUDA-graph capture."""
         self.max_tokens_per_rank = max(self.max_tokens_per_rank, max_tokens_per_rank)
-        for mode in MODES:
-            self._buffer(mode)
+        if self.world_size > 1:
+            for mode in MODES:
+                self._buffer(mode)
 
     def _buffer(self, mode: str) -> ops.EPBuffer:
         tokens = self.max_tokens_per_rank if mode == "normal" else min(self.max_tokens_per_rank, LOW_LATENCY_TOKENS)
@@ -147,6 +189,8 @@ class ExpertParallelMoE(nn.Module):
         if x.shape[0] > self.max_tokens_per_rank:
             raise ValueError(f"{x.shape[0]} tokens on rank {self.rank}, past max_tokens_per_rank "
                              f"{self.max_tokens_per_rank}: call reserve() first, on every rank")
+        if self.world_size == 1:
+            return local_forward(self, x, topk_idx, topk_weights)
         if x.shape[0] <= LOW_LATENCY_TOKENS:
             # The low-latency mode sizes its pairs by T: a rank with more tokens than its peers would
             # lose pairs, and one with none would leave them waiting.
@@ -174,16 +218,10 @@ class ExpertParallelMoE(nn.Module):
         """Each token once on every rank holding one of its experts; the received (token, local
         expert) pairs sorted by expert on the device for the grouped GEMMs, then back."""
         buffer = self._buffer("normal")
-        recv_x, recv_idx, recv_weights, recv_per_expert, handle = buffer.dispatch(x, topk_idx, topk_weights)
-        top_k = recv_idx.shape[1]
-        pairs = recv_idx.reshape(-1)
-        order = torch.argsort(torch.where(pairs >= 0, pairs, self.local_experts), stable=True)
-        offs = recv_per_expert.cumsum(0).to(torch.int32)
-        y = torch.empty(pairs.shape[0], self.hidden_size, dtype=x.dtype, device=x.device)
-        y[order] = self._experts(recv_x[order // top_k], offs)
-        weights = torch.where(recv_idx >= 0, recv_weights, 0.0)  # rows past those received are unspecified
-        y = (y.view(-1, top_k, self.hidden_size).float() * weights[..., None]).sum(dim=1)
-        return buffer.combine(y.to(x.dtype), handle)
+        recv_x, recv_idx, recv_weights, _, handle = buffer.dispatch(x, topk_idx, topk_weights)
+        # recv_idx holds local expert ids, -1 past the pairs received (whose weights are unspecified)
+        return buffer.combine(unfused_experts(recv_x, recv_idx, recv_weights, self.w_gate_up, self.w_down,
+                                              self.activation), handle)
 
     def _low_latency(self, x, topk_idx, topk_weights) -> torch.Tensor:
         """Each (token, expert) pair received in expert e's block of recv_x, packed from its start,
@@ -230,6 +268,7 @@ class TensorParallelMoE(nn.Module):
         w_gate_up: `[E, hidden_size, 2 * I_local]`: this rank's W_gate columns, then W_up's.
         w_down: `[E, I_local, hidden_size]`.
         padding_expert: the expert id of a padding token (its weight 0): ag_moe routes every row.
+        fused: the activation is SiLU, which the local kernels fuse (`local_forward`, world size 1).
 
     Raises:
         ValueError: I not a multiple of the world size; a `group` this rank is not a member of.
@@ -250,6 +289,7 @@ class TensorParallelMoE(nn.Module):
                                                   device=device), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(num_experts, self.intermediate_local, hidden_size, dtype=dtype,
                                                device=device), requires_grad=False)
+        self.fused = computes_silu(activation, dtype, device)
 
     def load(self, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """Take this rank's slice of the whole layer's weights, the same on every rank: w_gate_up
@@ -264,6 +304,8 @@ class TensorParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x `[T, hidden_size]`, this rank's tokens (the same T on every rank); topk_idx int64
         `[T, k]` in [0, E); topk_weights float32 `[T, k]`. Returns `[T, hidden_size]`."""
+        if self.world_size == 1:
+            return local_forward(self, x, topk_idx, topk_weights)
         if x.shape[0] == 0:
             return x.new_empty(0, self.hidden_size)
         h, handle = ops.ag_moe(x.contiguous(), topk_idx, self.w_gate_up, group=self.group)
@@ -279,7 +321,7 @@ class ParallelSparseMoeBlock(nn.Module):
     """A transformers sparse MoE block (router + experts) over replicated activations: the router
     whole on every rank, the experts in `moe_layer`. Each rank routes and runs its share of the
     tokens (the tokens padded to a multiple of the world size, the padding routed nowhere), and
-    the outputs are all-gathered.
+    the outputs are all-gathered; at world size 1, every token on the one rank, nothing gathered.
 
     Args:
         router_weight: `[E, hidden_size]`, the router's linear weight.
@@ -296,12 +338,9 @@ class ParallelSparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts and their weights, as transformers' Qwen3-MoE router computes
-        them (softmax in fp32, weights rounded to x's dtype), the weights as float32."""
-        probs = F.softmax(F.linear(x, self.router_weight), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype).float()
+        them (softmax in fp32, weights rounded to x's dtype), the weights as float32: the router's
+        linear layer, then `ops.moe_route` (one kernel)."""
+        return ops.moe_route(F.linear(x, self.router_weight), self.top_k, self.norm_topk_prob)
 
     def extra_repr(self) -> str:
         """The routing, in the module's printout."""
@@ -315,6 +354,10 @@ class ParallelSparseMoeBlock(nn.Module):
         tokens = x.shape[0]
         if tokens == 0:
             return hidden_states.clone()
+        if layer.world_size == 1:  # every token here: no padding, nothing to gather
+            if isinstance(layer, ExpertParallelMoE):
+                layer.reserve(tokens)
+            return layer(x.contiguous(), *self.route(x)).view(hidden_states.shape)
         share = -(-tokens // layer.world_size)
         first = layer.rank * share
         mine = F.pad(x[first:first + share], (0, 0, 0, share - max(0, min(share, tokens - first))))

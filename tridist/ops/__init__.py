@@ -107,12 +107,13 @@ from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_re
 from .gemm import (AllGatherGEMM, GemmAllReduce, GemmReduceScatter, Linear, ag_gemm, gemm_ar, gemm_rs, grouped_gemm,
                    linear, matmul)
 from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
-                  all_to_all_v_2d, all_to_all_v_2d_offset, moe_rs)
+                  all_to_all_v_2d, all_to_all_v_2d_offset, moe_local, moe_route, moe_rs)
 from .stencil import Jacobi2D, jacobi_reference
 from . import torch_ops  # noqa: F401,E402 - registers torch.ops.tridist.*
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "all_reduce", "all_reduce_",
            "ReduceScatter", "reduce_scatter", "matmul", "GemmReduceScatter", "gemm_rs", "GemmAllReduce", "gemm_ar",
            "grouped_gemm", "AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer",
-           "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "FlashDecode",
+           "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "moe_local",
+           "moe_route", "FlashDecode",
            "flash_decode", "decode_attention", "Jacobi2D", "jacobi_reference", "Linear", "linear"]

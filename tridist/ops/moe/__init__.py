@@ -10,6 +10,10 @@ Tensor parallel (every rank holds a slice of every expert), `tensor_parallel`: `
 (all-gather + grouped GEMM) and `moe_rs` (grouped GEMM + top-k sum + reduce-scatter), with the
 routing they share.
 
+Local (every expert on this rank, no exchange), `local`: `moe_route` (softmax, top-k and
+renormalisation in one kernel) and `moe_local` (the experts' gated MLPs, weighted and summed per
+token, in two kernels).
+
 Process groups: every op takes `group=None` (the last argument): a `torch.distributed` process group
 (`dist.new_group(ranks)`, a DeviceMesh's `get_group("ep")`), a `tridist.Group`, or None for the
 world. The op then runs among the group's members alone, which are its world: rank r is rank r of
@@ -33,6 +37,7 @@ from .expert_parallel.buffer import EPBuffer, EPHandle
 from .tensor_parallel.ag_moe import AllGatherMoE, ag_moe
 from .tensor_parallel.moe_rs import MoEReduceScatter, moe_rs
 from .tensor_parallel.routing import MoEHandle
+from .local import moe_local, moe_route
 
 __all__ = ["AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer", "EPHandle",
-           "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle"]
+           "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "moe_local", "moe_route"]
