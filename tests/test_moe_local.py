@@ -3,7 +3,7 @@ transformers' routing (the same expert ids, the weights within a rounding), the 
 float32 reference of the whole block as transformers computes it, at T of 0, 1, 3 and 17 in both
 row layouts (dense and sorted), ids of no expert among them, outputs poisoned, the same bits on a
 second call; bad input refused; the MoE layers at world size 1 through the local path (no
-exchange). A local op: world 1 only."""
+exchange); the custom ops under torch.compile. A local op: world 1 only."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -205,6 +205,21 @@ def _layers(w):
     tridist.barrier_all()
 
 
+def _custom_ops(w):
+    """The block through the custom ops under torch.compile (their fakes give the shapes)."""
+    block = _block(2, True, seed=4)
+    w_gate_up, w_down = (t.to(w.device) for t in _layer_weights(block))
+    router = block.gate.weight.detach().to(w.device)
+    x = torch.randn(3, HIDDEN, generator=_generator(4)).to(torch.bfloat16)
+
+    def moe(x):
+        idx, weights = torch.ops.tridist.moe_route(F.linear(x, router), 2, True)
+        return torch.ops.tridist.moe_local(x, idx, weights, w_gate_up, w_down)
+
+    got = torch.compile(moe, backend="eager", fullgraph=True)(x.to(w.device)).float().cpu()
+    assert relative_error(got, block(x[None]).float()[0]) <= TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.worlds("1")
 def test_router_matches_transformers(world):
     world.run(_router)
@@ -224,3 +239,8 @@ def test_moe_local_bad_input(world):
 @pytest.mark.worlds("1")
 def test_layers_at_world_size_1(world):
     world.run(_layers)
+
+
+@pytest.mark.worlds("1")
+def test_custom_ops_under_torch_compile(world):
+    world.run(_custom_ops)

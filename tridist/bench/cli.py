@@ -12,9 +12,11 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "jacobi": "tridist.bench.jacobi", "flash_decode": "tridist.bench.flash_decode",
               "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe",
               "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep", "model": "tridist.bench.model",
-              "gemm_rs_epilogue": "tridist.bench.gemm_rs_epilogue", "linear": "tridist.bench.linear"}
+              "gemm_rs_epilogue": "tridist.bench.gemm_rs_epilogue", "linear": "tridist.bench.linear",
+              "all_reduce_rms_norm": "tridist.bench.norm"}
 # Modules with one benchmark: their `main` takes no benchmark name.
-SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model", "gemm_rs_epilogue", "linear")
+SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model", "gemm_rs_epilogue", "linear",
+          "all_reduce_rms_norm")
 DEFAULT_RANKS = 2
 ONE_RANK = ("gemm_rs_epilogue", "linear")  # benchmarks of one GPU: one rank unless -n says otherwise
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
@@ -47,6 +49,9 @@ NAME:
   gemm_rs_epilogue
                   gemm_rs's tile loop on one GPU (one rank by default), part by part: variants of its
                   epilogue (tile layout, flags, sums, TMA stores and loads) against the GEMM alone and cuBLAS
+  all_reduce_rms_norm
+                  the fused all-reduce, residual add and RMSNorm against the same steps in torch: at -n 1 eager
+                  and torch.compile'd; at more ranks after NCCL's or PyTorch's one-shot all-reduce
 
 options:
   -n RANKS        ranks to start (default {DEFAULT_RANKS}); ignored under a launcher (torchrun), which started them

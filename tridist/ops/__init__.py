@@ -2,7 +2,8 @@
 reduce-scatter, all-reduce), [`gemm`][tridist.ops.gemm] (the persistent GEMM and the GEMMs
 overlapped with communication, and the grouped GEMM of MoE layers), [`moe`][tridist.ops.moe]
 (expert-parallel all-to-alls and dispatch/combine, tensor-parallel MoE layers),
-[`attention`][tridist.ops.attention] (flash decoding over a KV cache split across ranks) and
+[`attention`][tridist.ops.attention] (flash decoding over a KV cache split across ranks),
+[`norm`][tridist.ops.norm] (the all-reduce, residual add and RMSNorm of a decoder layer, fused) and
 [`stencil`][tridist.ops.stencil] (a Jacobi solver whose halo exchange runs inside its kernels).
 Each family is a folder: a thin front per op (check, choose, method), a `policy` module, a module
 per method; what the families share sits beside them (`protocol`, `checks`, `instances`, `sizing`,
@@ -102,12 +103,13 @@ block-table entry out of range points at.
   [`torch_ops`][tridist.ops.torch_ops]. Each returns new tensors (no `out=`, nothing in place) but
   `all_reduce_`, the GEMMs run their default config, and all of them run on the world.
 """
-from .attention import FlashDecode, decode_attention, flash_decode
+from .attention import FlashDecode, decode_attention, flash_decode, rotary_qkv
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, all_reduce_, reduce_scatter
 from .gemm import (AllGatherGEMM, GemmAllReduce, GemmReduceScatter, Linear, ag_gemm, gemm_ar, gemm_rs, grouped_gemm,
                    linear, matmul)
 from .moe import (AllGatherMoE, AllToAllV, EPBuffer, EPHandle, MoEHandle, MoEReduceScatter, ag_moe, all_to_all_v,
                   all_to_all_v_2d, all_to_all_v_2d_offset, moe_local, moe_route, moe_rs)
+from .norm import AllReduceRMSNorm, add_rms_norm, all_reduce_rms_norm
 from .stencil import Jacobi2D, jacobi_reference
 from . import torch_ops  # noqa: F401,E402 - registers torch.ops.tridist.*
 
@@ -116,4 +118,5 @@ __all__ = ["AllGatherGEMM", "ag_gemm", "AllGather", "all_gather", "AllReduce", "
            "grouped_gemm", "AllToAllV", "all_to_all_v", "all_to_all_v_2d", "all_to_all_v_2d_offset", "EPBuffer",
            "EPHandle", "AllGatherMoE", "ag_moe", "MoEReduceScatter", "moe_rs", "MoEHandle", "moe_local",
            "moe_route", "FlashDecode",
-           "flash_decode", "decode_attention", "Jacobi2D", "jacobi_reference", "Linear", "linear"]
+           "flash_decode", "decode_attention", "rotary_qkv", "Jacobi2D", "jacobi_reference", "Linear", "linear",
+           "AllReduceRMSNorm", "all_reduce_rms_norm", "add_rms_norm"]

@@ -11,8 +11,9 @@ import tridist
 
 from .collectives import all_gather, all_reduce, all_reduce_, reduce_scatter
 from .gemm import ag_gemm, gemm_ar, gemm_rs, persistent
-from .moe import ag_moe, all_to_all_v, all_to_all_v_2d, all_to_all_v_2d_offset, moe_rs
+from .moe import ag_moe, all_to_all_v, all_to_all_v_2d, all_to_all_v_2d_offset, moe_local, moe_route, moe_rs
 from .moe.tensor_parallel.routing import MoEHandle
+from .norm import add_rms_norm, all_reduce_rms_norm
 
 
 def _custom_op(name: str, fake, mutates_args=()):
@@ -168,3 +169,45 @@ def moe_rs_op(h: torch.Tensor, w_shard: torch.Tensor, layout: torch.Tensor,
               topk_weights_shard: torch.Tensor) -> torch.Tensor:
     (tokens, topk), experts = topk_weights_shard.shape, w_shard.shape[0]
     return moe_rs(h, w_shard, MoEHandle(layout, _world_size(), tokens, topk, experts), topk_weights_shard)
+
+
+# ---- MoE, local: the router's (topk_idx, topk_weights), the experts' y (on this rank alone) -------
+def _routed(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.int64), logits.new_empty(shape, dtype=torch.float32)
+
+
+@_custom_op("moe_route", _routed)
+def moe_route_op(logits: torch.Tensor, top_k: int, norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights rounded to the logits' dtype."""
+    return moe_route(logits, top_k, norm_topk_prob)
+
+
+def _local_out(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+               w_down: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@_custom_op("moe_local", _local_out)
+def moe_local_op(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor) -> torch.Tensor:
+    return moe_local(x, topk_idx, topk_weights, w_gate_up, w_down)
+
+
+# ---- the decoder layer's norm: (y, new_residual), new tensors both ---------------------------------
+def _normed(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+            eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@_custom_op("all_reduce_rms_norm", _normed)
+def all_reduce_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    return all_reduce_rms_norm(x, residual, weight, eps)
+
+
+@_custom_op("add_rms_norm", _normed)
+def add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """With a residual only: a custom op returns no input as it is (the function's `residual=None`)."""
+    return add_rms_norm(x, residual, weight, eps)
