@@ -62,20 +62,29 @@ def build_model(config, device: torch.device, seed: int = 0) -> torch.nn.Module:
     return model.to(torch.bfloat16).eval()
 
 
+def with_cache(model) -> dict:
+    """A new `DynamicCache` as the keyword argument `model`'s forward takes it: `cache` in transformers
+    from 5.24 (which warns that `past_key_values` is deprecated), `past_key_values` before."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: DynamicCache(), "use_cache": True}
+
+
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor], float]:
     """Greedy decoding: a prefill of `prompt` ([B, P]), then `new_tokens` decode steps with a
     `DynamicCache`. Returns (tokens [B, new_tokens + 1], every step's last-position logits
     [B, vocab], seconds of the decode steps)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+    cache = with_cache(model)
+    logits = model(prompt, **cache).logits[:, -1]
     tokens, steps = [logits.argmax(-1)], [logits]
     sync(prompt.device)
     start = time.perf_counter()
     for _ in range(new_tokens):
-        logits = model(tokens[-1][:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(tokens[-1][:, None], **cache).logits[:, -1]
         tokens.append(logits.argmax(-1))
         steps.append(logits)
     sync(prompt.device)
@@ -86,12 +95,10 @@ def generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor
 def teacher_forced(model, prompt: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Every step's last-position logits of `model` fed the prompt, then `tokens` one at a time (those
     the sharded model chose), so that the steps compare one to one."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    steps = [model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]]
+    cache = with_cache(model)
+    steps = [model(prompt, **cache).logits[:, -1]]
     for i in range(tokens.shape[1] - 1):
-        steps.append(model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+        steps.append(model(tokens[:, i:i + 1], **cache).logits[:, -1])
     return steps
 
 
@@ -139,7 +146,8 @@ def main(argv=None) -> int:
         error, wrong = compare(steps, teacher_forced(whole, prompt, tokens))
         ok = error < LOGITS_TOLERANCE and wrong == 0
         verdict.fill_(int(not ok))
-        print(f"{type(model).__name__} on {w.world_size} ranks ({w.backend}), moe={args.moe}: tokens "
+        moe = f", moe={args.moe}" if getattr(config, "num_experts", None) else ""  # dense models have no experts
+        print(f"{type(model).__name__} on {w.world_size} rank{'s' * (w.world_size > 1)} ({w.backend}){moe}: tokens "
               f"{tokens[0].tolist()}; logits within {error:.1e} of the largest (tolerance {LOGITS_TOLERANCE:.0e}), "
               f"{wrong} steps with other tokens: {'ok' if ok else 'WRONG'}")
     failed = ops.all_gather(verdict).sum().item()  # rank 0's verdict, on every rank

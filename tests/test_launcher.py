@@ -88,6 +88,33 @@ def test_dead_rank_ends_the_job():
     assert elapsed < 120, f"the surviving rank was left waiting for {elapsed:.0f} s"
 
 
+def test_the_first_failure_is_named():
+    """Rank 2 passes a group it is not a member of (a ValueError) while ranks 0 and 1 wait for it: the
+    job's last line names rank 2 and quotes its error's first line, and so does the PeerFailedError of
+    every peer that noticed before it was stopped (in the emulator)."""
+    if backend() == "nvshmem" and gpu_ranks() < 3:
+        pytest.skip("needs 3 GPUs, or TRIDIST_RANKS_PER_GPU and CUDA MPS")
+    result, _ = tridist_cli("run", "-n", "3", "tests/scripts/not_a_member.py")
+    assert result.returncode != 0
+    quoted = "ValueError: rank 2 is not a member of this process group"
+    assert result.stderr.splitlines()[-1].startswith(f"tridist run: rank 2 failed first: {quoted}"), result.stderr[-3000:]
+    for line in result.stderr.splitlines():
+        if "PeerFailedError: " in line:
+            assert re.search(rf"PeerFailedError: rank (\d): rank 2 failed while rank \1 waited on it: {quoted}", line), line
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_torch_distributed_before_or_after_init(order):
+    """A DeviceMesh built before `tridist.init()` starts torch.distributed from MASTER_ADDR and
+    MASTER_PORT, which `tridist run` gives every rank as torchrun does; built after, it takes the one
+    tridist started. Either way the mesh's group runs tridist's ops."""
+    if backend() == "nvshmem" and gpu_ranks() < 2:
+        pytest.skip("needs 2 GPUs, or TRIDIST_RANKS_PER_GPU=2 and CUDA MPS")
+    result, _ = tridist_cli("run", "-n", "2", "tests/scripts/mesh_before_init.py", order)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(f"mesh {order} tridist.init, all-gather correct") == 2, result.stdout
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -222,6 +249,50 @@ def test_rank_environments():
     assert all(e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "3" and e["KEEP"] == "1" for e in envs)
     assert all(e["MASTER_ADDR"] == "127.0.0.1" and e["MASTER_PORT"] == "1234" for e in envs)
     assert "MASTER_PORT" not in launcher.rank_environments(1, {})[0]
+
+
+def test_first_failure_of_the_records(tmp_path):
+    """The job's summary names the earliest of the ranks that failed of their own; records of ranks that
+    failed because a peer had, and unreadable ones, are passed over."""
+    assert launcher.first_failure(str(tmp_path)) is None
+    records = {0: {"error": "PeerFailedError: rank 0: ...", "after": 2, "failed_at": 1},
+               1: {"error": "ValueError: late", "after": None, "failed_at": 30},
+               2: {"error": "ValueError: first", "after": None, "failed_at": 20}}
+    for rank, record in records.items():
+        (tmp_path / str(rank)).write_text(json.dumps(record))
+    (tmp_path / "3").write_text("{cut sh")
+    assert launcher.first_failure(str(tmp_path)) == (2, "ValueError: first")
+    for rank in (1, 2):
+        (tmp_path / str(rank)).unlink()
+    assert launcher.first_failure(str(tmp_path)) is None  # rank 2 left no record: a signal, say
+
+
+def test_peers_quote_the_first_failure(tmp_path):
+    """In the emulator, a rank that finds a failed peer names the first rank that failed of its own and
+    quotes its error's first line (cut to 512 bytes), also where the peer it finds failed because of
+    that one; a process that is gone is said to have died."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tridist.runtime import emulator
+    from tridist.runtime.errors import PeerFailedError
+
+    with ThreadPoolExecutor(3) as pool:  # each waits for the others' control blocks
+        ranks = list(pool.map(lambda rank: emulator.EmulatorTransport(str(tmp_path), rank, 3, 4096), range(3)))
+    ranks[2].close(failed=True, error="ValueError: " + "x" * 600)
+    with pytest.raises(PeerFailedError, match=r"^rank 0: rank 2 failed while rank 0 waited on it: ValueError: x+\.\.\.$"
+                       ) as caught:
+        ranks[0].check_peers()
+    assert len(str(caught.value).split(": ", 2)[2].encode()) == 511
+    ranks[0].close(failed=True, error=f"PeerFailedError: {caught.value}")
+    with pytest.raises(PeerFailedError, match="^rank 1: rank 2 failed while rank 1 waited on it: ValueError: x"):
+        ranks[1].check_peers()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    control = ranks[1]._ctl  # every rank's control block, as rank 1 maps it
+    control[2][emulator._PID] = int(dead.stdout)  # rank 2 now a process that is gone, without a word:
+    control[2][emulator._STATE] = emulator._READY
+    control[0][emulator._AFTER] = -1  # and rank 0 failed of its own, later
+    with pytest.raises(PeerFailedError, match=rf"^rank 1: rank 2 \(pid {int(dead.stdout)}\) died$"):
+        ranks[1].check_peers()
 
 
 def test_output_lines_are_whole_and_prefixed():

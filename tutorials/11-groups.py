@@ -23,7 +23,8 @@ You will learn:
 
 - tutorial 02's push all-gather, written for a group: the same kernel with a group argument;
 - running it in two groups at once, on different data, with no world-wide step in between;
-- that the world is a group too: `tridist.group()` runs the same kernel on every rank.
+- that the world is a group too: `tridist.group()` runs the same kernel on every rank;
+- that a DeviceMesh's groups are groups like any other.
 
 Run: `tridist run -n 4 tutorials/11-groups.py`
 
@@ -34,6 +35,7 @@ import sys
 import torch
 import torch.distributed as dist
 import triton.language as tl
+from torch.distributed.device_mesh import init_device_mesh
 
 import tridist
 import tridist.language as dl
@@ -106,10 +108,12 @@ def run(w, pg, group_id: int, n: int) -> int:
 # different sizes; nothing waits across pairs until the world's barrier at the end. Then the same
 # kernel runs on the world, `tridist.group()`.
 #
-# A DeviceMesh gives groups the same way: `init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp",
-# "tp"))`, then `mesh.get_group("tp")` (ranks 0 and 1, 2 and 3) and `mesh.get_group("dp")` (ranks
-# 0 and 2, 1 and 3). A group whose members are on different nodes (`g.is_one_node` false) moves
-# data with `dl.shmem.putmem_signal_block(..., pe, group)`, as tutorial 03 does for the world.
+# A DeviceMesh gives groups the same way, on the world's device type (`w.device.type`: "cuda" on
+# GPUs, "cpu" in the emulator): a mesh of pairs, `init_device_mesh(w.device.type, (n // 2, 2),
+# mesh_dim_names=("dp", "tp"))`, has the pairs above as `mesh.get_group("tp")` and, across them,
+# `mesh.get_group("dp")` (ranks 0 and 2, 1 and 3 of 4 ranks), which runs the kernel last. A group
+# whose members are on different nodes (`g.is_one_node` false) moves data with
+# `dl.shmem.putmem_signal_block(..., pe, group)`, as tutorial 03 does for the world.
 def main():
     w = tridist.init()
     if w.nnodes > 1 or w.world_size % 2:
@@ -119,8 +123,11 @@ def main():
     size = run(w, pairs[mine], group_id=mine, n=1000 + 100 * mine)
     tridist.barrier_all()
     everyone = run(w, None, group_id=99, n=500)
-    print(f"rank {w.rank}: all-gathers within group {list(tridist.group(pairs[mine]).ranks)} ({size} ranks) and "
-          f"the world ({everyone} ranks) correct, {CALLS} calls each")
+    mesh = init_device_mesh(w.device.type, (w.world_size // 2, 2), mesh_dim_names=("dp", "tp"))
+    across = run(w, mesh.get_group("dp"), group_id=100 + w.rank % 2, n=700)
+    print(f"rank {w.rank}: all-gathers within group {list(tridist.group(pairs[mine]).ranks)} ({size} ranks), "
+          f"the world ({everyone} ranks) and the mesh's dp group {list(tridist.group(mesh.get_group('dp')).ranks)} "
+          f"({across} ranks) correct, {CALLS} calls each")
     tridist.finalize()
 
 

@@ -100,6 +100,12 @@ def emulator_folder() -> str | None:
     return os.environ.get("TRIDIST_EMU_DIR") or None
 
 
+def failure_folder() -> str | None:
+    """TRIDIST_FAILURES: set by `tridist run`, the folder where a rank that fails leaves its error's
+    first line for the launcher's summary; None when unset."""
+    return os.environ.get("TRIDIST_FAILURES") or None
+
+
 def tune_cache_folder() -> str:
     """TRIDIST_TUNE_CACHE: where `tridist.tune` keeps tune.json (default ~/.cache/tridist)."""
     return os.path.expanduser(os.environ.get("TRIDIST_TUNE_CACHE") or "~/.cache/tridist")
@@ -146,6 +152,8 @@ SETTINGS = {
     "TRIDIST_EMU_CORESIDENT": ("256", "programs of a co-resident launch the emulator runs at most, a thread each"),
     "TRIDIST_EMU_DIR": ("a folder of the job's (under torchrun, named after the job)",
                         "set by `tridist run`: the folder where the emulated ranks share their heaps"),
+    "TRIDIST_FAILURES": ("no folder", "set by `tridist run`: the folder where a rank that fails leaves its error's "
+                                      "first line, for the job's summary"),
     "TRIDIST_DEVICE_LIBRARY": ("cut", "cut: Triton links NVSHMEM's device library cut to the functions tridist "
                                       "calls (kernels compile about ten times faster), or whole"),
     "TRIDIST_COMPILE_LOG": ("no log", "a file where GPU ranks log each kernel they compile, for `tridist precompile "

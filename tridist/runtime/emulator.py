@@ -16,7 +16,11 @@ group's gather while a slow member of the last one is still reading, and no barr
 gather. (Two ranks in two groups must use them in the same order, as with any blocking collective.)
 
 Waits here are always bounded, and while they spin they watch the peers: a peer that failed or
-whose process is gone ends the wait at once with `PeerFailedError` instead of a timeout.
+whose process is gone ends the wait at once with `PeerFailedError` instead of a timeout. A rank that
+fails leaves in its control block the first line of its error and, where it failed because a peer
+had, that peer's rank; the `PeerFailedError` of a rank that finds a failed peer follows those ranks
+back to the first one that failed and quotes its error, so that ranks which failed in turn do not
+hide the cause.
 """
 import fcntl
 import hashlib
@@ -33,13 +37,17 @@ from . import config
 from .errors import PeerFailedError, WaitTimeoutError
 
 # Control block layout, in 64-bit words: state, pid, host barrier count, then the gather slot
-# (tag, length, values), then one word per rank: how many of that rank's gather slots this rank has
-# read. 58 values hold the longest gather, a symmetric allocation's description and proposed offset
-# (`heap.py`: 6 words and a shape of up to 8), with room to spare.
+# (tag, length, values), then the failure record (the rank whose failure this rank's followed, or -1;
+# when it failed, in ns since the epoch; the first line of its error, UTF-8, NUL-padded), then one
+# word per rank: how many of that rank's gather slots this rank has read. 58 values hold the longest gather, a symmetric
+# allocation's description and proposed offset (`heap.py`: 6 words and a shape of up to 8), with
+# room to spare.
 _STATE, _PID, _BARRIER, _GATHER_TAG, _GATHER_LEN, _GATHER = range(6)
 _SLOT_END = 64
 _GATHER_MAX = _SLOT_END - _GATHER
-_READS = _SLOT_END
+_AFTER, _FAILED_AT, _ERROR = _SLOT_END, _SLOT_END + 1, _SLOT_END + 2
+_ERROR_BYTES = 512
+_READS = _ERROR + _ERROR_BYTES // 8
 _READY, _FINISHED, _FAILED = 1, 2, 3
 _STARTUP_TIMEOUT_S = 300.0
 _SHARED_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else None  # None: the default temporary folder
@@ -133,7 +141,8 @@ class EmulatorTransport:
         self._barriers = 0
         self._gathers: dict = {}  # members -> gathers among them so far
         self._sent = [0] * world_size  # per peer: gathers of mine that it has to read
-        self._ctl_words = _SLOT_END + world_size
+        self._ctl_words = _READS + world_size
+        self.first_failed = -1  # the first failed rank that a PeerFailedError of this rank named
         self._lock_file = open(os.path.join(folder, "atomics.lock"), "a+")
         self._thread_lock = threading.RLock()
         self.heap = _map(self._path("heap", rank), heap_bytes, create=True)
@@ -141,6 +150,7 @@ class EmulatorTransport:
         self._ctl = [None] * world_size
         self._ctl[rank] = ctl.view(torch.int64)
         self._ctl[rank][_PID] = os.getpid()
+        self._ctl[rank][_AFTER] = -1
         self._ctl[rank][_STATE] = _READY
         self.heaps = [None] * world_size
         self.heaps[rank] = self.heap
@@ -179,14 +189,27 @@ class EmulatorTransport:
         return self.heaps[peer].data_ptr()
 
     def check_peers(self) -> None:
-        for peer in range(self.world_size):
-            if peer == self.rank:
-                continue
-            state = int(self._ctl[peer][_STATE])
-            if state == _FAILED:
-                raise PeerFailedError(f"rank {self.rank}: rank {peer} failed while rank {self.rank} waited on it")
-            if state == _READY and not _alive(int(self._ctl[peer][_PID])):
-                raise PeerFailedError(f"rank {self.rank}: rank {peer} (pid {int(self._ctl[peer][_PID])}) died")
+        """Raises PeerFailedError where a peer failed or its process is gone, naming the first rank
+        that failed of its own (not because a peer had) and quoting its error's first line."""
+        failed = [peer for peer in range(self.world_size) if peer != self.rank and self._failed_at(peer) is not None]
+        if failed:
+            own = [(self._failed_at(peer), peer) for peer in failed if int(self._ctl[peer][_AFTER]) < 0]
+            self.first_failed = min(own)[1] if own else failed[0]
+            raise PeerFailedError(f"rank {self.rank}: {self._failure(self.first_failed)}")
+
+    def _failed_at(self, peer: int) -> int | None:
+        """When `peer` failed (ns since the epoch; 0 for a process that died without a word), or None."""
+        state = int(self._ctl[peer][_STATE])
+        if state == _FAILED:
+            return int(self._ctl[peer][_FAILED_AT])
+        return 0 if state == _READY and not _alive(int(self._ctl[peer][_PID])) else None
+
+    def _failure(self, peer: int) -> str:
+        ctl = self._ctl[peer]
+        if int(ctl[_STATE]) != _FAILED:
+            return f"rank {peer} (pid {int(ctl[_PID])}) died"
+        error = ctl[_ERROR:_READS].numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+        return f"rank {peer} failed while rank {self.rank} waited on it" + (f": {error}" if error else "")
 
     def barrier(self, group=None) -> None:
         """Host barrier of every rank, or of `group`'s members only (a gather of nothing)."""
@@ -267,8 +290,20 @@ class EmulatorTransport:
         """A lock held around every atomic read-modify-write, across processes and threads."""
         return _AtomicLock(self._thread_lock, self._lock_file)
 
-    def close(self, failed: bool = False) -> None:
-        self._ctl[self.rank][_STATE] = _FAILED if failed else _FINISHED
+    def close(self, failed: bool = False, error: str | None = None, failed_at: int | None = None) -> None:
+        """Leave the world, finished or `failed`. A failed rank's record, written once, is what its
+        peers' PeerFailedError quotes: `error`, the first line of its error (cut to 512 bytes), when
+        it failed (`failed_at`, ns since the epoch; default now) and the peer whose failure it
+        followed, if a PeerFailedError of this rank named one."""
+        mine = self._ctl[self.rank]
+        if failed and int(mine[_STATE]) != _FAILED:
+            text = (error or "").encode()
+            if len(text) >= _ERROR_BYTES:
+                text = text[:_ERROR_BYTES - 4].decode(errors="ignore").encode() + b"..."
+            mine[_ERROR:_READS] = torch.frombuffer(bytearray(text.ljust(_ERROR_BYTES, b"\0")), dtype=torch.int64)
+            mine[_FAILED_AT] = time.time_ns() if failed_at is None else failed_at
+            mine[_AFTER] = self.first_failed
+        mine[_STATE] = _FAILED if failed else _FINISHED
 
 
 class _AtomicLock:

@@ -1,8 +1,9 @@
 """`tridist run`: start N ranks of a script, on GPUs or as emulated CPU ranks, and watch them.
 
-The launcher starts every rank itself, on GPUs with the environment torchrun gives its workers
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, NVLink multicast off),
-so that one supervisor serves both backends. (torchrun's own output options write the ranks'
+The launcher starts every rank itself, with the environment torchrun gives its workers (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; on GPUs NVLink multicast off),
+so that one supervisor serves both backends, and a script that starts torch.distributed itself
+(`dist.init_process_group`, a DeviceMesh) before `tridist.init()` runs as under torchrun. (torchrun's own output options write the ranks'
 output to files, and its exits name no rank we could print; piping the ranks ourselves gives both.)
 - Output: each line a rank writes, on stdout or stderr, is passed on whole with the rank in front,
   `[rank 3] ...`, so that ranks printing at once never mix within a line; a last line without its
@@ -10,7 +11,10 @@ output to files, and its exits name no rank we could print; piping the ranks our
   the terminal directly.
 - Failures: the first rank that fails or dies (a signal, SIGKILL included) is named, and the others
   are stopped (SIGTERM, then SIGKILL after a grace period), so that nobody waits for a dead peer
-  and no rank process outlives the job. Ctrl-C and SIGTERM to the launcher stop them the same way,
+  and no rank process outlives the job. A rank that fails with an exception leaves its first line in
+  a folder of the job's (TRIDIST_FAILURES, `world.mark_failed`), with the peer whose failure it
+  followed, if any; the job's last line names the first rank that failed and quotes that line,
+  which the tracebacks of the ranks that failed in turn would otherwise bury. Ctrl-C and SIGTERM to the launcher stop them the same way,
   naming the ranks stopped, with no traceback: the ranks ignore Ctrl-C (the terminal sends it to
   every process of the job), and a second signal while they stop is ignored.
 - Sharing GPUs (`ranks_per_gpu` K, `runtime/sharing.py`): K ranks on each GPU, each with its MPS
@@ -20,6 +24,7 @@ Emulated ranks share a fresh folder in /dev/shm for their heaps; `ranks_per_gpu`
 change nothing there.
 """
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -27,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -66,7 +72,7 @@ def run(nproc: int, script: list[str], nnodes: int | None = None, backend: str |
         folder = make_shared_folder("tridist-")
         env.update(TRITON_INTERPRET="1", TRIDIST_EMU_DIR=folder)
         try:
-            return launch([command] * nproc, rank_environments(nproc, env), prefix)
+            return launch([command] * nproc, rank_environments(nproc, env, _free_port()), prefix)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     return _run_on_gpus(nproc, command, env, ranks_per_gpu, start_mps, prefix)
@@ -168,7 +174,10 @@ def launch(commands: list[list[str]], envs: list[dict], prefix: bool = True, out
     sys.stdout.flush()
     sys.stderr.flush()
     output = _Output(out or sys.stdout.buffer, err or sys.stderr.buffer, prefix)
+    failures = tempfile.mkdtemp(prefix="tridist-failures-")
+    envs = [dict(env, TRIDIST_FAILURES=failures) for env in envs]
     ranks = []
+    code = 0
     previous = _on_sigterm()
     try:
         # The ranks start with Ctrl-C ignored (an ignored signal stays ignored in a child): the
@@ -179,7 +188,8 @@ def launch(commands: list[list[str]], envs: list[dict], prefix: bool = True, out
                 pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if prefix else {}
                 ranks.append(subprocess.Popen(command, env=env, **pipes))
                 output.follow(rank, ranks[-1])
-        return _supervise(ranks, output)
+        code = _supervise(ranks, output)
+        return code
     except KeyboardInterrupt:
         output.say(f"tridist run: interrupted (Ctrl-C){_stopping(ranks)}")
         return 128 + signal.SIGINT
@@ -190,8 +200,27 @@ def launch(commands: list[list[str]], envs: list[dict], prefix: bool = True, out
         with _ignoring(signal.SIGINT, signal.SIGTERM):  # a second one would cut the stopping short
             _stop(ranks, output)
             output.drain()
+            first = first_failure(failures) if code else None
+            if first is not None:
+                output.say(f"tridist run: rank {first[0]} failed first: {first[1]}")
+            shutil.rmtree(failures, ignore_errors=True)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def first_failure(folder: str) -> tuple[int, str] | None:
+    """The first rank that failed of its own and its error's first line, from the ranks' records in
+    `folder` (`world.mark_failed`); None where every record is of a rank that failed because a peer
+    had (that peer died without one: killed by a signal, say, which the job's verdict names first),
+    or there is none."""
+    own = []
+    for name in os.listdir(folder):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            with open(os.path.join(folder, name)) as f:
+                record = json.load(f)
+            if record["after"] is None:
+                own.append((int(record["failed_at"]), int(name), str(record["error"])))
+    return min(own)[1:] if own else None
 
 
 def _stopping(ranks: list) -> str:

@@ -12,10 +12,13 @@ emulator), or joined where it has (any backend), so that process groups (`dist.n
 DeviceMesh) work alike under `tridist run` and torchrun, on both backends (`groups.py`).
 """
 import atexit
+import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import sys
+import time
 
 import torch
 
@@ -264,19 +267,33 @@ def _install_failure_hook() -> None:
     previous = sys.excepthook
 
     def fail(kind, value, traceback):
-        mark_failed()
+        mark_failed(value)
         previous(kind, value, traceback)
 
     sys.excepthook = fail
 
 
-def mark_failed() -> None:
+def mark_failed(error: BaseException | None = None) -> None:
     """This rank failed (an uncaught exception, or a kernel that failed on the GPU, whose context is
-    then lost): tell the peers (the emulator's waits end at once) and leave the device alone from
-    here on, `finalize` at exit included."""
+    then lost): tell the peers (the emulator's waits end at once, quoting `error`'s first line) and
+    `tridist run` (its summary names the first rank that failed, and why), and leave the device
+    alone from here on, `finalize` at exit included."""
     _state.failed = True
-    if _state.transport is not None:
+    if _state.transport is None:
+        return
+    line = None if error is None else (f"{type(error).__name__}: {error}".splitlines() or [""])[0]
+    now = time.time_ns()
+    if _backend.is_emulator():
+        _state.transport.close(failed=True, error=line, failed_at=now)
+        after = _state.transport.first_failed
+    else:
         _state.transport.close(failed=True)
+        after = -1
+    folder = config.failure_folder()
+    if folder and line is not None:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(folder, str(_env_int("RANK", 0))), "w") as f:
+                json.dump({"error": line, "after": None if after < 0 else after, "failed_at": now}, f)
 
 
 def finalize() -> None:
