@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # documented: mkdocstrings leaves out silently what has no docstring or cannot be resolved.
 REFERENCE = ["tridist", "tridist.language", "tridist.language.shmem", "tridist.language.ll", "tridist.ops",
              "tridist.ops.collectives", "tridist.ops.gemm", "tridist.ops.moe", "tridist.ops.attention",
-             "tridist.ops.stencil", "tridist.nn"]
+             "tridist.ops.norm", "tridist.ops.stencil", "tridist.nn"]
 
 
 def _require(module: str):
@@ -83,3 +83,18 @@ def test_every_setting_is_listed():
                 with open(os.path.join(folder, name)) as f:
                     used |= set(re.findall(r"\bTRIDIST_[A-Z_]*[A-Z]\b", f.read()))
     assert used - set(SETTINGS) == set(), f"settings missing from config.SETTINGS: {sorted(used - set(SETTINGS))}"
+
+
+def test_readme_installs_bring_what_its_run_block_needs():
+    """Each of the README's installs of tridist (GPU, offline GPU, CPU) takes the `models` extra, which
+    the run block's examples/llm.py needs, and the CPU one the `emulator` extra (the tested Triton)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    install = readme.split("<!-- ci:install -->")[1].split("<!-- /ci:install -->")[0]
+    run_block = readme.split("<!-- /ci:test -->")[1].split("```bash")[1].split("```")[0]
+    assert "examples/llm.py" in run_block
+    users = [line for line in install.splitlines() if re.match(r"pip install .*-e \"\.\[", line) and "[test]" not in line]
+    assert len(users) == 3, users
+    for line in users:
+        assert "models" in re.search(r"\[([a-z,]+)\]", line).group(1).split(","), line
+    assert "emulator" in re.search(r"\[([a-z,]+)\]", users[-1]).group(1).split(","), users[-1]

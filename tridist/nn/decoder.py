@@ -133,12 +133,14 @@ class ParallelAttention(nn.Module):
     Args:
         qkv: this rank's q, k and v heads (`ColumnParallelLinear.from_linears`, parts q, k, v).
         o_proj: this rank's columns of the output projection (`sum_output=False`).
-        num_heads, num_kv_heads: this rank's query and KV heads.
+        num_heads: this rank's query heads.
+        num_kv_heads: this rank's KV heads.
         head_dim: of every head.
         layer_idx: the layer's index in transformers' cache.
         scaling: of the scores.
         step: the model's `DecodeStep`.
-        q_norm, k_norm: RMSNorm weights `[head_dim]` of q's and k's heads (Qwen3), or None (Llama).
+        q_norm: RMSNorm weight `[head_dim]` of q's heads (Qwen3), or None (Llama).
+        k_norm: the same of k's heads.
         norm_eps: their epsilon.
     """
 
@@ -200,6 +202,8 @@ class ParallelGatedMLP(nn.Module):
         self.gate_up, self.down = gate_up, down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., hidden]` (replicated); returns this rank's partial `[..., hidden]` of the MLP's
+        output (its sum left to the next norm)."""
         return self.down(self.gate_up(x))
 
 
@@ -218,6 +222,9 @@ class ParallelDecoderLayer(nn.Module):
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None,
                 past_key_values=None, **kwargs) -> ResidualStream:
+        """transformers' decoder-layer call: `hidden_states` the previous layer's `ResidualStream`
+        (or, at the first layer, the embeddings), the cache as `cache` or `past_key_values` (the
+        keyword of transformers' version). Returns this layer's `ResidualStream`."""
         if isinstance(hidden_states, ResidualStream):
             h, residual = self.input_norm(*hidden_states)
         else:

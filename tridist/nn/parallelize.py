@@ -22,6 +22,23 @@ own forward, masks and caches run unchanged, and every rank returns the same log
 decode step reads back to the host: with a static cache (`transformers.StaticCache`, or
 `generate(..., cache_implementation="static")`) a step captures in one CUDA graph.
 
+## Supported models
+
+| family (`tridist.nn.families`) | transformers classes | MoE modes |
+| --- | --- | --- |
+| Llama (Llama 2 and 3, and models of its layout) | `LlamaForCausalLM` | (dense) |
+| Qwen3 | `Qwen3ForCausalLM` | (dense) |
+| Qwen3-MoE | `Qwen3MoeForCausalLM` | `moe="ep"`, `moe="tp"` |
+
+Any rope scaling whose tables transformers' rotary module computes runs (the layers take its cos
+and sin); attention and MLP biases run where a checkpoint has them. Refused before anything
+changes, with what to change: weights other than bf16 or fp16 (tridist's decode kernels work in
+16-bit floats: `model.to(torch.bfloat16)`), sliding-window layers, a partial rotary embedding
+(`partial_rotary_factor < 1`), head sizes that are not powers of two, an MLP activation other
+than SiLU, head counts or sizes that do not split over the ranks or are not multiples of 8
+elements, weights that differ between ranks, and any other model class (a new family is one
+module of `tridist.nn.families`).
+
 Not done yet: a sequence-parallel residual stream (each rank holding its share of the tokens
 between the blocks, `ag_gemm` into q/k/v and the MLP, `gemm_rs` out of `o_proj` and `down_proj`);
 the linear layers take `sequence_parallel=True`.

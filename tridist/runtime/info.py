@@ -44,10 +44,23 @@ def report() -> str:
     else:
         lines.append("no CUDA GPU: kernels run in the CPU emulator (Triton's interpreter, one process per rank); "
                      "it runs any number of ranks (tridist run --ranks-per-gpu changes nothing there)")
+        untested = emulator_triton_fix(triton.__version__)
+        if untested:
+            fixes.append(untested)
     lines.append("settings (docs/guide/settings.md says what each does):")
     lines += ["  " + line for line in config.describe_settings()]
     lines.append("to fix: " + ("; ".join(fixes) if fixes else "nothing"))
     return "\n".join(lines)
+
+
+def emulator_triton_fix(version: str) -> str | None:
+    """What to do where the emulator would run on a Triton it was not tested with, or None."""
+    from .interpreter import TESTED_TRITON
+
+    if version.startswith(TESTED_TRITON + "."):
+        return None
+    return (f"Triton {version} is untested in the emulator, which changes private parts of Triton "
+            f"{TESTED_TRITON}'s interpreter: pip install -e '.[emulator]' (or 'triton=={TESTED_TRITON}.*')")
 
 
 def sharing_report(gpus: int, found: mps.Status) -> list[str]:

@@ -95,9 +95,9 @@ def source_hash(name: str) -> str | None:
 def check_triton(version: str = triton.__version__, relied_on=RELIED_ON) -> None:
     """Refuses (TridistError) a Triton that lacks a part the emulator relies on; warns, once per
     job, on a Triton version other than TESTED_TRITON. Both say what to do."""
-    fix = (f"install the Triton the emulator was tested with (pip install 'triton=={TESTED_TRITON}.*'), or run "
-           "tests/test_interpreter.py to see which parts changed (tridist/runtime/interpreter.py says what each "
-           "change does)")
+    fix = (f"install the Triton the emulator was tested with (pip install -e '.[emulator]', or "
+           f"'triton=={TESTED_TRITON}.*'), or run tests/test_interpreter.py to see which parts changed "
+           "(tridist/runtime/interpreter.py says what each change does)")
     missing = [name for name in relied_on if resolve(name) is None]
     if missing:
         raise TridistError(f"the emulator changes private parts of Triton's interpreter, and Triton {version} lacks "

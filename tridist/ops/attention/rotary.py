@@ -93,10 +93,13 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
     Args:
         qkv: `[B, S, (num_heads + 2 * num_kv_heads) * D]`, contiguous, bf16 or fp16: the q
             projection's columns, then k's, then v's (one GEMM's output).
-        cos, sin: `[B, S, D]` (transformers' `position_embeddings`), or a shape that broadcasts to
-            it (`[1, S, D]`), the last dimension contiguous, any float dtype.
-        num_heads, num_kv_heads: query and key/value heads in qkv.
-        q_norm, k_norm: `[D]` RMSNorm weights of q's and k's heads, both or neither, qkv's dtype.
+        cos: `[B, S, D]` (transformers' `position_embeddings`), or a shape that broadcasts to it
+            (`[1, S, D]`), the last dimension contiguous, any float dtype.
+        sin: cos's shape and dtype.
+        num_heads: query heads in qkv.
+        num_kv_heads: key/value heads in qkv.
+        q_norm: `[D]` RMSNorm weight of q's heads, with k_norm or neither, qkv's dtype.
+        k_norm: `[D]` RMSNorm weight of k's heads.
         eps: the norms' epsilon.
         cache: `(k_cache, v_cache, index)`: caches `[B, num_kv_heads, L, D]` with contiguous rows
             (transformers' static cache layer's `keys` and `values`) and a one-element integer

@@ -46,7 +46,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 import tridist.language as dl
 from tridist.runtime.jit import jit
