@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from tridist.bench import primitives  # noqa: E402
 from tridist.ops import sync, protocol, sizing# noqa: E402
-from tridist.ops.attention import combine, split_kv  # noqa: E402
+from tridist.ops.attention import combine, rotary, split_kv  # noqa: E402
 from tridist.ops.attention import policy as attention_policy  # noqa: E402
 from tridist.ops.collectives import _copy_engine, _packets, allgather, allreduce, reducescatter  # noqa: E402
 from tridist.ops.gemm import allgather_gemm, shard_gather  # noqa: E402
@@ -354,6 +354,25 @@ def _norm_cases():
     return cases
 
 
+def _rotary_cases():
+    """rotary_qkv's kernel for D 64 and 128, with the per-head norms (Qwen3) and without (Llama), k and
+    v written into a static cache at its device index and returned."""
+    cases = []
+    for d in (64, 128):
+        for norm in (True, False):
+            for cache in (True, False):
+                signature = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_norm_ptr": "*bf16",
+                             "k_norm_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                             "index_ptr": "*i64" if cache else "*bf16", "eps": "fp32",
+                             **{name: "i32" for name in ("seq_len", "qkv_row", "cos_batch", "cos_token", "q_batch",
+                                                         "q_head", "q_token", "kv_batch", "kv_head", "kv_token",
+                                                         "q_heads", "kv_heads")},
+                             "D": "constexpr", "NORM": "constexpr", "CACHE": "constexpr"}
+                cases.append((rotary.rotary_qkv_kernel, signature, {"D": d, "NORM": norm, "CACHE": cache},
+                              {"num_warps": rotary.WARPS}))
+    return cases
+
+
 def _sort_cases(one_group: bool, groups: int):
     """The counting sort's two kernels (`_sort`), at the chunk of `groups` and the blocks it takes for
     a million items."""
@@ -555,6 +574,7 @@ def cases():
     world = [
         *_gemm_cases(),
         *_attention_cases(),
+        *_rotary_cases(),
         *_grouped_cases(),
         *_linear_cases(),
         *_expert_parallel_cases(),

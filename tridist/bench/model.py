@@ -63,15 +63,12 @@ Bounds, against rates measured in the same run, before any model is built:
 kernel's time per step, launches and share of the kernels' total; a decode step's bandwidth only as
 a whole (its bytes over its time), since the bench knows no kernel's own bytes.
 
-Attention is the same in every system unless `--tridist-attention` says otherwise for tridist's:
-transformers' SDPA attention, with a decode step's grouped-query attention reading each KV head where
-it is (`--attention grouped`, the default: `grouped_decode_attention`) rather than as transformers
-before its `pack_gqa` ran it (`--attention sdpa` on such a version), which copied every KV head for
-each of its query heads over the whole static cache at every step, most of a large-batch step
-(benchmarks/NOTES.md, "The model's decode step"); or tridist's split-KV decode kernel
-(`--attention split_kv`: `split_kv_decode_attention`), which spreads each sequence's positions over
-the SMs where SDPA's kernel has one query block a KV head to spread (NOTES, "The model's decode step,
-second look").
+The baselines' attention is transformers' SDPA attention, with a decode step's grouped-query
+attention reading each KV head where it is (`--attention grouped`, the default:
+`grouped_decode_attention`) rather than as transformers before its `pack_gqa` ran it (`--attention
+sdpa` on such a version), which copied every KV head for each of its query heads over the whole
+static cache at every step, most of a large-batch step (benchmarks/NOTES.md, "The model's decode
+step"). tridist's decoder layers run their own at decode steps (`tridist.nn.decoder`).
 """
 import argparse
 import copy
@@ -90,7 +87,9 @@ import torch.nn.functional as F
 import tridist
 import tridist.nn
 from tridist.nn import ColumnParallelLinear, ExpertParallelMoE, ParallelSparseMoeBlock, RowParallelLinear
+from tridist.nn.decoder import RMSNorm
 from tridist.nn.moe import free_buffers, gated
+from tridist.ops.gemm.linear_gemm import reference as linear_reference
 
 from . import shared_gpu
 from .ep import torch_combine, torch_dispatch
@@ -130,9 +129,7 @@ GRAPH_STEPS = 5  # decode steps in one CUDA-graph replay
 NOTES = {"megatron moe decode": "eager: its splits are read on the host, which a CUDA graph cannot capture",
          "compile own graphs": "eager calls of the compiled step, which replays its own CUDA graphs"}
 GROUPED = "tridist_bench_grouped_decode"  # the name `grouped_decode_attention` is registered under in transformers
-SPLIT_KV = "tridist_bench_split_kv_decode"  # and `split_kv_decode_attention`'s
-ATTENTION = {"grouped": GROUPED, "sdpa": "sdpa", "split_kv": SPLIT_KV}
-_own_groups: dict = {}  # world rank -> a process group of that rank alone (`_own_group`)
+ATTENTION = {"grouped": GROUPED, "sdpa": "sdpa"}
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -153,54 +150,16 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout:
     return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
 
 
-def split_kv_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                              **kwargs):
-    """A decode step's attention by tridist's split-KV kernel (`ops.flash_decode` among this rank
-    alone: each rank attends over the KV heads it holds), other steps by `grouped_decode_attention`.
-    The cache `[B, Hkv, L, D]` is read in place as B * Hkv sequences of one KV head, each sequence's
-    query heads its rows. Each sequence attends over its first n positions, n the positions its mask
-    allows (all of them without a mask): the bench's caches hold no padding, so what a mask allows is
-    always such a prefix. A mask with holes (left padding) would be misread: not for general use."""
-    batch, heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    masks_one_row = attention_mask is None or (attention_mask.shape[1] == 1 and attention_mask.shape[2] == 1)
-    if length != 1 or dropout or not masks_one_row or query.dtype not in (torch.bfloat16, torch.float16) \
-            or dim not in (64, 128) or not key.is_contiguous() or not value.is_contiguous():
-        return grouped_decode_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                        **kwargs)
-    positions = key.shape[2]
-    if attention_mask is None:
-        seqlens = torch.full((batch,), positions, dtype=torch.int32, device=query.device)
-    else:
-        allowed = attention_mask[:, 0, 0, :positions]
-        allowed = allowed if allowed.dtype == torch.bool else allowed == 0
-        seqlens = allowed.sum(-1, dtype=torch.int32)
-    rows = query.reshape(batch * kv_heads, heads // kv_heads, dim)
-    out = tridist.ops.flash_decode(rows, key.view(batch * kv_heads, positions, 1, dim),
-                                   value.view(batch * kv_heads, positions, 1, dim),
-                                   seqlens.repeat_interleave(kv_heads), sm_scale=scaling, group=_own_group())
-    return out.view(batch, 1, heads, dim), None
-
-
-def _own_group():
-    """A process group of this rank alone, made with every rank's (torch.distributed makes groups
-    collectively) at the first call, which every rank makes at once (a model's first decode step)."""
-    if not _own_groups:
-        _own_groups.update({rank: dist.new_group([rank]) for rank in range(dist.get_world_size())})
-    return _own_groups[dist.get_rank()]
-
-
 def use_attention(config, attention: str):
-    """`config` set to run `attention` ("grouped", "sdpa" or "split_kv", `ATTENTION`), registered with
+    """`config` set to run `attention` ("grouped" or "sdpa", `ATTENTION`), registered with
     transformers first where it is ours, with SDPA's masks (a name without a mask function of its own
     gets no mask, and a decode step over a static cache would attend to its empty positions); returns
     transformers' name of it."""
     import transformers
     from transformers.masking_utils import sdpa_mask
 
-    ours = {"grouped": grouped_decode_attention, "split_kv": split_kv_decode_attention}
-    if attention in ours:
-        transformers.AttentionInterface.register(ATTENTION[attention], ours[attention])
+    if attention == "grouped":
+        transformers.AttentionInterface.register(GROUPED, grouped_decode_attention)
         transformers.AttentionMaskInterface.register(ATTENTION[attention], sdpa_mask)
     config._attn_implementation = ATTENTION[attention]
     return ATTENTION[attention]
@@ -208,25 +167,39 @@ def use_attention(config, attention: str):
 
 # ---- the torch + NCCL baseline: tridist.nn's shards, torch's GEMMs and NCCL's collectives ----------
 class NcclRowParallelLinear(RowParallelLinear):
-    """The partial product, then NCCL's all-reduce."""
+    """The partial product (the bias on rank 0), then NCCL's all-reduce where the layer sums its
+    output; a decoder layer's projections leave the sum to the next norm (`NcclRMSNorm`)."""
 
     def forward(self, x):
-        y = x @ self.weight
-        dist.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        y = F.linear(x, self.weight, self.bias if self.rank == 0 else None)
+        if self.sum_output:
+            dist.all_reduce(y)
+        return y
 
 
 class NcclColumnParallelLinear(ColumnParallelLinear):
-    """The local GEMM; the output's columns gathered with NCCL."""
+    """The local GEMM and its activation (torch's, `linear_reference`); the output's columns gathered
+    with NCCL."""
 
     def forward(self, x):
-        y = x @ self.weight
-        if self.bias is not None:
-            y = y + self.bias
+        y = linear_reference(x, self.weight, self.bias, self.activation)
         if not self.gather_output:
             return y
         return nccl_all_gather(y.reshape(-1, self.out_local)).view(self.world_size, -1, self.out_local).permute(
             1, 0, 2).reshape(*y.shape[:-1], self.out_features)
+
+
+class NcclRMSNorm(RMSNorm):
+    """NCCL's all-reduce of a partial sum, then torch's residual add and transformers' RMSNorm."""
+
+    def forward(self, x, residual, summed):
+        if not summed and residual is not None:
+            x = x.clone()
+            dist.all_reduce(x)
+        hidden = x if residual is None else residual + x
+        normed = hidden.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(hidden.dtype), hidden
 
 
 class NcclSparseMoeBlock(ParallelSparseMoeBlock):
@@ -265,6 +238,7 @@ class NcclExpertParallelMoE(ExpertParallelMoE):
 
 
 NCCL_CLASSES = {RowParallelLinear: NcclRowParallelLinear, ColumnParallelLinear: NcclColumnParallelLinear,
+                RMSNorm: NcclRMSNorm,
                 ParallelSparseMoeBlock: NcclSparseMoeBlock, ExpertParallelMoE: NcclExpertParallelMoE}
 
 
@@ -483,7 +457,7 @@ def prefill_flops(config, tokens: int, world_size: int = 1) -> int:
 class Case(NamedTuple):
     """One model's run: what every system is checked against and how it is timed."""
     kind: str
-    config: object  # the transformers config every system but tridist's (`--tridist-attention`) is built from
+    config: object  # the transformers config every system is built from
     prompt: torch.Tensor
     expected: list  # check_logits of the whole model
     steps: dict  # decode batch -> (the whole model's logits of `decode_step`, `routed_experts`' counts)
@@ -495,20 +469,15 @@ class Case(NamedTuple):
 
 
 def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, timed: bool, kernels: bool = False,
-        dims: dict | None = None, attention: str = "grouped", tridist_attention: str | None = None,
-        rates: Rates | None = None, compile_modes=("default", "reduce-overhead"), compile_decode=None) -> list[dict]:
+        dims: dict | None = None, attention: str = "grouped", rates: Rates | None = None, compile_modes=("default", "reduce-overhead"), compile_decode=None) -> list[dict]:
     """Each system of `systems` built, checked and (if `timed`) timed, every model with `attention`
-    (`ATTENTION`) but tridist's with `tridist_attention` where given, `layers` decoder layers (None:
+    (`ATTENTION`; tridist's layers run their own at decode steps), `layers` decoder layers (None:
     the model's own count); `compile` in `compile_modes` at the batches of `decode` that are in
     `compile_decode` (None: all). A row per (system, step), with its bound where `rates` are given,
     or one saying why a system did not run."""
     w = tridist.world()
     config = make_config(kind, layers, dims)
     use_attention(config, attention)
-    tridist_config = config
-    if tridist_attention not in (None, attention):
-        tridist_config = copy.deepcopy(config)
-        use_attention(tridist_config, tridist_attention)
     # Its own config: save_pretrained writes into the model's config (its dtype), and the systems built
     # from `config` afterwards must draw the same weights on every rank, also where only rank 0 saved.
     whole = build(copy.deepcopy(config), w.device)
@@ -531,9 +500,8 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
                 batches = [batch for batch in decode if compile_decode is None or batch in compile_decode]
                 rows += _compiled(case, compile_modes, batches)
             else:
-                own = tridist_config if system == "tridist" else config
                 try:
-                    rows += _system(case, name, _shard(system, moe, own, folder, w.device), own)
+                    rows += _system(case, name, _shard(system, moe, config, folder, w.device), config)
                 except Exception as error:  # noqa: BLE001 - recorded: transformers' TP may refuse or fail on a model
                     if system != "hf_tp":
                         raise
@@ -797,15 +765,10 @@ def main(argv=None) -> int:
                         help="the decode batches the compile system runs, of --decode's (default: all of them)")
     parser.add_argument("--kernels", action="store_true",
                         help="also print each step's GPU time by kernel: time per step, launches, share")
-    parser.add_argument("--row-decode", choices=tridist.nn.linear.DECODE_KERNELS,
-                        default=tridist.nn.linear.DECODE_KERNEL,
-                        help="how tridist's row-parallel layers end a decode step (tridist.nn.linear.DECODE_KERNEL; "
-                             "default %(default)s)")
     parser.add_argument("--attention", choices=sorted(ATTENTION), default="grouped",
-                        help="every system's attention (default %(default)s: a decode step reads GQA's KV heads in "
-                             "place; sdpa: transformers' own; split_kv: tridist's split-KV decode kernel)")
-    parser.add_argument("--tridist-attention", choices=sorted(ATTENTION), default=None,
-                        help="tridist's attention, where it differs from the others' (default: --attention's)")
+                        help="the attention of every system but tridist's, whose layers run their own at decode "
+                             "steps (default %(default)s: a decode step reads GQA's KV heads in place; sdpa: "
+                             "transformers' own)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON results (default %(default)s)")
     args = parser.parse_args(argv)
     world_size = _world_size()
@@ -820,7 +783,6 @@ def main(argv=None) -> int:
     if args.compile_decode is not None and not set(args.compile_decode) <= set(args.decode):
         parser.error(f"--compile-decode takes batches of --decode ({','.join(map(str, args.decode))})")
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers 5.24 renames it `cache`
-    tridist.nn.linear.DECODE_KERNEL = args.row_decode
     w = tridist.init()
     shared = shared_gpu.announce("tridist bench model", w.rank)
     timed = w.backend == "nvshmem" and not shared
@@ -831,7 +793,7 @@ def main(argv=None) -> int:
     rows = []
     for kind in kinds:
         rows += run(kind, args.layers, args.prefill, args.decode, moe_modes, systems, timed, args.kernels,
-                    attention=args.attention, tridist_attention=args.tridist_attention, rates=rates,
+                    attention=args.attention, rates=rates,
                     compile_modes=modes, compile_decode=args.compile_decode)
     if w.rank == 0 and not timed:
         print(f"model: every check passed; nothing timed ({'ranks share a GPU' if shared else 'no GPU'})")
@@ -842,8 +804,7 @@ def main(argv=None) -> int:
         print(table(rows, columns))
         own = {kind: MODELS[kind][2]["num_hidden_layers"] for kind in kinds}
         extra = {"world_size": w.world_size, "timed": timed, "context": CONTEXT, "tolerance": TOLERANCE,
-                 "attention": args.attention, "tridist attention": args.tridist_attention or args.attention,
-                 "row-parallel decode": args.row_decode, "copy GB/s": rates.copy / 1e3,
+                 "attention": args.attention, "copy GB/s": rates.copy / 1e3,
                  "GEMM TFLOP/s": rates.gemm / 1e6, "compile modes": modes,
                  "models": {kind: {"like": MODELS[kind][0], "layers": f"{args.layers or own[kind]} of {own[kind]}",
                                    **MODELS[kind][2]} for kind in kinds},
