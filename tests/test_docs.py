@@ -98,3 +98,11 @@ def test_readme_installs_bring_what_its_run_block_needs():
     for line in users:
         assert "models" in re.search(r"\[([a-z,]+)\]", line).group(1).split(","), line
     assert "emulator" in re.search(r"\[([a-z,]+)\]", users[-1]).group(1).split(","), users[-1]
+
+
+def test_front_pages_stay_short():
+    """The README is a front page (at most 15,000 bytes) and the performance page a current table (at
+    most 350 lines): older figures go to the lab notebook (benchmarks/NOTES.md)."""
+    assert os.path.getsize(os.path.join(ROOT, "README.md")) <= 15000
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        assert len(f.read().splitlines()) <= 350
