@@ -51,14 +51,17 @@ def transformers_rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float
     return weight * hidden.to(input_dtype)
 
 
-def reference(xs: list, residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS):
+def reference(xs: list, residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS, device=None):
     """(y, new_residual) as the contract says: the ranks' x summed in fp32 in rank order, plus the
-    residual, rounded once; then transformers' norm. At world size 1: `residual + x` in torch."""
+    residual, rounded once; then transformers' norm, computed on `device` (the op's: torch's mean and
+    rsqrt there are what the kernels match), returned on the CPU. At world size 1: `residual + x`."""
+    if device is not None:
+        xs, residual, weight = [x.to(device) for x in xs], residual.to(device), weight.to(device)
     total = xs[0].float()
     for x in xs[1:]:
         total = total + x.float()
     new_residual = (total + residual.float()).to(residual.dtype)
-    return transformers_rms_norm(new_residual, weight, eps), new_residual
+    return transformers_rms_norm(new_residual, weight, eps).cpu(), new_residual.cpu()
 
 
 def fp64_reference(xs: list, residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -94,7 +97,7 @@ def check(y, new_residual, xs, residual, weight, grid: bool, what, ranks=None) -
     """y and new_residual against `reference` (exact on grid data; y within a unit in the last
     place otherwise) and against fp64; and the same bits on every one of `ranks` (the world's
     ranks_of by default)."""
-    expected_y, expected_residual = reference(xs, residual, weight)
+    expected_y, expected_residual = reference(xs, residual, weight, device=y.device)
     y, new_residual = y.cpu(), new_residual.cpu()
     assert torch.equal(new_residual, expected_residual), what
     if grid:
@@ -182,7 +185,7 @@ def _function(w):
         check(y, new_residual, xs, residual, weight, True, ("add_rms_norm", dtype), ranks=_alone())
         y, same = ops.add_rms_norm(x, None, weight.to(w.device), eps=1e-5)
         assert same is x
-        assert torch.equal(y.cpu(), transformers_rms_norm(xs[0], weight, 1e-5))
+        assert torch.equal(y.cpu(), transformers_rms_norm(x, weight.to(w.device), 1e-5).cpu())
         empty = torch.empty(0, HIDDEN, dtype=dtype, device=w.device)
         assert [t.shape for t in ops.add_rms_norm(empty, empty, weight.to(w.device))] == [(0, HIDDEN)] * 2
 
@@ -342,8 +345,8 @@ def _custom_ops(w):
         return torch.ops.tridist.add_rms_norm(y, new_residual, g, 1e-6)
 
     y, new_residual = torch.compile(layer, backend="eager", fullgraph=True)(x, stream, scale)
-    first_y, first_residual = reference(xs, residual, weight)
-    expected = reference([first_y], first_residual, weight)
+    first_y, first_residual = reference(xs, residual, weight, device=w.device)
+    expected = reference([first_y], first_residual, weight, device=w.device)
     assert torch.equal(y.cpu(), expected[0]) and torch.equal(new_residual.cpu(), expected[1])
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(x)
