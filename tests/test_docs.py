@@ -106,3 +106,17 @@ def test_front_pages_stay_short():
     assert os.path.getsize(os.path.join(ROOT, "README.md")) <= 15000
     with open(os.path.join(ROOT, "docs", "performance.md")) as f:
         assert len(f.read().splitlines()) <= 350
+
+
+def test_readme_run_block_names_what_exists():
+    """Every script and module the README's run block runs is in the repository (the block itself was
+    run top to bottom after the CPU install in a fresh environment: benchmarks/NOTES.md)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    run_block = readme.split("<!-- /ci:test -->")[1].split("```bash")[1].split("```")[0]
+    scripts = re.findall(r"\s(\S+\.py)\b", run_block)
+    modules = re.findall(r"-m ([\w.]+)", run_block)
+    assert scripts and modules
+    missing = [s for s in scripts if not os.path.exists(os.path.join(ROOT, s))]
+    missing += [m for m in modules if not os.path.exists(os.path.join(ROOT, *m.split(".")) + ".py")]
+    assert not missing, missing
