@@ -93,6 +93,7 @@ from tridist.ops.gemm.linear_gemm import reference as linear_reference
 
 from . import shared_gpu
 from .ep import torch_combine, torch_dispatch
+from .norm import rms_norm, torch_add_norm
 from .results import relative_error, save, table
 from .timing import captured, copy_rate, gemm_rate, kernel_us, slowest, time_us
 
@@ -193,13 +194,12 @@ class NcclRMSNorm(RMSNorm):
     """NCCL's all-reduce of a partial sum, then torch's residual add and transformers' RMSNorm."""
 
     def forward(self, x, residual, summed):
-        if not summed and residual is not None:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        if not summed:
             x = x.clone()
             dist.all_reduce(x)
-        hidden = x if residual is None else residual + x
-        normed = hidden.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(hidden.dtype), hidden
+        return torch_add_norm(x, residual, self.weight, self.eps)
 
 
 class NcclSparseMoeBlock(ParallelSparseMoeBlock):

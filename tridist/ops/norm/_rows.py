@@ -17,6 +17,8 @@ The kernels launch with `enable_fp_fusion=False`: a fused multiply-add of `sum *
 of the squares into their sum, rounds once where torch rounds twice (its mean and its add are
 separate kernels), which changes the last bit of the variance and so, now and then, of y.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -92,8 +94,14 @@ def mean_arguments(tokens: int, hidden: int, device: torch.device, eps: float) -
     times the factor PyTorch's CUDA mean multiplies by, `float(tokens) / float(tokens * hidden)` in
     fp32 (1 / hidden rounded, wherever tokens * hidden is exact in fp32). `eps` rounded to fp32
     as torch's `variance + eps` rounds it."""
+    return _mean_arguments(tokens, hidden, device.type, eps)
+
+
+@functools.lru_cache(maxsize=256)
+def _mean_arguments(tokens: int, hidden: int, device_type: str, eps: float) -> dict:
+    """`mean_arguments`, worked out once per shape and eps: every eager call launches with them."""
     def fp32(value):
         return torch.tensor(value, dtype=torch.float32)
 
     return dict(count=fp32(hidden).item(), factor=(fp32(tokens) / fp32(tokens * hidden)).item(),
-                eps=fp32(eps).item(), DIVIDE=device.type == "cpu")
+                eps=fp32(eps).item(), DIVIDE=device_type == "cpu")
