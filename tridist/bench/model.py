@@ -498,7 +498,10 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
                 rows.append({"model": kind, "system": name, "skipped": why})
             elif system == "compile":
                 batches = [batch for batch in decode if compile_decode is None or batch in compile_decode]
-                rows += _compiled(case, compile_modes, batches)
+                try:
+                    rows += _compiled(case, compile_modes, batches)
+                except Exception as error:  # noqa: BLE001 - recorded: a baseline that fails keeps the others' rows
+                    rows.append({"model": kind, "system": name, "skipped": f"{type(error).__name__}: {error}"[:300]})
             else:
                 try:
                     rows += _system(case, name, _shard(system, moe, config, folder, w.device), config)
