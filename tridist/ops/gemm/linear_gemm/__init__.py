@@ -4,7 +4,7 @@ over every SM; the choices in `policy`.
 
 The front checks, then chooses: products of 1 to `policy.MAX_ROWS` rows of x take the split-K
 kernel (an instance per shape, dtype and stream, `Linear`, holding its workspace); larger ones
-cuBLAS (`F.linear`, the epilogue in torch: `reference`). Local: no ranks, no `group=`.
+cuBLAS, with swiglu's epilogue in one pass after it (`cublas`). Local: no ranks, no `group=`.
 """
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,7 @@ import tridist
 from ...checks import check_input
 from ...instances import instance
 from ...sizing import programs_for
-from . import policy
+from . import cublas, policy
 from .split_k import SplitK
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -70,8 +70,8 @@ def check_config(config: dict, m: int) -> None:
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation=None) -> torch.Tensor:
     """What `linear` computes, with torch: `F.linear`, then for swiglu the epilogue as transformers'
-    LlamaMLP applies it (silu of the gate's half times the up's half, each step rounded). cuBLAS on
-    GPUs: `linear`'s path for more than `policy.MAX_ROWS` rows, and its benchmark's baseline."""
+    LlamaMLP applies it (silu of the gate's half times the up's half, each step rounded). The
+    benchmark's baseline and the tests'; `cublas` runs the same product with its epilogue fused."""
     y = F.linear(x, weight, bias)
     if activation == "swiglu":
         gate, up = y.chunk(2, dim=-1)
@@ -83,7 +83,7 @@ class Linear:
     """`linear` for one shape: x with m rows (the product of its leading dims) by a weight of `rows`
     x k (`activation="swiglu"`: rows = 2I, the output I columns), of `dtype`, on this rank's device.
     Up to `policy.MAX_ROWS` rows it runs the split-K kernel under `config` (a dict as
-    `policy.config` gives, None for that one), whose workspace it owns; otherwise `reference`.
+    `policy.config` gives, None for that one), whose workspace it owns; otherwise cuBLAS (`cublas`).
     Call it as `linear`, any number of times, on one stream at a time (its counters are per call);
     `free()` gives the workspace back. Bad sizes, dtype, activation or config are a ValueError."""
 
@@ -138,14 +138,15 @@ class Linear:
         """`__call__` for arguments already checked."""
         if out is None:
             out = torch.empty((*x.shape[:-1], self.n), dtype=self.dtype, device=x.device)
-        if self.method is None:
-            if self.m:
-                out.view(self.m, self.n).copy_(reference(x, weight, bias, self.activation).view(self.m, self.n))
+        if not self.m:
             return out
         rows = x.reshape(self.m, self.k)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        self.method.launch(rows, weight, bias, out.view(self.m, self.n))
+        if self.method is None:
+            cublas.product(rows, weight, bias, self.activation == "swiglu", out.view(self.m, self.n))
+        else:
+            self.method.launch(rows, weight, bias, out.view(self.m, self.n))
         return out
 
     def free(self) -> None:
@@ -191,8 +192,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = rows // 2 if activation == "swiglu" else rows
     if m == 0:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if m > policy.MAX_ROWS:
-        return reference(x, weight, bias, activation)
+    if m > policy.MAX_ROWS:  # nothing to keep between calls: no instance
+        return Linear(m, rows, k, x.dtype, activation).run(x, weight, bias)
     op = instance(lambda: Linear(m, rows, k, x.dtype, activation), Linear, m, rows, k, x.dtype, activation,
                   device=x.device)
     return op.run(x, weight, bias)

@@ -92,6 +92,16 @@ def slab_product(x_ptr, w_ptr, w_desc, col, up_row, M, ROWS, K, stride_xm, k_sta
 
 
 @triton.jit
+def swiglu(gate, up):
+    """silu(gate) * up in fp32 for gate and up of the output's dtype, rounded as LlamaMLP rounds
+    (module docstring): silu's result rounded to that dtype before the product."""
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def epilogue_store(acc, acc_up, bias_ptr, out_ptr, col, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    SWIGLU: tl.constexpr):
     """out[:M, col:col+BLOCK_N] = the epilogue (module docstring) of the [BLOCK_N, BLOCK_M] sums
@@ -104,9 +114,7 @@ def epilogue_store(acc, acc_up, bias_ptr, out_ptr, col, M, N, BLOCK_M: tl.conste
         if SWIGLU:
             acc_up += tl.load(bias_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
     if SWIGLU:
-        gate = acc.to(dtype).to(tl.float32)
-        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
-        y = act * acc_up.to(dtype).to(tl.float32)
+        y = swiglu(acc.to(dtype), acc_up.to(dtype))
     else:
         y = acc
     tl.store(out_ptr + rows[None, :] * N + cols[:, None], y.to(dtype), mask=(cols < N)[:, None] & (rows < M)[None, :])
