@@ -99,6 +99,7 @@ def test_bytes_and_flops_count_every_parameter():
         hidden, vocab, kv = config.hidden_size, config.vocab_size, config.num_key_value_heads * bench.head_dim(config)
         whole = 2 * (params - vocab * hidden + batch * hidden) + 2 * 2 * 2 * batch * positions * kv
         assert bench.decode_bytes(config, batch, positions) == whole, kind
+        assert bench.kv_bytes(config, batch, positions) == 2 * 2 * 2 * batch * positions * kv, kind
         qk_norms = 2 * 16 if kind != "llama" else 0
         whole_on_each = batch * hidden + 2 * (2 * hidden + qk_norms) + hidden  # embedding rows, norms
         if kind == "moe":
@@ -115,6 +116,16 @@ def test_bytes_and_flops_count_every_parameter():
     assert bench.decode_bytes(config, batch, positions, experts=[1, 3]) == whole - 2 * (3 + 1) * expert
     with pytest.raises(ValueError, match="2 MoE layers"):
         bench.decode_bytes(config, batch, positions, experts=[1])
+
+
+def test_kernel_rates_split_the_step_by_what_it_reads():
+    """`--kernels`: the KV's bytes over the attention kernels' time, the rest over the others'."""
+    kernels = [["linear_split_k_kernel", 800.0, 33, 0.8], ["flash_decode_split_kernel", 60.0, 8, 0.06],
+               ["flash_decode_combine_kernel", 40.0, 8, 0.04], ["add_rms_norm_kernel", 200.0, 17, 0.1],
+               ["void cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 0.0, 0, 0.0]]
+    rates = bench._kernel_rates({"GB read": 2.2, "GB of KV": 0.2}, kernels)
+    assert rates == pytest.approx({"attention us": 100.0, "attention TB/s": 2.0, "others TB/s": 2.0})
+    assert bench._kernel_rates({"GB read": 1.0, "GB of KV": 0.1}, kernels[:1])["attention TB/s"] == 0.0
 
 
 def test_decode_step_writes_one_position():

@@ -60,8 +60,11 @@ Bounds, against rates measured in the same run, before any model is built:
 - a prefill row's `TFLOP/s` (`prefill_flops`: 2 x the parameters each token touches x tokens,
   attention's causal half, the last position's logits) and `of GEMM rate`.
 `--kernels` gives each step's GPU time by kernel, as profiled in the way the step is timed: each
-kernel's time per step, launches and share of the kernels' total; a decode step's bandwidth only as
-a whole (its bytes over its time), since the bench knows no kernel's own bytes.
+kernel's time per step, launches and share of the kernels' total; for a decode step, bandwidths by
+what the kernels read: the KV attended (`kv_bytes`) over the time of the kernels named like
+attention (`ATTENTION_KERNEL`: the split-KV decode and its combine, SDPA's, flash's), and the rest
+of the step's bytes (the weights) over the other kernels' time, most of it the GEMMs'; each
+kernel's own bytes the bench does not know.
 
 The baselines' attention is transformers' SDPA attention, with a decode step's grouped-query
 attention reading each KV head where it is (`--attention grouped`, the default:
@@ -73,6 +76,7 @@ step"). tridist's decoder layers run their own at decode steps (`tridist.nn.deco
 import argparse
 import copy
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -412,6 +416,12 @@ def _layer_elements(config, moe: bool, world_size: int) -> tuple[int, int]:
     return shared + 3 * hidden * columns + (2 * columns + hidden if getattr(config, "mlp_bias", False) else 0), 0
 
 
+def kv_bytes(config, batch: int, positions: int, world_size: int = 1) -> int:
+    """The bytes of K and V one rank attends in a decode step (`decode_bytes`' last part)."""
+    kv_heads = _split(config.num_key_value_heads, world_size)
+    return ELEMENT_BYTES * config.num_hidden_layers * batch * positions * kv_heads * head_dim(config) * 2
+
+
 def decode_bytes(config, batch: int, positions: int, world_size: int = 1, experts: list[int] | None = None) -> int:
     """Bytes one rank must read in a decode step of `batch` sequences attending over `positions` each,
     in bf16: each weight it holds once (`_layer_elements`, the final norm, its rows of the logits
@@ -432,9 +442,7 @@ def decode_bytes(config, batch: int, positions: int, world_size: int = 1, expert
         shared, expert = _layer_elements(config, index in moe, world_size)
         touched = 0 if not expert else config.num_experts if experts is None else experts[moe.index(index)]
         elements += shared + expert * touched
-    kv_heads = _split(config.num_key_value_heads, world_size)
-    elements += config.num_hidden_layers * batch * positions * kv_heads * head_dim(config) * 2
-    return ELEMENT_BYTES * elements
+    return ELEMENT_BYTES * elements + kv_bytes(config, batch, positions, world_size)
 
 
 def prefill_flops(config, tokens: int, world_size: int = 1) -> int:
@@ -611,7 +619,8 @@ def _row(case: Case, name: str, step_name: str, us: float, timing: str, step, **
     if case.rates and what == "decode":
         experts = case.steps[int(size)][1]
         nbytes = decode_bytes(case.config, int(size), CONTEXT, w.world_size, experts or None)
-        row.update({"GB read": nbytes / 1e9, "bound us": nbytes / case.rates.copy,
+        row.update({"GB read": nbytes / 1e9, "GB of KV": kv_bytes(case.config, int(size), CONTEXT, w.world_size) / 1e9,
+                    "bound us": nbytes / case.rates.copy,
                     "of bound": nbytes / case.rates.copy / us})
         if experts:
             row["experts a layer"] = statistics.mean(experts)
@@ -632,19 +641,41 @@ def _row(case: Case, name: str, step_name: str, us: float, timing: str, step, **
 
 def _kernels(row: dict, fn) -> list[list]:
     """`fn`'s GPU time by kernel (`timing.kernel_us`), printed on rank 0 under `row`'s step and
-    returned as [kernel, microseconds per step, launches per step, share of the kernels' total]; the
-    step's bandwidth as a whole where its bytes are known. A collective."""
+    returned as [kernel, microseconds per step, launches per step, share of the kernels' total]; for
+    a decode step the bandwidths of its attention kernels and of the others (`_kernel_rates`). A
+    collective."""
     times = kernel_us(fn)
     total = sum(us for us, _ in times.values())
     kernels = [[kernel, us, launches, us / total] for kernel, (us, launches) in times.items()]
+    if "GB read" in row:
+        row.update(_kernel_rates(row, kernels))
     if tridist.world().rank == 0:
-        read = (f"; {row['GB read']:.2f} GB to read, {row['GB read'] * 1e3 / row['us']:.2f} TB/s over the timed "
-                "step" if "GB read" in row else "")
+        read = ""
+        if "GB read" in row:
+            read = (f"; {row['GB read']:.2f} GB to read, {row['GB read'] * 1e3 / row['us']:.2f} TB/s over the timed "
+                    f"step: the KV's {row['GB of KV']:.3f} GB at {row['attention TB/s']:.2f} TB/s over the attention "
+                    f"kernels' {row['attention us']:.1f} us, the rest at {row['others TB/s']:.2f} TB/s over the "
+                    f"other kernels' {total - row['attention us']:.1f} us")
         print(f"  {row['model']} {row['system']} {row['step']}, rank 0's GPU time by kernel ({row['timing']}): "
               f"{total:.1f} us of kernels a step, {row['us']:.1f} us timed{read}\n"
               + "\n".join(f"    {share:6.1%} {us:10.1f} us x {launches:g}  {kernel}"
                           for kernel, us, launches, share in kernels), flush=True)
     return kernels
+
+
+ATTENTION_KERNEL = re.compile(r"flash|fmha|attention|sdpa|attn", re.IGNORECASE)
+"""Kernels whose names say they attend: tridist's split-KV decode and its combine, cuDNN's and
+flash-attention's SDPA kernels."""
+
+
+def _kernel_rates(row: dict, kernels: list[list]) -> dict:
+    """A decode step's KV bytes over its attention kernels' time, and its other bytes over the other
+    kernels' time (TB/s; 0 where no kernel of the kind ran)."""
+    attention_us = sum(us for kernel, us, _, _ in kernels if ATTENTION_KERNEL.search(kernel))
+    others_us = sum(us for _, us, _, _ in kernels) - attention_us
+    kv, rest = row["GB of KV"], row["GB read"] - row["GB of KV"]
+    return {"attention us": attention_us, "attention TB/s": kv * 1e3 / attention_us if attention_us else 0.0,
+            "others TB/s": rest * 1e3 / others_us if others_us else 0.0}
 
 
 def _compiled(case: Case, modes, batches) -> list[dict]:
