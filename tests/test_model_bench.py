@@ -51,6 +51,23 @@ def test_model_bench_checks(world):
     world.run(_bench, port=_free_port())
 
 
+def _stopped(w):
+    """A SIGTERM while a system runs: `run` raises `Stopped` holding the rows finished before it."""
+    def stopping(*args):
+        bench._stop(None, None)
+
+    bench._system = stopping
+    with pytest.raises(bench.Stopped) as stop:
+        bench.run("dense", 1, [], [], ["ep"], ["compile", "tridist"], timed=False, dims=TINY["dense"])
+    assert stop.value.rows == [{"model": "dense", "system": "compile",
+                                "skipped": "compiled in timed runs only (on a GPU of its own)"}]
+
+
+@pytest.mark.worlds("1")
+def test_model_bench_keeps_the_rows_finished_before_a_sigterm(world):
+    world.run(_stopped)
+
+
 def test_model_bench_options(monkeypatch, capsys):
     assert bench.parse_ints("1, 8,64") == [1, 8, 64] and bench.parse_ints("") == []
     for text in ("0", "1,x"):

@@ -65,6 +65,8 @@ what the kernels read: the KV attended (`kv_bytes`) over the time of the kernels
 attention (`ATTENTION_KERNEL`: the split-KV decode and its combine, SDPA's, flash's), and the rest
 of the step's bytes (the weights) over the other kernels' time, most of it the GEMMs'; each
 kernel's own bytes the bench does not know.
+A run stopped by SIGTERM (`timeout`, the launcher's Ctrl-C) saves the rows of the systems that
+finished before it, the file marked `stopped`, and exits 1.
 
 The baselines' attention is transformers' SDPA attention, with a decode step's grouped-query
 attention reading each KV head where it is (`--attention grouped`, the default:
@@ -78,6 +80,7 @@ import copy
 import os
 import re
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -517,10 +520,25 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
                     if system != "hf_tp":
                         raise
                     rows.append({"model": kind, "system": name, "skipped": f"{type(error).__name__}: {error}"[:300]})
+    except Stopped:
+        raise Stopped(_ratios(rows)) from None
     finally:
         if folder and w.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return _ratios(rows)
+
+
+class Stopped(BaseException):
+    """SIGTERM reached the rank (a time limit, the launcher stopping the job): `rows` holds the rows
+    of the systems that had finished, which `main` saves."""
+
+    def __init__(self, rows: list[dict] | None = None):
+        super().__init__("stopped by SIGTERM")
+        self.rows = rows or []
+
+
+def _stop(signum, frame):
+    raise Stopped()
 
 
 def _check(case: Case, name: str, what: str, got: list, want: list) -> None:
@@ -824,11 +842,17 @@ def main(argv=None) -> int:
     if rates and w.rank == 0:
         print(f"copy rate {rates.copy / 1e3:.0f} GB/s (read + written), cuBLAS bf16 GEMM "
               f"{rates.gemm / 1e6:.0f} TFLOP/s", flush=True)
-    rows = []
-    for kind in kinds:
-        rows += run(kind, args.layers, args.prefill, args.decode, moe_modes, systems, timed, args.kernels,
-                    attention=args.attention, rates=rates,
-                    compile_modes=modes, compile_decode=args.compile_decode)
+    rows, stopped = [], None
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        for kind in kinds:
+            rows += run(kind, args.layers, args.prefill, args.decode, moe_modes, systems, timed, args.kernels,
+                        attention=args.attention, rates=rates,
+                        compile_modes=modes, compile_decode=args.compile_decode)
+    except Stopped as stop:  # a time limit: what finished is still a result
+        rows += stop.rows
+        stopped = "stopped by SIGTERM: the rows of the systems that finished before it"
+        print(f"model: {stopped}", flush=True)
     if w.rank == 0 and not timed:
         print(f"model: every check passed; nothing timed ({'ranks share a GPU' if shared else 'no GPU'})")
     elif w.rank == 0:
@@ -843,7 +867,11 @@ def main(argv=None) -> int:
                  "models": {kind: {"like": MODELS[kind][0], "layers": f"{args.layers or own[kind]} of {own[kind]}",
                                    **MODELS[kind][2]} for kind in kinds},
                  "graph steps per replay": GRAPH_STEPS, "notes": NOTES}
+        if stopped:
+            extra["stopped"] = stopped
         print(f"saved {save('model', rows, args.out, extra)}")
+    if stopped:
+        return 1
     tridist.finalize()
     return 0
 
