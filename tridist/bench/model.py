@@ -853,9 +853,9 @@ def main(argv=None) -> int:
         rows += stop.rows
         stopped = "stopped by SIGTERM: the rows of the systems that finished before it"
         print(f"model: {stopped}", flush=True)
-    if w.rank == 0 and not timed:
+    if w.rank == 0 and not timed and not stopped:
         print(f"model: every check passed; nothing timed ({'ranks share a GPU' if shared else 'no GPU'})")
-    elif w.rank == 0:
+    elif w.rank == 0 and timed:
         columns = []
         for row in rows:
             columns += [c for c in row if c not in columns and c != "kernels"]
