@@ -218,6 +218,32 @@ def test_decode_attention_alone_over_transformers_cache(world, dtype):
     world.run(_alone_over_transformers_cache, dtype=dtype)
 
 
+def _real_heads(w):
+    """`decode_attention` at the heads of the models the bench runs (Qwen3-30B-A3B: 32 query heads on 4
+    KV heads; Qwen3-8B: on 8), head_dim 128, over a static cache of 4096 positions in transformers'
+    layout, at batches 1, 8 and 64, with and without a mask."""
+    for batch, heads, kv_heads in ((1, 32, 4), (8, 32, 4), (1, 32, 8), (64, 32, 8)):
+        g = torch.Generator().manual_seed(batch + kv_heads)
+        q = torch.randn(batch, heads, 128, generator=g).to(torch.bfloat16).to(w.device)
+        k, v = (torch.randn(batch, kv_heads, 4096, 128, generator=g).to(torch.bfloat16).to(w.device) for _ in range(2))
+        seqlens = torch.full((batch,), 4096, dtype=torch.int32, device=w.device)
+        expected = F.scaled_dot_product_attention(q.float()[:, :, None], k.float(), v.float(), scale=128 ** -0.5,
+                                                  enable_gqa=True)[:, :, 0]
+        for mask in (None, torch.ones(batch, 4096, dtype=torch.bool, device=w.device)):
+            out = ops.decode_attention(q, k.transpose(1, 2), v.transpose(1, 2), seqlens, sm_scale=128 ** -0.5,
+                                       mask=mask)
+            error = relative_error(out, expected)
+            assert error <= TOLERANCE[torch.bfloat16], \
+                f"batch {batch}, {heads} on {kv_heads} heads, mask {mask is not None}: relative error {error:.1e}"
+
+
+@pytest.mark.worlds("1")
+def test_decode_attention_at_the_real_model_heads(world):
+    if world.backend == "emulator":
+        pytest.skip("4096 positions take minutes in the emulator: GPUs only")
+    world.run(_real_heads)
+
+
 @pytest.mark.parametrize("layout", group_layouts())
 def test_flash_decode_in_groups(world, layout):
     results = world.run(_decode_in_groups, layout=layout)
