@@ -63,6 +63,28 @@ def _stopped(w):
                                 "skipped": "compiled in timed runs only (on a GPU of its own)"}]
 
 
+def _departure(w):
+    """A decode step that goes wrong in its attention over the static cache (and only there; head_dim
+    64, which tridist's decode attention takes): the check's error names the first decoder layer and
+    the part of it that departs."""
+    from tridist import ops
+
+    attend = ops.decode_attention
+
+    def wrong(q, k_cache, *args, **kwargs):
+        out = attend(q, k_cache, *args, **kwargs)
+        return out + 100 if k_cache.shape[1] == bench.CONTEXT else out
+
+    ops.decode_attention = wrong
+    with pytest.raises(AssertionError, match="first off at decoder layer 0's attention output"):
+        bench.run("dense", 2, [], [1], ["ep"], ["tridist"], timed=False, dims={**TINY["dense"], "head_dim": 64})
+
+
+@pytest.mark.worlds("1")
+def test_model_bench_names_the_first_layer_off(world):
+    world.run(_departure)
+
+
 @pytest.mark.worlds("1")
 def test_model_bench_keeps_the_rows_finished_before_a_sigterm(world):
     world.run(_stopped)

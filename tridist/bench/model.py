@@ -38,7 +38,9 @@ At world size 2 or more:
 Checks come first: every system's logits against the whole model's (a prefill of 2 x 16 tokens and
 two decode steps with a `DynamicCache`; `compile` skips these, which would compile other shapes),
 then each decode step's logits against the whole model's same step, every system's `compile`
-included, within `TOLERANCE` of the largest logit. Then, timed:
+included, within `TOLERANCE` of the largest logit; at world size 1 a decode step that fails says
+where it first departs, decoder layer by layer (`recorded_layers`: each layer's attention output and
+output against the whole model's). Then, timed:
 - prefill of `--prefill` tokens (one sequence; the last position's logits), eagerly;
 - a decode step at each `--decode` batch over a `StaticCache` of `CONTEXT` positions, in a CUDA
   graph of GRAPH_STEPS steps, or eagerly where the row says why (the megatron MoE step reads its
@@ -76,6 +78,7 @@ static cache at every step, most of a large-batch step (benchmarks/NOTES.md, "Th
 step"). tridist's decoder layers run their own at decode steps (`tridist.nn.decoder`).
 """
 import argparse
+import contextlib
 import copy
 import os
 import re
@@ -94,7 +97,7 @@ import torch.nn.functional as F
 import tridist
 import tridist.nn
 from tridist.nn import ColumnParallelLinear, ExpertParallelMoE, ParallelSparseMoeBlock, RowParallelLinear
-from tridist.nn.decoder import RMSNorm
+from tridist.nn.decoder import ResidualStream, RMSNorm
 from tridist.nn.moe import free_buffers, gated
 from tridist.ops.gemm.linear_gemm import reference as linear_reference
 
@@ -366,6 +369,50 @@ def routed_experts(model, step) -> tuple[torch.Tensor, list[int]]:
     return logits, counts
 
 
+@contextlib.contextmanager
+def recorded_layers(model):
+    """Within it, each call of `model`'s decoder layers (`model.model.layers`) appends to the list it
+    yields (its attention's output, its output) at the last position, fp32 `[B, hidden]`: a
+    transformers layer's hidden state, or a tridist layer's `ResidualStream` as residual + x (at
+    world size 1, where x is whole)."""
+    states = []
+
+    def last(t):
+        return t[0] if isinstance(t, tuple) and not isinstance(t, ResidualStream) else t
+
+    def attention(module, args, output):
+        states.append([last(output)[..., -1, :].float()])
+
+    def layer(module, args, output):
+        hidden = output.residual + output.x if isinstance(output, ResidualStream) else last(output)
+        states[-1].append(hidden[..., -1, :].float())
+
+    hooks = []
+    for decoder_layer in model.model.layers:
+        hooks += [decoder_layer.self_attn.register_forward_hook(attention), decoder_layer.register_forward_hook(layer)]
+    try:
+        yield states
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _first_departure(model, step, expected: list) -> str:
+    """Where `step()` of `model` first departs from the whole model's (`expected`, `recorded_layers`'
+    states of its step): the first decoder layer whose attention output or output is off by more
+    than TOLERANCE. Compared at world size 1 only (elsewhere a layer's output is a partial sum)."""
+    if tridist.world().world_size > 1:
+        return "layers compared at world size 1 only"
+    with recorded_layers(model) as states:
+        step()
+    for index, (got, want) in enumerate(zip(states, expected)):
+        for what, g, e in zip(("attention output", "output"), got, want):
+            error = relative_error(g, e)
+            if error > TOLERANCE:
+                return f"first off at decoder layer {index}'s {what} (by {error:.2e})"
+    return "every decoder layer's attention output and output within the tolerance: the final norm or logits"
+
+
 def hf_tensor_parallel(folder: str, attention: str):
     import transformers
 
@@ -471,7 +518,8 @@ class Case(NamedTuple):
     config: object  # the transformers config every system is built from
     prompt: torch.Tensor
     expected: list  # check_logits of the whole model
-    steps: dict  # decode batch -> (the whole model's logits of `decode_step`, `routed_experts`' counts)
+    steps: dict  # decode batch -> (the whole model's logits of `decode_step`, `routed_experts`' counts,
+    #                               `recorded_layers`' states)
     prefill: list
     decode: list
     timed: bool
@@ -494,7 +542,11 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
     whole = build(copy.deepcopy(config), w.device)
     prompt = torch.randint(0, config.vocab_size, (CHECK_BATCH, CHECK_TOKENS + CHECK_STEPS),
                            generator=torch.Generator().manual_seed(1)).to(w.device)
-    steps = {batch: routed_experts(whole, decode_step(whole, batch, config.vocab_size, w.device)) for batch in decode}
+    steps = {}
+    for batch in decode:
+        step = decode_step(whole, batch, config.vocab_size, w.device)
+        with recorded_layers(whole) as states:
+            steps[batch] = (*routed_experts(whole, step), states)
     case = Case(kind, config, prompt, check_logits(whole, prompt), steps, prefill, decode, timed, kernels, rates)
     folder = _save_checkpoint(whole) if "hf_tp" in systems and w.device.type == "cuda" else None
     del whole
@@ -606,7 +658,10 @@ def _timings(case: Case, name: str, model, config) -> list[dict]:
         rows.append(_row(case, name, f"prefill {tokens}", us, "eager", step))
     for batch in case.decode:
         step = decode_step(model, batch, config.vocab_size, w.device)
-        _check(case, name, f"decode {batch}", [step()], [case.steps[batch][0]])
+        try:
+            _check(case, name, f"decode {batch}", [step()], [case.steps[batch][0]])
+        except AssertionError as error:
+            raise AssertionError(f"{error}; {_first_departure(model, step, case.steps[batch][2])}") from None
         if case.timed:
             eager = NOTES["megatron moe decode"] if name == "megatron" and case.kind == "moe" else None
             rows.append(_row(case, name, f"decode {batch}", *_decode_us(step, eager), step))
