@@ -23,8 +23,8 @@ BLOCK = 1024
 """Output columns a program of `swiglu_kernel` writes (a row of them)."""
 
 
-@jit(do_not_specialize=["M"])
-def swiglu_kernel(y_ptr, out_ptr, M, N, BLOCK: tl.constexpr):
+@jit
+def swiglu_kernel(y_ptr, out_ptr, N, BLOCK: tl.constexpr):
     """out[r, c] = silu(y[r, c]) * y[r, N + c] for y [M, 2N] and out [M, N], both contiguous;
     program (r, b) takes row r's columns b*BLOCK ... (b+1)*BLOCK - 1."""
     row = tl.program_id(0).to(tl.int64)
@@ -46,4 +46,4 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sw
             torch.addmm(bias, x, weight.t(), out=out)
         return
     m, n = out.shape
-    swiglu_kernel[(m, triton.cdiv(n, BLOCK))](F.linear(x, weight, bias), out, m, n, BLOCK=BLOCK)
+    swiglu_kernel[(m, triton.cdiv(n, BLOCK))](F.linear(x, weight, bias), out, n, BLOCK=BLOCK)
