@@ -47,17 +47,21 @@ def _reference(qkv, cos, sin, heads, kv_heads, norms, eps):
     return q, k, v.transpose(1, 2)
 
 
-CASES = [(torch.bfloat16, 64, True, False), (torch.float16, 64, False, True), (torch.bfloat16, 16, True, True)]
+# (dtype, D, norms, cos broadcast, tokens a sequence): 2 x 37 tokens are a prefill's tiles, the last
+# one partly past the tokens (`rotary.tile`)
+CASES = [(torch.bfloat16, 64, True, False, 5), (torch.float16, 64, False, True, 5), (torch.bfloat16, 16, True, True, 5),
+         (torch.bfloat16, 64, True, False, 37), (torch.float16, 16, False, True, 37)]
 
 
 def _rotary(w):
-    batch, seq, heads, kv_heads, capacity, start, eps = 2, 5, 4, 2, 12, 6, 1e-6
-    for seed, (dtype, head_dim, norm, broadcast) in enumerate(CASES):
+    batch, heads, kv_heads, start, eps = 2, 4, 2, 6, 1e-6
+    for seed, (dtype, head_dim, norm, broadcast, seq) in enumerate(CASES):
+        capacity = start + seq + 1
         qkv, cos, sin, norms = _inputs(batch, seq, heads, kv_heads, head_dim, dtype, broadcast, seed)
         want_q, want_k, want_v = _reference(qkv, cos, sin, heads, kv_heads, norms if norm else None, eps)
         on = [t.to(w.device) for t in (qkv, cos, sin)]
         norm_args = dict(q_norm=norms[0].to(w.device), k_norm=norms[1].to(w.device)) if norm else {}
-        what = f"{dtype}, D={head_dim}, norm={norm}, broadcast cos={broadcast}"
+        what = f"{dtype}, D={head_dim}, norm={norm}, broadcast cos={broadcast}, {seq} tokens"
 
         q, k, v = ops.rotary_qkv(*on, heads, kv_heads, eps=eps, **norm_args)
         for name, got, want in (("q", q, want_q), ("k", k, want_k)):

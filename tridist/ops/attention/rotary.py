@@ -11,9 +11,9 @@ to the dtype, as there):
     q, k = q * cos + rotate_half(q) * sin, ...       # cos, sin [B, S, D]; rotate_half(x) = [-x2, x1]
     cache.update(k, v)                              # or returned
 
-Program (token t, head j) takes one head of one token: j < Hq a query head, then the key heads,
-then the value heads, so that a decode step (few tokens, dozens of heads) still spreads over many
-programs. Positions: token s of sequence b is written at `index + s` of sequence b's cache, `index`
+Program (i, j) takes head j of BLOCK_T tokens: j < Hq a query head, then the key heads, then the
+value heads, so that a decode step (few tokens, one a program, dozens of heads) still spreads over
+many programs, and a prefill's programs each move enough bytes to pay for their start (`tile`). Positions: token s of sequence b is written at `index + s` of sequence b's cache, `index`
 read on the device (transformers' static cache layer counts its positions in a device tensor,
 `cumulative_length`, which the caller advances after the step), so a step needs no host value and
 captures in a CUDA graph.
@@ -27,7 +27,21 @@ from tridist.runtime.jit import jit
 from ..checks import check_input
 
 DTYPES = (torch.bfloat16, torch.float16)
-WARPS = 1  # a program holds one head: 64 elements a half at D = 128, two a thread of one warp
+DECODE_TOKENS = 64
+"""Up to this many tokens (a decode batch) a program takes one token's head, in one warp (64
+elements a half at D = 128, two a thread); past it, PREFILL_BLOCK_T tokens' in PREFILL_WARPS warps.
+A prefill of 4096 tokens of 40 heads took 101 us a layer on one H100 a head a program, over 163,840
+programs of 512 bytes, where its 84 MB read and written take about 30 us at the copy rate
+(benchmarks/NOTES.md, "The MoE model's prefill")."""
+PREFILL_BLOCK_T = 16
+PREFILL_WARPS = 4
+
+
+def tile(tokens: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_T, num_warps) of a call of `tokens` tokens of heads of `head_dim`."""
+    if tokens <= DECODE_TOKENS:
+        return 1, 1
+    return PREFILL_BLOCK_T, max(1, min(PREFILL_WARPS, PREFILL_BLOCK_T * head_dim // 512))
 
 
 @triton.jit
@@ -37,49 +51,52 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @jit
-def rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, q_ptr, k_ptr, v_ptr, index_ptr, eps,
+def rotary_qkv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, q_ptr, k_ptr, v_ptr, index_ptr, eps, tokens,
                       seq_len, qkv_row, cos_batch, cos_token, q_batch, q_head, q_token, kv_batch, kv_head, kv_token,
-                      q_heads, kv_heads, D: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr):
-    """Program (t, j) for token t = b * seq_len + s and head j of the fused row qkv[t] ([Hq + 2 Hkv]
-    heads of D, rows `qkv_row` apart). cos and sin of (b, s) at b * cos_batch + s * cos_token. A
-    head h of q is written at b * q_batch + h * q_head + s * q_token, of k and v likewise with the
-    kv strides at position s, or index + s with CACHE (k and v are then the caches)."""
-    t = tl.program_id(0)
+                      q_heads, kv_heads, D: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+    """Program (i, j) for tokens t = i * BLOCK_T ... (t = b * seq_len + s, below `tokens`) and head j
+    of the fused rows qkv[t] ([Hq + 2 Hkv] heads of D, rows `qkv_row` apart). cos and sin of (b, s)
+    at b * cos_batch + s * cos_token. A head h of q is written at b * q_batch + h * q_head + s *
+    q_token, of k and v likewise with the kv strides at position s, or index + s with CACHE (k and v
+    are then the caches)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.program_id(1)
-    b = t // seq_len
-    s = t % seq_len
+    inside = (t < tokens)[:, None]
+    b = (t // seq_len).to(tl.int64)[:, None]
+    s = (t % seq_len)[:, None]
     dtype = q_ptr.dtype.element_ty
-    half = tl.arange(0, D // 2)
-    row = qkv_ptr + t.to(tl.int64) * qkv_row + j * D
-    x1 = tl.load(row + half).to(tl.float32)
-    x2 = tl.load(row + D // 2 + half).to(tl.float32)
+    half = tl.arange(0, D // 2)[None, :]
+    row = qkv_ptr + t.to(tl.int64)[:, None] * qkv_row + j * D
+    x1 = tl.load(row + half, mask=inside).to(tl.float32)
+    x2 = tl.load(row + D // 2 + half, mask=inside).to(tl.float32)
     position = s
     if CACHE:
         position += tl.load(index_ptr)
     if j < q_heads + kv_heads:
         if NORM:
             weight = tl.where(j < q_heads, q_norm_ptr, k_norm_ptr)
-            scale = tl.rsqrt((tl.sum(x1 * x1) + tl.sum(x2 * x2)) / D + eps)
+            scale = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
             x1 = _rounded(tl.load(weight + half).to(tl.float32) * _rounded(x1 * scale, dtype), dtype)
             x2 = _rounded(tl.load(weight + D // 2 + half).to(tl.float32) * _rounded(x2 * scale, dtype), dtype)
-        angles = b.to(tl.int64) * cos_batch + s * cos_token
-        cos1 = tl.load(cos_ptr + angles + half).to(tl.float32)
-        cos2 = tl.load(cos_ptr + angles + D // 2 + half).to(tl.float32)
-        sin1 = tl.load(sin_ptr + angles + half).to(tl.float32)
-        sin2 = tl.load(sin_ptr + angles + D // 2 + half).to(tl.float32)
+        angles = b * cos_batch + s * cos_token
+        cos1 = tl.load(cos_ptr + angles + half, mask=inside).to(tl.float32)
+        cos2 = tl.load(cos_ptr + angles + D // 2 + half, mask=inside).to(tl.float32)
+        sin1 = tl.load(sin_ptr + angles + half, mask=inside).to(tl.float32)
+        sin2 = tl.load(sin_ptr + angles + D // 2 + half, mask=inside).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]: each product rounded, then the sum
         y1 = _rounded(x1 * cos1, dtype) + _rounded(-x2 * sin1, dtype)
         y2 = _rounded(x2 * cos2, dtype) + _rounded(x1 * sin2, dtype)
         if j < q_heads:
-            out = q_ptr + b.to(tl.int64) * q_batch + j * q_head + s * q_token
+            out = q_ptr + b * q_batch + j * q_head + s * q_token
         else:
-            out = k_ptr + b.to(tl.int64) * kv_batch + (j - q_heads) * kv_head + position * kv_token
-        tl.store(out + half, y1.to(dtype))
-        tl.store(out + D // 2 + half, y2.to(dtype))
+            out = k_ptr + b * kv_batch + (j - q_heads) * kv_head + position * kv_token
+        tl.store(out + half, y1.to(dtype), mask=inside)
+        tl.store(out + D // 2 + half, y2.to(dtype), mask=inside)
     else:
-        out = v_ptr + b.to(tl.int64) * kv_batch + (j - q_heads - kv_heads) * kv_head + position * kv_token
-        tl.store(out + half, x1.to(dtype))
-        tl.store(out + D // 2 + half, x2.to(dtype))
+        out = v_ptr + b * kv_batch + (j - q_heads - kv_heads) * kv_head + position * kv_token
+        tl.store(out + half, x1.to(dtype), mask=inside)
+        tl.store(out + D // 2 + half, x2.to(dtype), mask=inside)
 
 
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, *,
@@ -168,9 +185,11 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
         k_out, v_out, index = cache
         k = v = None
     if q.numel():
-        rotary_qkv_kernel[(batch * seq_len, num_heads + 2 * num_kv_heads)](
+        tokens = batch * seq_len
+        block_t, warps = tile(tokens, head_dim)
+        rotary_qkv_kernel[(triton.cdiv(tokens, block_t), num_heads + 2 * num_kv_heads)](
             qkv, cos, sin, q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, q, k_out,
-            v_out, index if index is not None else qkv, eps, seq_len, qkv.stride(1), *cos.stride()[:2], *q.stride()[:3],
+            v_out, index if index is not None else qkv, eps, tokens, seq_len, qkv.stride(1), *cos.stride()[:2], *q.stride()[:3],
             *k_out.stride()[:3], num_heads, num_kv_heads, D=head_dim, NORM=q_norm is not None, CACHE=cache is not None,
-            num_warps=WARPS)
+            BLOCK_T=block_t, num_warps=warps)
     return q, k, v
