@@ -69,6 +69,7 @@ def _rotary(w):
             error = relative_error(got.cpu(), want)
             assert error <= TOLERANCE[dtype], f"{what}: {name} off by {error:.2e}"
         assert torch.equal(v.cpu(), want_v), f"{what}: v is not the input's v heads"
+        assert q.transpose(1, 2).is_contiguous(), f"{what}: q's memory is not [B, S, heads, D]"
 
         caches = [torch.full((batch, kv_heads, capacity, head_dim), POISON, dtype=dtype, device=w.device)
                   for _ in range(2)]

@@ -125,7 +125,8 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
             (not checked: it lives on the device).
 
     Returns:
-        `(q, k, v)`: q `[B, num_heads, S, D]`, contiguous; k and v `[B, num_kv_heads, S, D]`, or
+        `(q, k, v)`: q `[B, num_heads, S, D]`, a view of `[B, S, num_heads, D]` memory (its
+        transpose(1, 2) is contiguous); k and v `[B, num_kv_heads, S, D]`, or
         None where they went into `cache` (the layout transformers' attention takes).
 
     Raises:
@@ -176,7 +177,9 @@ def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_head
 
     head_dim, cos, sin = check()
     batch, seq_len, _ = qkv.shape
-    q = qkv.new_empty(batch, num_heads, seq_len, head_dim)
+    # q's memory is [B, S, heads, D]: an attention that lays its output out as its query (cuDNN's)
+    # then gives the rows the output projection reads, with no copy between
+    q = qkv.new_empty(batch, seq_len, num_heads, head_dim).transpose(1, 2)
     if cache is None:
         k, v = (qkv.new_empty(batch, num_kv_heads, seq_len, head_dim) for _ in range(2))
         index = None
