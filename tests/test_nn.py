@@ -89,6 +89,7 @@ def _generates_like_the_whole_model(w, model, moe, cache, padded):
     sharded = example.build_model(example.tiny_config(model), w.device)
     whole = copy.deepcopy(sharded)
     tridist.nn.parallelize(sharded, moe=moe)
+    assert sharded.generation_config.disable_compile, "generate() would compile tridist's kernels with TorchInductor"
     prompt = torch.randint(1, 128, (2, 5), generator=torch.Generator().manual_seed(3)).to(w.device)
     mask = torch.ones_like(prompt)
     if padded:

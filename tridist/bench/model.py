@@ -542,14 +542,12 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
     whole = build(copy.deepcopy(config), w.device)
     prompt = torch.randint(0, config.vocab_size, (CHECK_BATCH, CHECK_TOKENS + CHECK_STEPS),
                            generator=torch.Generator().manual_seed(1)).to(w.device)
-    steps = {}
-    for batch in decode:
-        step = decode_step(whole, batch, config.vocab_size, w.device)
-        with recorded_layers(whole) as states:
-            steps[batch] = (*routed_experts(whole, step), states)
-    case = Case(kind, config, prompt, check_logits(whole, prompt), steps, prefill, decode, timed, kernels, rates)
+    case = Case(kind, config, prompt, check_logits(whole, prompt), _expected_steps(whole, decode, config, w.device),
+                prefill, decode, timed, kernels, rates)
     folder = _save_checkpoint(whole) if "hf_tp" in systems and w.device.type == "cuda" else None
-    del whole
+    del whole  # nothing else holds it (its steps' caches neither): the systems are built one at a time
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     variants = [(system, moe) for system in systems
                 for moe in (moe_modes if system == "tridist" and kind == "moe" else [None])]
     rows = []
@@ -578,6 +576,17 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
         if folder and w.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return _ratios(rows)
+
+
+def _expected_steps(whole, decode, config, device) -> dict:
+    """Case.steps of the whole model: for each decode batch, its step's logits, its MoE layers' expert
+    counts and its layers' states. The steps (and their caches) are dropped on return."""
+    steps = {}
+    for batch in decode:
+        step = decode_step(whole, batch, config.vocab_size, device)
+        with recorded_layers(whole) as states:
+            steps[batch] = (*routed_experts(whole, step), states)
+    return steps
 
 
 class Stopped(BaseException):

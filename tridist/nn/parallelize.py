@@ -209,7 +209,8 @@ def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
     logits on every rank: those of the whole model, within 16-bit rounding (the row-parallel sums
     add the ranks' partial products in fp32, where one GPU adds in a different order).
     `model.generate(input_ids, ...)` works with transformers' dynamic and static caches
-    (`cache_implementation="static"`). Which models it takes, and what it refuses: the
+    (`cache_implementation="static"`), uncompiled: TorchInductor cannot rebuild tridist's kernels,
+    so the model's `generation_config.disable_compile` is set. Which models it takes, and what it refuses: the
     "Supported models" section of the `tridist.nn` reference. With a group, "every rank" and "the
     world size" are its members and their number: each group shards and runs its own copy of the
     model (data parallelism across the groups).
@@ -248,6 +249,10 @@ def parallelize(model: nn.Module, *, group=None, moe: str = "ep") -> nn.Module:
         inner.layers[index] = _layer(layer, plan, model.config, step, moe, ranks)
     inner.norm = FinalNorm(_norm(inner.norm, ranks.group), step)
     model.set_attn_implementation("sdpa")  # its boolean masks are what tridist's attention reads
+    if getattr(model, "generation_config", None) is not None:
+        # generate() compiles a static cache's steps on GPUs, and TorchInductor cannot rebuild
+        # tridist's kernels (they call `tridist.language`'s device functions)
+        model.generation_config.disable_compile = True
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and head.out_features % ranks.world_size == 0:
         model.lm_head = ColumnParallelLinear.from_linear(head, gather_output=True, group=ranks.group)
