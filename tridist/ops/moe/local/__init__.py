@@ -60,7 +60,8 @@ def moe_local(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
               config: tuple[dict, dict] | None = None) -> torch.Tensor:
     """The experts of an MoE layer on this rank: for each token t,
     `y[t] = sum_j topk_weights[t, j] * (silu(x[t] @ W_gate[e]) * (x[t] @ W_up[e])) @ W_down[e]`
-    over its pairs j whose id e = topk_idx[t, j] is an expert, in fp32, in j order.
+    over its pairs j whose id e = topk_idx[t, j] is an expert, in fp32, in j order, each pair's
+    term rounded to x's dtype first (h too: `moe_local_reference`).
 
     Args:
         x: `[T, hidden]`, bf16 or fp16, contiguous.
@@ -118,8 +119,8 @@ def moe_local(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
 
 def moe_local_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                         w_down: torch.Tensor) -> torch.Tensor:
-    """`moe_local`'s meaning in float32 with torch (h rounded to x's dtype, as the kernels keep it):
-    the reference its tests and benchmark check against."""
+    """`moe_local`'s meaning in float32 with torch (h and each pair's weighted term rounded to x's
+    dtype, as the kernels keep them): the reference its tests and benchmark check against."""
     tokens, hidden = x.shape
     experts_n, inner = w_down.shape[:2]
     y = torch.zeros(tokens, hidden, dtype=torch.float32, device=x.device)
@@ -130,7 +131,7 @@ def moe_local_reference(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
             rows = topk_idx[:, j] == e
             gate, up = (x[rows].float() @ w_gate_up[e].float()).split(inner, dim=-1)
             h = (F.silu(gate) * up).to(x.dtype).float()
-            y[rows] += topk_weights[rows, j, None] * (h @ w_down[e].float())
+            y[rows] += (topk_weights[rows, j, None] * (h @ w_down[e].float())).to(x.dtype).float()
     return y
 
 

@@ -5,8 +5,9 @@ x is [T, hidden]; w_gate_up [E, hidden, 2I] (each expert's W_gate columns, then 
 w_down [E, I, hidden]; topk_idx int64 [T, topk], ids outside [0, E) naming no expert (-1: none);
 topk_weights float32 [T, topk]. The unfused reference: for every pair (t, j) whose id e is an
 expert, h = silu(x[t] @ W_gate[e]) * (x[t] @ W_up[e]) rounded to x's dtype, and
-y[t] = the sum over j, in j order and in fp32, of topk_weights[t, j] * (h @ W_down[e]), rounded
-once to x's dtype; a token with no expert gets zeros.
+y[t] = the sum over j, in j order and in fp32, of topk_weights[t, j] * (h @ W_down[e]) rounded to
+x's dtype (a part, as transformers rounds each expert's output), the sum rounded to x's dtype; a
+token with no expert gets zeros.
 
 Rows. Each kernel's tile is a block of rows of one expert by a tile of columns; its rows are the
 expert's pairs, laid out one of two ways (`policy.dense`):
@@ -31,14 +32,15 @@ for the tokens that no pair reaches (tokens spread over the programs, `ZB` each)
 from an earlier call, and no launch of its own does it.
 
 Kernel 2, `moe_down_kernel`: for its rows, weight * (h @ W_down[e]) over its hidden-columns in fp32, the
-pair's part, stored to parts[t * topk + j] (fp32 [T * topk, hidden]). Then, after a barrier of the
+pair's part, rounded to x's dtype (as transformers' experts round each expert's output) and stored
+to parts[t * topk + j] ([T * topk, hidden]). Then, after a barrier of the
 program (every thread's stores issued first), one acquire-release add per row to counts[t, column
 tile] at GPU scope. The add that brings a token's count to its number of arriving pairs (ids
 within [0, E); dense: the first of equal ids) is the last: that program (its threads past a
 barrier) reads the token's parts past L1 and writes y[t, columns] = their sum, j = 0, 1, ... in
 turn. Whichever program finishes a token last, the sum is taken in the same order: the same bits
 every run. No atomics on values, no separate weighting, scatter or sum kernel; what it costs is the
-parts written once and read back once (4 bytes a pair per hidden column each way) and an atomic
+parts written once and read back once (2 bytes a pair per hidden column each way) and an atomic
 add per row.
 """
 from typing import NamedTuple
@@ -233,7 +235,7 @@ def moe_gate_up_kernel(x_ptr, w_desc, h_ptr, routing, counts_ptr, y_ptr, tokens,
 def moe_down_kernel(h_ptr, w_desc, parts_ptr, routing, counts_ptr, y_ptr, tokens, hidden, inner, TOPK: tl.constexpr,
                 DENSE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """parts (fp32 [T * topk, hidden]) = weight * (h @ W_down) by pair, and each token's sum into y
+    """parts (x's dtype, [T * topk, hidden]) = weight * (h @ W_down) by pair, and each token's sum into y
     by the program that brings its count (counts_ptr: [T, column tiles]) to its arriving pairs."""
     idx_ptr, weights_ptr, order_ptr, offs_ptr, E = routing
     tiles_n = tl.cdiv(hidden, BLOCK_N)
@@ -244,7 +246,8 @@ def moe_down_kernel(h_ptr, w_desc, parts_ptr, routing, counts_ptr, y_ptr, tokens
                                BLOCK_M, BLOCK_N, BLOCK_K)
         cols = tn * BLOCK_N + tl.arange(0, BLOCK_N)
         in_cols = (cols < hidden)[None, :]
-        tl.store(parts_ptr + pair.to(tl.int64)[:, None] * hidden + cols[None, :], acc * weight[:, None],
+        tl.store(parts_ptr + pair.to(tl.int64)[:, None] * hidden + cols[None, :],
+                 (acc * weight[:, None]).to(parts_ptr.dtype.element_ty),
                  mask=valid[:, None] & in_cols)
         tl.debug_barrier()  # every thread's parts issued before any of the program's counts goes up
         count = tl.atomic_add(counts_ptr + token * tiles_n + tn, 1, mask=valid, sem="acq_rel", scope="gpu")
@@ -257,7 +260,7 @@ def moe_down_kernel(h_ptr, w_desc, parts_ptr, routing, counts_ptr, y_ptr, tokens
             for k in tl.static_range(TOPK):
                 mine = last & (tl.max(tl.where(j[None, :] == k, arrive.to(tl.int32), 0), 1) > 0)
                 total += tl.load(parts_ptr + (token.to(tl.int64) * TOPK + k)[:, None] * hidden + cols[None, :],
-                                 mask=mine[:, None] & in_cols, other=0.0, cache_modifier=".cg")
+                                 mask=mine[:, None] & in_cols, other=0.0, cache_modifier=".cg").to(tl.float32)
             tl.store(y_ptr + token.to(tl.int64)[:, None] * hidden + cols[None, :], total.to(y_ptr.dtype.element_ty),
                      mask=last[:, None] & in_cols)
 
@@ -306,7 +309,7 @@ def launch(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, w_gate_up:
     down_tiles = triton.cdiv(hidden, down_config["BLOCK_N"])
     counts = torch.empty((tokens, down_tiles), dtype=torch.int32, device=x.device)
     h = torch.empty((tokens * topk, inner), dtype=x.dtype, device=x.device)
-    parts = torch.empty((tokens * topk, hidden), dtype=torch.float32, device=x.device)
+    parts = torch.empty((tokens * topk, hidden), dtype=x.dtype, device=x.device)
     # P_PAD only for the dense rows, so that prefill calls of any T share one compiled kernel
     pads = dict(TOPK=topk, DENSE=dense, E_PAD=max(32, triton.next_power_of_2(experts)),
                 K_PAD=triton.next_power_of_2(topk), P_PAD=triton.next_power_of_2(tokens * topk) if dense else 1)
