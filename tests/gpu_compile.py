@@ -313,7 +313,7 @@ def _local_moe_cases():
                 head = {"x_ptr": "*bf16", "w_desc": weights, "h_ptr": "*bf16"}
                 tail, constexprs = {"down_tiles": "i32"}, {"ZB": 1}
             else:
-                head, tail, constexprs = {"h_ptr": "*bf16", "w_desc": weights, "parts_ptr": "*fp32"}, {}, {}
+                head, tail, constexprs = {"h_ptr": "*bf16", "w_desc": weights, "parts_ptr": "*bf16"}, {}, {}
             constexprs.update(pads, DENSE=dense, P_PAD=64, **config)
             signature = {**head, "routing": routing, "counts_ptr": "*i32", "y_ptr": "*bf16", **sizes, **tail,
                          **{name: "constexpr" for name in constexprs}}
@@ -356,20 +356,22 @@ def _norm_cases():
 
 def _rotary_cases():
     """rotary_qkv's kernel for D 64 and 128, with the per-head norms (Qwen3) and without (Llama), k and
-    v written into a static cache at its device index and returned."""
+    v written into a static cache at its device index and returned, in a decode step's tile and a
+    prefill's."""
     cases = []
     for d in (64, 128):
         for norm in (True, False):
-            for cache in (True, False):
+            for cache, tokens in ((True, 1), (False, 1), (False, 4096)):
+                block_t, warps = rotary.tile(tokens, d)
                 signature = {"qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_norm_ptr": "*bf16",
                              "k_norm_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                              "index_ptr": "*i64" if cache else "*bf16", "eps": "fp32",
-                             **{name: "i32" for name in ("seq_len", "qkv_row", "cos_batch", "cos_token", "q_batch",
+                             **{name: "i32" for name in ("tokens", "seq_len", "qkv_row", "cos_batch", "cos_token", "q_batch",
                                                          "q_head", "q_token", "kv_batch", "kv_head", "kv_token",
                                                          "q_heads", "kv_heads")},
-                             "D": "constexpr", "NORM": "constexpr", "CACHE": "constexpr"}
-                cases.append((rotary.rotary_qkv_kernel, signature, {"D": d, "NORM": norm, "CACHE": cache},
-                              {"num_warps": rotary.WARPS}))
+                             "D": "constexpr", "NORM": "constexpr", "CACHE": "constexpr", "BLOCK_T": "constexpr"}
+                cases.append((rotary.rotary_qkv_kernel, signature,
+                              {"D": d, "NORM": norm, "CACHE": cache, "BLOCK_T": block_t}, {"num_warps": warps}))
     return cases
 
 
