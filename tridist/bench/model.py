@@ -40,7 +40,9 @@ two decode steps with a `DynamicCache`; `compile` skips these, which would compi
 then each decode step's logits against the whole model's same step, every system's `compile`
 included, within `TOLERANCE` of the largest logit; at world size 1 a decode step that fails says
 where it first departs, decoder layer by layer (`recorded_layers`: each layer's attention output and
-output against the whole model's). Then, timed:
+output against the whole model's). A check that fails is a row saying so (`failed`), its step (or,
+for the logits, its system) untimed; the run goes on with the others, saves them, and exits with 1.
+Then, timed:
 - prefill of `--prefill` tokens (one sequence; the last position's logits), eagerly;
 - a decode step at each `--decode` batch over a `StaticCache` of `CONTEXT` positions, in a CUDA
   graph of GRAPH_STEPS steps, or eagerly where the row says why (the megatron MoE step reads its
@@ -602,19 +604,30 @@ def _stop(signum, frame):
     raise Stopped()
 
 
-def _check(case: Case, name: str, what: str, got: list, want: list) -> None:
-    """Raises AssertionError (on every rank) unless `got` is within TOLERANCE of `want`, tensor by tensor."""
+def _check(case: Case, name: str, what: str, got: list, want: list) -> str | None:
+    """Why `got` is not within TOLERANCE of `want`, tensor by tensor (the same on every rank), or None
+    where it is."""
     error = slowest(max(relative_error(g, e) for g, e in zip(got, want)))
     if error > TOLERANCE:
-        raise AssertionError(f"{case.kind} {name}: {what} off by {error:.2e} of the largest (tolerance {TOLERANCE})")
+        return f"{case.kind} {name}: {what} off by {error:.2e} of the largest (tolerance {TOLERANCE})"
     if tridist.world().rank == 0:
         print(f"{case.kind} {name}: {what} within {error:.1e} of the whole model's", flush=True)
+    return None
+
+
+def _failed(case: Case, name: str, why: str, step: str | None = None) -> dict:
+    """The row of a check that failed: the step (or, without one, the whole system) is not timed, and
+    `main` ends the run with an error once the other rows are saved."""
+    if tridist.world().rank == 0:
+        print(f"FAILED {why}", flush=True)
+    return {"model": case.kind, "system": name, **({"step": step} if step else {}), "failed": why}
 
 
 def _system(case: Case, name: str, model, config) -> list[dict]:
-    """One system's model checked against the whole model's logits, then its steps checked and timed."""
-    _check(case, name, "logits", check_logits(model, case.prompt), case.expected)
-    rows = _timings(case, name, model, config)
+    """One system's model checked against the whole model's logits, then its steps checked and timed;
+    a failed check is a row saying so."""
+    why = _check(case, name, "logits", check_logits(model, case.prompt), case.expected)
+    rows = [_failed(case, name, why)] if why else _timings(case, name, model, config)
     _free(model)
     return rows
 
@@ -667,11 +680,11 @@ def _timings(case: Case, name: str, model, config) -> list[dict]:
         rows.append(_row(case, name, f"prefill {tokens}", us, "eager", step))
     for batch in case.decode:
         step = decode_step(model, batch, config.vocab_size, w.device)
-        try:
-            _check(case, name, f"decode {batch}", [step()], [case.steps[batch][0]])
-        except AssertionError as error:
-            raise AssertionError(f"{error}; {_first_departure(model, step, case.steps[batch][2])}") from None
-        if case.timed:
+        why = _check(case, name, f"decode {batch}", [step()], [case.steps[batch][0]])
+        if why:
+            rows.append(_failed(case, name, f"{why}; {_first_departure(model, step, case.steps[batch][2])}",
+                                f"decode {batch}"))
+        elif case.timed:
             eager = NOTES["megatron moe decode"] if name == "megatron" and case.kind == "moe" else None
             rows.append(_row(case, name, f"decode {batch}", *_decode_us(step, eager), step))
     return rows
@@ -788,11 +801,16 @@ def _compiled(case: Case, modes, batches) -> list[dict]:
                                  + "), compiled without it")
                     compiled[mode] = model.forward = torch.compile(forward, mode=mode, dynamic=False)
                     seconds = _first_calls(step)
-                _check(case, f"compile {mode}", f"decode {batch}", [step()], [case.steps[batch][0]])
+                why = _check(case, f"compile {mode}", f"decode {batch}", [step()], [case.steps[batch][0]])
+                if why:
+                    rows.append(_failed(case, "compile", why, f"decode {batch}"))
+                    continue
                 times[mode] = (*_decode_us(step, NOTES["compile own graphs"] if mode in OWN_GRAPHS else None), seconds)
                 if w.rank == 0:
                     print(f"  {case.kind} compile {mode} decode {batch}: compiled in {seconds:.0f} s, "
                           f"{times[mode][0]:.1f} us ({times[mode][1]})", flush=True)
+            if not times:
+                continue
             best = min(times, key=lambda mode: times[mode][0])
             model.forward = compiled[best]
             modes_us = "; ".join(f"{mode} {us:.1f} us, compiled in {seconds:.0f} s" for mode, (us, _, seconds)
@@ -917,7 +935,8 @@ def main(argv=None) -> int:
         rows += stop.rows
         stopped = "stopped by SIGTERM: the rows of the systems that finished before it"
         print(f"model: {stopped}", flush=True)
-    if w.rank == 0 and not timed and not stopped:
+    failed = [row["failed"] for row in rows if "failed" in row]
+    if w.rank == 0 and not timed and not stopped and not failed:
         print(f"model: every check passed; nothing timed ({'ranks share a GPU' if shared else 'no GPU'})")
     elif w.rank == 0 and timed:
         columns = []
@@ -934,7 +953,9 @@ def main(argv=None) -> int:
         if stopped:
             extra["stopped"] = stopped
         print(f"saved {save('model', rows, args.out, extra)}")
-    if stopped:
+    if failed and w.rank == 0:
+        print(f"model: {len(failed)} check(s) failed, their steps not timed:\n  " + "\n  ".join(failed), flush=True)
+    if stopped or failed:
         return 1
     tridist.finalize()
     return 0
