@@ -3,7 +3,10 @@ transformers' routing (the same expert ids, the weights within a rounding), the 
 float32 reference of the whole block as transformers computes it, at T of 0, 1, 3 and 17 in both
 row layouts (dense and sorted), ids of no expert among them, outputs poisoned, the same bits on a
 second call; bad input refused; the MoE layers at world size 1 through the local path (no
-exchange); the custom ops under torch.compile. A local op: world 1 only."""
+exchange); the custom ops under torch.compile; `tridist bench moe_local`'s checks. A local op: world 1
+only."""
+import argparse
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -278,3 +281,23 @@ def test_experts_at_the_real_model_shapes(world):
     if world.backend == "emulator":
         pytest.skip("the real model's shapes take minutes in the emulator: GPUs only")
     world.run(_real_shapes)
+
+
+def _bench(w):
+    """`tridist bench moe_local`'s checks on its emulator layer: the dense rows and the sorted rows,
+    the policy's tiles and the sweep's, each against the reference and the same bits twice."""
+    from tridist.bench import moe_local as bench
+
+    layer = bench.Layer(*bench.EMULATOR_LAYER, w.device)
+    rows = bench.run(layer, [1, 70], timed=False)
+    assert [row["rows"] for row in rows] == ["dense", "sorted"], rows
+    assert all(row["rel err"] <= bench.TOLERANCE and row["same bits"] for row in rows), rows
+    every, best = bench.sweep(layer, [3, 70], timed=False)
+    assert len(best) == 2 and len(every) == 4 and not any("error" in row for row in every), every
+    with pytest.raises(argparse.ArgumentTypeError, match="four positive integers"):
+        bench.parse_layer("128x2048x768")
+
+
+@pytest.mark.worlds("1")
+def test_moe_local_bench_checks(world):
+    world.run(_bench)

@@ -13,12 +13,12 @@ BENCHMARKS = {"primitives": "tridist.bench.primitives", "allgather": "tridist.be
               "grouped_gemm": "tridist.bench.moe", "ag_moe": "tridist.bench.moe", "moe_rs": "tridist.bench.moe",
               "ep": "tridist.bench.ep", "alltoall": "tridist.bench.ep", "model": "tridist.bench.model",
               "gemm_rs_epilogue": "tridist.bench.gemm_rs_epilogue", "linear": "tridist.bench.linear",
-              "all_reduce_rms_norm": "tridist.bench.norm"}
+              "moe_local": "tridist.bench.moe_local", "all_reduce_rms_norm": "tridist.bench.norm"}
 # Modules with one benchmark: their `main` takes no benchmark name.
 SINGLE = ("primitives", "torch_fused", "jacobi", "flash_decode", "model", "gemm_rs_epilogue", "linear",
-          "all_reduce_rms_norm")
+          "moe_local", "all_reduce_rms_norm")
 DEFAULT_RANKS = 2
-ONE_RANK = ("gemm_rs_epilogue", "linear")  # benchmarks of one GPU: one rank unless -n says otherwise
+ONE_RANK = ("gemm_rs_epilogue", "linear", "moe_local")  # benchmarks of one GPU: one rank unless -n says otherwise
 USAGE = "usage: tridist bench NAME [-n RANKS] [options]"
 HELP = f"""{USAGE}
 
@@ -40,6 +40,8 @@ NAME:
   jacobi          the 2D Jacobi solver per iteration, host loop against one fused co-resident kernel
   flash_decode    the split-KV decode kernel's bandwidth against a copy and SDPA on one GPU (-n 1)
   grouped_gemm    the grouped GEMM against torch._grouped_mm (fp8: _scaled_grouped_mm) and a copy's bandwidth
+  moe_local       an MoE layer's experts on one GPU (tridist.ops.moe_local, decode batches and a prefill)
+                  against transformers' grouped_mm experts, a copy's rate and cuBLAS; --sweep times tile candidates
   ag_moe, moe_rs  the tensor-parallel MoE ops against the grouped GEMM alone and NCCL + torch._grouped_mm
   ep              expert-parallel dispatch and combine (EPBuffer, normal and low-latency modes) against the plain
                   PyTorch steps, NCCL all_to_all_single with host-read splits, and a copy's bandwidth

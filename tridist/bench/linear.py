@@ -41,7 +41,7 @@ from tridist.ops import linear, sizing
 from tridist.ops.gemm.linear_gemm import Linear, reference
 from tridist.ops.gemm.linear_gemm.split_k import split_plan
 
-from .results import relative_error, save, table
+from .results import print_row, relative_error, save, table
 from .timing import copy_rate, op_us, time_us
 
 # (name, N, K, activation): N is the weight's rows (2I for swiglu). The MLP's and the logits' first.
@@ -160,8 +160,7 @@ def run(shapes, rows: list[int], timed: bool) -> list[dict]:
                             "cublas us": cublas_us, "cublas of copy": operands.nbytes / cublas_us / copy,
                             "vs cublas": cublas_us / us, "copy GB/s": copy / 1e3})
             results.append(row)
-            print("  " + ", ".join(f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
-                                   for key, value in row.items()), flush=True)
+            print_row(row)
         del operands
     return results
 
@@ -228,8 +227,7 @@ def _sweep_row(name: str, m: int, config: dict, policy: bool, operands: Operands
         op.free()
     except (AssertionError, RuntimeError, TritonError) as error:  # a config this GPU cannot run
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-    print("  " + ", ".join(f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
-                           for key, value in row.items()), flush=True)
+    print_row(row)
     return row
 
 

@@ -105,6 +105,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float().to(expected.device) - expected).abs().max() / expected.abs().max()).item()
 
 
+def print_row(row: dict) -> None:
+    """One result as it is made: `key value` pairs on one line, floats to three digits."""
+    print("  " + ", ".join(f"{key} {value:.3g}" if isinstance(value, float) else f"{key} {value}"
+                           for key, value in row.items()), flush=True)
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     def cell(value):
         return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -1,7 +1,7 @@
 """The local MoE's choices: which rows its tiles take (`experts`' two layouts) and the tiles of its
 two kernels. None of these has been timed yet: they are first picks from the grouped GEMM's
-(`gemm.grouped`, `gemm.persistent`) and from what a decode step reads, for `tridist bench moe` to
-check on a GPU."""
+(`gemm.grouped`, `gemm.persistent`) and from what a decode step reads, for `tridist bench moe_local
+--sweep` to check on a GPU."""
 import triton
 
 from ...sizing import programs_for
