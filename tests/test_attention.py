@@ -410,3 +410,22 @@ def _tutorial(w):
 def test_tutorial(world):
     """tutorials/09-flash-decoding.py's checks (its main starts and ends tridist itself)."""
     world.run(_tutorial)
+
+
+def _custom_op(w):
+    """`torch.ops.tridist.decode_attention` under torch.compile, over transformers' cache layout read
+    in place and a mask: the function's bits."""
+    g = torch.Generator().manual_seed(61)
+    q = torch.randn(2, 4, 64, generator=g).to(torch.bfloat16).to(w.device)
+    k, v = (torch.randn(2, 2, 24, 64, generator=g).to(torch.bfloat16).to(w.device).transpose(1, 2) for _ in range(2))
+    seqlens = torch.tensor([24, 9], dtype=torch.int32, device=w.device)
+    mask = torch.ones(2, 24, dtype=torch.bool, device=w.device)
+    mask[0, :5] = False
+    compiled = torch.compile(lambda q: torch.ops.tridist.decode_attention(q, k, v, seqlens, None, None, mask),
+                             backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(q), ops.decode_attention(q, k, v, seqlens, mask=mask))
+
+
+@pytest.mark.worlds("1")
+def test_decode_attention_custom_op_under_torch_compile(world):
+    world.run(_custom_op)

@@ -172,3 +172,17 @@ def _bench(w):
 @pytest.mark.worlds("1")
 def test_linear_bench_checks(world):
     world.run(_bench)
+
+
+def _custom_op(w):
+    """`torch.ops.tridist.linear` under torch.compile: the function's bits, plain and swiglu."""
+    for activation in (None, "swiglu"):
+        x, weight, bias = (t if t is None else t.to(w.device) for t in _operands((3, K), activation, torch.bfloat16, True))
+        compiled = torch.compile(lambda x: torch.ops.tridist.linear(x, weight, bias, activation), backend="aot_eager",
+                                 fullgraph=True)
+        assert torch.equal(compiled(x), ops.linear(x, weight, bias, activation=activation)), activation
+
+
+@pytest.mark.worlds("1")
+def test_linear_custom_op_under_torch_compile(world):
+    world.run(_custom_op)

@@ -108,3 +108,29 @@ def _bad_input(w):
 @pytest.mark.worlds("1")
 def test_rotary_qkv_bad_input(world):
     world.run(_bad_input)
+
+
+def _custom_ops(w):
+    """`torch.ops.tridist.rotary_qkv` and `rotary_qkv_cache` under torch.compile (AOT's
+    functionalization, which must see the caches change): the function's bits."""
+    qkv, cos, sin, norms = _inputs(2, 5, 4, 2, 64, torch.bfloat16, False, 9)
+    qkv, cos, sin, *norms = (t.to(w.device) for t in (qkv, cos, sin, *norms))
+    want_q, want_k, want_v = ops.rotary_qkv(qkv, cos, sin, 4, 2, q_norm=norms[0], k_norm=norms[1])
+
+    def returned(qkv):
+        return torch.ops.tridist.rotary_qkv(qkv, cos, sin, 4, 2, norms[0], norms[1], 1e-6)
+
+    def cached(qkv, k_cache, v_cache, index):
+        return torch.ops.tridist.rotary_qkv_cache(qkv, cos, sin, 4, 2, k_cache, v_cache, index, norms[0], norms[1], 1e-6)
+
+    got = torch.compile(returned, backend="aot_eager", fullgraph=True)(qkv)
+    assert all(torch.equal(g, e) for g, e in zip(got, (want_q, want_k, want_v)))
+    caches = [torch.full((2, 2, 8, 64), POISON, dtype=torch.bfloat16, device=w.device) for _ in range(2)]
+    q = torch.compile(cached, backend="aot_eager", fullgraph=True)(qkv, *caches, torch.tensor([1], device=w.device))
+    assert torch.equal(q, want_q) and torch.equal(caches[0][:, :, 1:6], want_k) and torch.equal(caches[1][:, :, 1:6], want_v)
+    assert (caches[0][:, :, 6:] == POISON).all() and (caches[0][:, :, :1] == POISON).all()
+
+
+@pytest.mark.worlds("1")
+def test_rotary_qkv_custom_ops_under_torch_compile(world):
+    world.run(_custom_ops)

@@ -99,9 +99,16 @@ block-table entry out of range points at.
   place, declared as mutating x),
   `torch.ops.tridist.ag_gemm(a_shard, b, comm="auto")`, `torch.ops.tridist.gemm_rs(a, b)`,
   `torch.ops.tridist.gemm_ar(a, b, method="auto")` (the GEMMs also with `scale_a`, `scale_b` for
-  fp8), and the MoE and all-to-all ops (their family pages list them), all in
+  fp8), the MoE and all-to-all ops (their family pages list them), and a decoder layer's local
+  ops: `torch.ops.tridist.linear(x, weight, bias=None, activation=None)`,
+  `torch.ops.tridist.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_norm=None, k_norm=None,
+  eps=1e-6)`, `torch.ops.tridist.rotary_qkv_cache(..., num_kv_heads, k_cache, v_cache, index,
+  q_norm=None, k_norm=None, eps=1e-6)` (k and v written into the caches, declared as mutating them;
+  returns q), `torch.ops.tridist.decode_attention(q, k_cache, v_cache, seqlens, block_table=None,
+  sm_scale=None, mask=None)`, `add_rms_norm` and `all_reduce_rms_norm`; all in
   [`torch_ops`][tridist.ops.torch_ops]. Each returns new tensors (no `out=`, nothing in place) but
-  `all_reduce_`, the GEMMs run their default config, and all of them run on the world.
+  `all_reduce_` and `rotary_qkv_cache`, the GEMMs run their default config, and all of them run on
+  the world.
 """
 from .attention import FlashDecode, decode_attention, flash_decode, rotary_qkv
 from .collectives import AllGather, AllReduce, ReduceScatter, all_gather, all_reduce, all_reduce_, reduce_scatter

@@ -9,8 +9,9 @@ import torch
 
 import tridist
 
+from .attention import decode_attention, rotary_qkv
 from .collectives import all_gather, all_reduce, all_reduce_, reduce_scatter
-from .gemm import ag_gemm, gemm_ar, gemm_rs, persistent
+from .gemm import ag_gemm, gemm_ar, gemm_rs, linear, persistent
 from .moe import ag_moe, all_to_all_v, all_to_all_v_2d, all_to_all_v_2d_offset, moe_local, moe_route, moe_rs
 from .moe.tensor_parallel.routing import MoEHandle
 from .norm import add_rms_norm, all_reduce_rms_norm
@@ -211,3 +212,63 @@ def add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """With a residual only: a custom op returns no input as it is (the function's `residual=None`)."""
     return add_rms_norm(x, residual, weight, eps)
+
+
+# ---- the decoder layer's local ops: the decode GEMM, rotary (with the cache write in place), attention
+def _linear_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                activation: str | None = None) -> torch.Tensor:
+    columns = weight.shape[0] // 2 if activation == "swiglu" else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], columns))
+
+
+@_custom_op("linear", _linear_out)
+def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              activation: str | None = None) -> torch.Tensor:
+    return linear(x, weight, bias, activation=activation)
+
+
+def _rotated(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, seq_len, columns = qkv.shape
+    head_dim = columns // (num_heads + 2 * num_kv_heads)
+    q = qkv.new_empty((batch, seq_len, num_heads, head_dim)).transpose(1, 2)  # rotary_qkv's layout
+    return q, *(qkv.new_empty((batch, num_kv_heads, seq_len, head_dim)) for _ in range(2))
+
+
+@_custom_op("rotary_qkv", _rotated)
+def rotary_qkv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_norm=q_norm, k_norm=k_norm, eps=eps)
+
+
+def _rotated_into_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                        q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                        eps: float = 1e-6) -> torch.Tensor:
+    return _rotated(qkv, cos, sin, num_heads, num_kv_heads)[0]
+
+
+@_custom_op("rotary_qkv_cache", _rotated_into_cache, mutates_args=("k_cache", "v_cache"))
+def rotary_qkv_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                        q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                        eps: float = 1e-6) -> torch.Tensor:
+    """k and v written into the caches at `index` (torch.compile knows they change); returns q."""
+    q, _, _ = rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, q_norm=q_norm, k_norm=k_norm, eps=eps,
+                         cache=(k_cache, v_cache, index))
+    return q
+
+
+def _attended(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+              block_table: torch.Tensor | None = None, sm_scale: float | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@_custom_op("decode_attention", _attended)
+def decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens: torch.Tensor,
+                        block_table: torch.Tensor | None = None, sm_scale: float | None = None,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    return decode_attention(q, k_cache, v_cache, seqlens, block_table, sm_scale, mask)
