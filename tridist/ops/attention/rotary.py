@@ -29,9 +29,8 @@ from ..checks import check_input
 DTYPES = (torch.bfloat16, torch.float16)
 DECODE_TOKENS = 64
 """Up to this many tokens (a decode batch) a program takes one token's head, in one warp (64
-elements a half at D = 128, two a thread); past it, PREFILL_BLOCK_T tokens' in PREFILL_WARPS warps.
-A prefill of 4096 tokens of 40 heads took 101 us a layer on one H100 a head a program, over 163,840
-programs of 512 bytes, where its 84 MB read and written take about 30 us at the copy rate
+elements a half at D = 128, two a thread); past it, PREFILL_BLOCK_T tokens' in PREFILL_WARPS warps:
+a prefill's programs of one token's head each moved too few bytes to pay for their start
 (benchmarks/NOTES.md, "The MoE model's prefill")."""
 PREFILL_BLOCK_T = 16
 PREFILL_WARPS = 4
