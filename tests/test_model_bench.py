@@ -180,8 +180,9 @@ def test_decode_step_writes_one_position():
     for kind in ("dense", "moe"):
         config = bench.make_config(kind, 2, TINY[kind])
         step = bench.decode_step(bench.build(config, cpu), 2, config.vocab_size, cpu)
-        first, experts = bench.routed_experts(step.model, step)
-        torch.testing.assert_close(step(), first, rtol=0, atol=0)
+        first = bench._expected(step.model, lambda: [step()])
+        experts = first.experts
+        torch.testing.assert_close(step(), first.logits[0], rtol=0, atol=0)
         for layer in step.cache.layers:
             assert layer.cumulative_length.item() == bench.CONTEXT
             for cached in (layer.keys, layer.values):
@@ -240,3 +241,63 @@ def test_model_bench_checks_the_real_moe_layers(world):
     if world.backend == "emulator":
         pytest.skip("two real MoE layers take a quarter of an hour in the emulator: GPUs only")
     world.run(_real_moe)
+
+
+def test_routing_departure_allows_ties_only():
+    """A router's picks pass where their logits are the whole model's top k (another expert only
+    over a tie), with the weights within a bf16 rounding; any other pick, or weights further off,
+    is a departure that names the token."""
+    import torch
+
+    logits = torch.tensor([[4.0, 3.0, 3.0, 1.0], [2.0, 5.0, 0.0, 1.0]], dtype=torch.bfloat16)
+    call = bench.Routing(torch.zeros(2, 8), logits, torch.tensor([[0, 2], [1, 0]]),
+                         torch.tensor([[0.6, 0.4], [0.9, 0.1]]))
+    assert bench.routing_departure((torch.tensor([[0, 2], [1, 0]]), call.weights), call) is None
+    # expert 1 ties expert 2 for token 0's second place; the order within a token is free
+    assert bench.routing_departure((torch.tensor([[1, 0], [0, 1]]), torch.tensor([[0.4, 0.6], [0.1, 0.9]])),
+                                   call) is None
+    why = bench.routing_departure((torch.tensor([[0, 2], [1, 3]]), call.weights), call)
+    assert why.startswith("token 1 routed to experts [1, 3]"), why
+    why = bench.routing_departure((call.ids, call.weights * 1.02), call)
+    assert why.startswith("routing weights off by"), why
+
+
+def _ties(w):
+    """A tiny MoE model whose routers tie for every token (experts 0 and 1, 2 and 3 of each layer
+    share their router rows): the checks pass, whichever of a tied pair each system picks. A router
+    that picks other experts than the whole model's fails its check, saying so."""
+    import torch
+
+    from tridist.nn import ParallelSparseMoeBlock
+
+    build = bench.build
+
+    def tied(config, device):
+        model = build(config, device)
+        for module in model.modules():
+            if bench._is_moe_block(module):
+                with torch.no_grad():
+                    module.gate.weight[1::2] = module.gate.weight[0::2]
+        return model
+
+    bench.build = tied
+    dims = {**TINY["moe"], "head_dim": 64}  # tridist's static-cache decode path
+    assert bench.run("moe", 2, [], [1, 3], ["ep"], ["tridist"], timed=False, dims=dims) == []
+
+    route = ParallelSparseMoeBlock.route
+
+    def wrong(self, x):
+        ids, weights = route(self, x)
+        return (ids + 1) % self.router_weight.shape[0], weights
+
+    ParallelSparseMoeBlock.route = wrong
+    try:
+        rows = bench.run("moe", 1, [], [1], ["ep"], ["tridist"], timed=False, dims=dims)
+    finally:
+        ParallelSparseMoeBlock.route = route
+    assert len(rows) == 1 and "the router departs from the whole model's at MoE call 0: token 0" in rows[0]["failed"], rows
+
+
+@pytest.mark.worlds("1", "2")
+def test_model_bench_replays_the_whole_model_s_routing(world):
+    world.run(_ties)

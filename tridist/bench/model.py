@@ -40,7 +40,10 @@ two decode steps with a `DynamicCache`; `compile` skips these, which would compi
 then each decode step's logits against the whole model's same step, every system's `compile`
 included, within `TOLERANCE` of the largest logit; at world size 1 a decode step that fails says
 where it first departs, decoder layer by layer (`recorded_layers`: each layer's attention output and
-output against the whole model's). A check that fails is a row saying so (`failed`), its step (or,
+output against the whole model's). tridist's MoE blocks (and the megatron baseline's) are checked
+with the whole model's routing replayed, their own routers held to it on the whole model's inputs
+(`replayed_routing`: a random model's routers tie often, and a tie broken the other way is another
+model, not an error); transformers' own blocks, compiled or not, route by themselves. A check that fails is a row saying so (`failed`), its step (or,
 for the logits, its system) untimed; the run goes on with the others, saves them, and exits with 1.
 Then, timed:
 - prefill of `--prefill` tokens (one sequence; the last position's logits), eagerly;
@@ -348,27 +351,107 @@ def decode_step(model, batch: int, vocab: int, device):
     return step
 
 
-@torch.no_grad()
-def routed_experts(model, step) -> tuple[torch.Tensor, list[int]]:
-    """`step()`'s logits, and for each MoE layer of `model` (transformers' own, whose MoE blocks have a
-    `gate` of weight [experts, hidden] and `experts`) the number of distinct experts its routing sends
-    the step's tokens to: the top `num_experts_per_tok` of the fp32 softmax of the gate's logits, as
-    transformers' router picks them, recomputed from each block's input. [] for a dense model."""
-    counts = []
+class Routing(NamedTuple):
+    """One call of a transformers MoE block's router in the whole model: its input rows, its logits and
+    what it picked, as transformers' Qwen3-MoE router picks (the top `num_experts_per_tok` of the fp32
+    softmax, renormalised where the config says so, the weights rounded to the logits' dtype)."""
+    x: torch.Tensor  # [T, hidden]
+    logits: torch.Tensor  # [T, experts]
+    ids: torch.Tensor  # int64 [T, k]
+    weights: torch.Tensor  # float32 [T, k], holding values of the logits' dtype
 
-    def count(block, args):
+
+def _is_moe_block(module) -> bool:
+    """A transformers MoE block: a `gate` of weight [experts, hidden] and `experts`."""
+    return hasattr(module, "gate") and hasattr(module, "experts")
+
+
+@contextlib.contextmanager
+def recorded_routing(model):
+    """Within it, each call of a transformers MoE block of `model` appends its `Routing` to the list it
+    yields, recomputed from the block's input as its router computes it (no list for a dense model)."""
+    calls = []
+    config = model.config
+
+    def record(block, args):
         x = args[0].reshape(-1, args[0].shape[-1])
-        probabilities = F.softmax(F.linear(x, block.gate.weight), dim=-1, dtype=torch.float32)
-        counts.append(probabilities.topk(model.config.num_experts_per_tok, dim=-1).indices.unique().numel())
+        logits = F.linear(x, block.gate.weight)
+        weights, ids = F.softmax(logits, dim=-1, dtype=torch.float32).topk(config.num_experts_per_tok, dim=-1)
+        if config.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        calls.append(Routing(x, logits, ids, weights.to(logits.dtype).float()))
 
-    hooks = [module.register_forward_pre_hook(count) for module in model.modules()
-             if hasattr(module, "gate") and hasattr(module, "experts")]
+    hooks = [module.register_forward_pre_hook(record) for module in model.modules() if _is_moe_block(module)]
     try:
-        logits = step()
+        yield calls
     finally:
         for hook in hooks:
             hook.remove()
-    return logits, counts
+
+
+def routing_departure(got: tuple[torch.Tensor, torch.Tensor], call: Routing) -> str | None:
+    """Why a router's `(ids, weights)` on `call.x` are not the whole model's (`call`), or None: it
+    must pick experts whose logits are the whole model's top k (other experts only where logits tie,
+    which transformers' `topk` and tridist's router break differently), with weights, sorted, within
+    a rounding of bf16 of the whole model's."""
+    ids, weights = got
+    logits = call.logits.float()
+    picked = logits.gather(1, ids).sort(dim=-1, descending=True).values
+    top = logits.gather(1, call.ids).sort(dim=-1, descending=True).values
+    wrong = (picked != top).any(dim=-1).nonzero()
+    if wrong.numel():
+        t = wrong[0, 0].item()
+        return (f"token {t} routed to experts {sorted(ids[t].tolist())}, the whole model's top {ids.shape[1]} "
+                f"{sorted(call.ids[t].tolist())} (logits {picked[t].tolist()} against {top[t].tolist()})")
+    mine, theirs = weights.sort(dim=-1).values, call.weights.sort(dim=-1).values
+    if not torch.allclose(mine, theirs, rtol=2 ** -7, atol=1e-6):
+        return f"routing weights off by {(mine - theirs).abs().max().item():.2e}"
+    return None
+
+
+@contextlib.contextmanager
+def replayed_routing(model, calls: list[Routing]):
+    """Within it, tridist's MoE blocks of `model` (`ParallelSparseMoeBlock`, the megatron baseline's
+    too) route as the whole model did, call by call (`calls`: `recorded_routing`'s, in the same
+    order), each rank its share of the tokens; each block's own router is checked on the whole
+    model's input of the call (`routing_departure`), and the list it yields gets a line for each
+    call where it departs. The random models' router logits are bf16 values a few units apart over
+    128 experts: a step's k-th and (k+1)-th often tie or differ by one rounding, and a rounding of
+    the block's input picks another expert there, which moves that token's output by a whole
+    expert's share (a two-layer Qwen3-30B-A3B step: by 0.40 of the largest at layer 0, over a tie).
+    Replaying the routing compares everything else exactly as the whole model computes it; the
+    router is held to the whole model's choices on the whole model's input. Models without
+    tridist's blocks (transformers' own, compiled or not) route by themselves."""
+    departures = []
+    pending = iter(enumerate(calls))
+    blocks = [module for module in model.modules() if isinstance(module, ParallelSparseMoeBlock)]
+
+    def replay(block):
+        route = block.route
+
+        def routed(x):
+            index, call = next(pending, (None, None))
+            layer = block.moe_layer
+            share = -(-call.x.shape[0] // layer.world_size) if call is not None else None
+            if call is None or x.shape[0] != share:
+                raise RuntimeError(f"MoE call {index}: {x.shape[0]} rows where the whole model's calls give "
+                                   f"{share}: the systems' MoE blocks ran in another order")
+            why = routing_departure(route(call.x), call)
+            if why:
+                departures.append(f"MoE call {index}: {why}")
+            first = layer.rank * share
+            ids, weights = call.ids[first:first + share], call.weights[first:first + share]
+            pad = share - ids.shape[0]  # rows past the tokens, which the block routes nowhere
+            return F.pad(ids, (0, 0, 0, pad)).contiguous(), F.pad(weights, (0, 0, 0, pad)).contiguous()
+        return routed
+
+    for block in blocks:
+        block.route = replay(block)
+    try:
+        yield departures
+    finally:
+        for block in blocks:
+            del block.route
 
 
 @contextlib.contextmanager
@@ -399,15 +482,16 @@ def recorded_layers(model):
             hook.remove()
 
 
-def _first_departure(model, step, expected: list) -> str:
-    """Where `step()` of `model` first departs from the whole model's (`expected`, `recorded_layers`'
-    states of its step): the first decoder layer whose attention output or output is off by more
-    than TOLERANCE. Compared at world size 1 only (elsewhere a layer's output is a partial sum)."""
+def _first_departure(model, step, expected: "Expected") -> str:
+    """Where `step()` of `model` first departs from the whole model's (`expected`: its states,
+    `recorded_layers`', and its routing, replayed): the first decoder layer whose attention output
+    or output is off by more than TOLERANCE. Compared at world size 1 only (elsewhere a layer's
+    output is a partial sum)."""
     if tridist.world().world_size > 1:
         return "layers compared at world size 1 only"
-    with recorded_layers(model) as states:
+    with recorded_layers(model) as states, replayed_routing(model, expected.routing):
         step()
-    for index, (got, want) in enumerate(zip(states, expected)):
+    for index, (got, want) in enumerate(zip(states, expected.states)):
         for what, g, e in zip(("attention output", "output"), got, want):
             error = relative_error(g, e)
             if error > TOLERANCE:
@@ -514,14 +598,31 @@ def prefill_flops(config, tokens: int, world_size: int = 1) -> int:
 
 
 # ---- the run --------------------------------------------------------------------------------------
+class Expected(NamedTuple):
+    """What the whole model gave in a check: its logits (a list, compared tensor by tensor), the
+    experts each MoE layer's routing touched (`decode_bytes`' counts; [] for a dense model), each
+    decoder layer's states (`recorded_layers`') and its routing (`recorded_routing`'s calls,
+    replayed into the system checked)."""
+    logits: list
+    experts: list
+    states: list
+    routing: list
+
+
+def _expected(whole, run) -> Expected:
+    """`run()` of the whole model (it returns a list of logits), recorded."""
+    with recorded_layers(whole) as states, recorded_routing(whole) as routing:
+        logits = run()
+    return Expected(logits, [call.ids.unique().numel() for call in routing], states, routing)
+
+
 class Case(NamedTuple):
     """One model's run: what every system is checked against and how it is timed."""
     kind: str
     config: object  # the transformers config every system is built from
     prompt: torch.Tensor
-    expected: list  # check_logits of the whole model
-    steps: dict  # decode batch -> (the whole model's logits of `decode_step`, `routed_experts`' counts,
-    #                               `recorded_layers`' states)
+    expected: "Expected"  # the whole model's check_logits (as its logits; no states)
+    steps: dict  # decode batch -> the whole model's `decode_step` (Expected)
     prefill: list
     decode: list
     timed: bool
@@ -544,7 +645,8 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
     whole = build(copy.deepcopy(config), w.device)
     prompt = torch.randint(0, config.vocab_size, (CHECK_BATCH, CHECK_TOKENS + CHECK_STEPS),
                            generator=torch.Generator().manual_seed(1)).to(w.device)
-    case = Case(kind, config, prompt, check_logits(whole, prompt), _expected_steps(whole, decode, config, w.device),
+    case = Case(kind, config, prompt, _expected(whole, lambda: check_logits(whole, prompt)),
+                _expected_steps(whole, decode, config, w.device),
                 prefill, decode, timed, kernels, rates)
     folder = _save_checkpoint(whole) if "hf_tp" in systems and w.device.type == "cuda" else None
     del whole  # nothing else holds it (its steps' caches neither): the systems are built one at a time
@@ -581,14 +683,24 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
 
 
 def _expected_steps(whole, decode, config, device) -> dict:
-    """Case.steps of the whole model: for each decode batch, its step's logits, its MoE layers' expert
-    counts and its layers' states. The steps (and their caches) are dropped on return."""
+    """Case.steps of the whole model: for each decode batch, its step (`Expected`). The steps (and
+    their caches) are dropped on return."""
     steps = {}
     for batch in decode:
         step = decode_step(whole, batch, config.vocab_size, device)
-        with recorded_layers(whole) as states:
-            steps[batch] = (*routed_experts(whole, step), states)
+        steps[batch] = _expected(whole, lambda: [step()])
     return steps
+
+
+def _checked(case: Case, name: str, what: str, model, run, expected: Expected) -> str | None:
+    """Why `run()` of `model` (a list of logits) is not the whole model's (`expected`) within
+    TOLERANCE, its routing replayed from the whole model's and its routers checked against them, or
+    None where it is."""
+    with replayed_routing(model, expected.routing) as departures:
+        got = run()
+    if departures:
+        return f"{case.kind} {name}: {what}: the router departs from the whole model's at " + "; ".join(departures[:3])
+    return _check(case, name, what, got, expected.logits)
 
 
 class Stopped(BaseException):
@@ -626,7 +738,7 @@ def _failed(case: Case, name: str, why: str, step: str | None = None) -> dict:
 def _system(case: Case, name: str, model, config) -> list[dict]:
     """One system's model checked against the whole model's logits, then its steps checked and timed;
     a failed check is a row saying so."""
-    why = _check(case, name, "logits", check_logits(model, case.prompt), case.expected)
+    why = _checked(case, name, "logits", model, lambda: check_logits(model, case.prompt), case.expected)
     rows = [_failed(case, name, why)] if why else _timings(case, name, model, config)
     _free(model)
     return rows
@@ -680,9 +792,9 @@ def _timings(case: Case, name: str, model, config) -> list[dict]:
         rows.append(_row(case, name, f"prefill {tokens}", us, "eager", step))
     for batch in case.decode:
         step = decode_step(model, batch, config.vocab_size, w.device)
-        why = _check(case, name, f"decode {batch}", [step()], [case.steps[batch][0]])
+        why = _checked(case, name, f"decode {batch}", model, lambda: [step()], case.steps[batch])
         if why:
-            rows.append(_failed(case, name, f"{why}; {_first_departure(model, step, case.steps[batch][2])}",
+            rows.append(_failed(case, name, f"{why}; {_first_departure(model, step, case.steps[batch])}",
                                 f"decode {batch}"))
         elif case.timed:
             eager = NOTES["megatron moe decode"] if name == "megatron" and case.kind == "moe" else None
@@ -712,7 +824,7 @@ def _row(case: Case, name: str, step_name: str, us: float, timing: str, step, **
     row = {"model": case.kind, "system": name, "step": step_name, "us": us, "us per layer": us / layers,
            "timing": timing, **extra}
     if case.rates and what == "decode":
-        experts = case.steps[int(size)][1]
+        experts = case.steps[int(size)].experts
         nbytes = decode_bytes(case.config, int(size), CONTEXT, w.world_size, experts or None)
         row.update({"GB read": nbytes / 1e9, "GB of KV": kv_bytes(case.config, int(size), CONTEXT, w.world_size) / 1e9,
                     "bound us": nbytes / case.rates.copy,
@@ -801,7 +913,7 @@ def _compiled(case: Case, modes, batches) -> list[dict]:
                                  + "), compiled without it")
                     compiled[mode] = model.forward = torch.compile(forward, mode=mode, dynamic=False)
                     seconds = _first_calls(step)
-                why = _check(case, f"compile {mode}", f"decode {batch}", [step()], [case.steps[batch][0]])
+                why = _check(case, f"compile {mode}", f"decode {batch}", [step()], case.steps[batch].logits)
                 if why:
                     rows.append(_failed(case, "compile", why, f"decode {batch}"))
                     continue
