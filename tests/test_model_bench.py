@@ -263,14 +263,15 @@ def test_routing_departure_allows_ties_only():
 
 
 def _ties(w):
-    """A tiny MoE model whose routers tie for every token (experts 0 and 1, 2 and 3 of each layer
-    share their router rows): the checks pass, whichever of a tied pair each system picks. A router
-    that picks other experts than the whole model's fails its check, saying so."""
+    """A tiny MoE model whose routers tie for every token (experts 2j and 2j + 1 of each layer share
+    their router rows; each token's third expert has a twin it ties), where tridist's routers break each tie the other way from the whole model's
+    (expert id ^ 1): another model, whose logits are off, but not an error: the checks pass. A router
+    that picks other experts (id + 2) fails its check, saying so."""
     import torch
 
     from tridist.nn import ParallelSparseMoeBlock
 
-    build = bench.build
+    build, route = bench.build, ParallelSparseMoeBlock.route
 
     def tied(config, device):
         model = build(config, device)
@@ -278,23 +279,26 @@ def _ties(w):
             if bench._is_moe_block(module):
                 with torch.no_grad():
                     module.gate.weight[1::2] = module.gate.weight[0::2]
+                    for weight in module.experts.parameters():  # the experts' outputs large beside the residual
+                        weight.mul_(4)
         return model
 
+    def routed(change):
+        def route_changed(self, x):
+            ids, weights = route(self, x)
+            return change(ids) % self.router_weight.shape[0], weights
+        return route_changed
+
     bench.build = tied
-    dims = {**TINY["moe"], "head_dim": 64}  # tridist's static-cache decode path
-    assert bench.run("moe", 2, [], [1, 3], ["ep"], ["tridist"], timed=False, dims=dims) == []
-
-    route = ParallelSparseMoeBlock.route
-
-    def wrong(self, x):
-        ids, weights = route(self, x)
-        return (ids + 1) % self.router_weight.shape[0], weights
-
-    ParallelSparseMoeBlock.route = wrong
+    # top 3 of 4: one pair whole, one expert of the other, tied with its twin; head_dim 64: tridist's decode path
+    dims = {**TINY["moe"], "num_experts_per_tok": 3, "head_dim": 64}
     try:
+        ParallelSparseMoeBlock.route = routed(lambda ids: ids ^ 1)
+        assert bench.run("moe", 2, [], [1, 3], ["ep"], ["tridist"], timed=False, dims=dims) == []
+        ParallelSparseMoeBlock.route = routed(lambda ids: ids + 2)
         rows = bench.run("moe", 1, [], [1], ["ep"], ["tridist"], timed=False, dims=dims)
     finally:
-        ParallelSparseMoeBlock.route = route
+        bench.build, ParallelSparseMoeBlock.route = build, route
     assert len(rows) == 1 and "the router departs from the whole model's at MoE call 0: token 0" in rows[0]["failed"], rows
 
 
