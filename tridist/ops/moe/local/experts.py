@@ -60,6 +60,7 @@ from . import policy
 
 ORDER_BLOCK = 1024  # pairs a program of `moe_order_kernel` places
 CLEAR_COLUMNS = tl.constexpr(256)  # columns a step of `clear` writes
+SUM_COLUMNS = tl.constexpr(32)  # columns of a token's sum the down kernel's epilogue takes at a time
 
 
 class Routing(NamedTuple):
@@ -256,13 +257,20 @@ def moe_down_kernel(h_ptr, w_desc, parts_ptr, routing, counts_ptr, y_ptr, tokens
         if tl.max(last.to(tl.int32), 0) > 0:
             tl.debug_barrier()  # the threads that read the parts come after those that acquired them
             j = tl.arange(0, K_PAD)
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in tl.static_range(TOPK):
-                mine = last & (tl.max(tl.where(j[None, :] == k, arrive.to(tl.int32), 0), 1) > 0)
-                total += tl.load(parts_ptr + (token.to(tl.int64) * TOPK + k)[:, None] * hidden + cols[None, :],
-                                 mask=mine[:, None] & in_cols, other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(y_ptr + token.to(tl.int64)[:, None] * hidden + cols[None, :], total.to(y_ptr.dtype.element_ty),
-                     mask=last[:, None] & in_cols)
+            # A slice of the columns at a time: a whole tile's sum and its pointers beside the
+            # accumulator's registers spilled (255 registers at 128 x 128, 8 warps).
+            SUM_N: tl.constexpr = min(BLOCK_N, SUM_COLUMNS)
+            for start in tl.static_range(0, BLOCK_N, SUM_N):
+                sum_cols = tn * BLOCK_N + start + tl.arange(0, SUM_N)
+                in_sum = (sum_cols < hidden)[None, :]
+                total = tl.zeros((BLOCK_M, SUM_N), dtype=tl.float32)
+                for k in tl.static_range(TOPK):
+                    mine = last & (tl.max(tl.where(j[None, :] == k, arrive.to(tl.int32), 0), 1) > 0)
+                    total += tl.load(parts_ptr + (token.to(tl.int64) * TOPK + k)[:, None] * hidden
+                                     + sum_cols[None, :], mask=mine[:, None] & in_sum, other=0.0,
+                                     cache_modifier=".cg").to(tl.float32)
+                tl.store(y_ptr + token.to(tl.int64)[:, None] * hidden + sum_cols[None, :],
+                         total.to(y_ptr.dtype.element_ty), mask=last[:, None] & in_sum)
 
 
 @jit
