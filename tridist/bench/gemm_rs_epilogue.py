@@ -190,9 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in args.variants if name not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; name some of: {', '.join(map(repr, VARIANTS))}")
-    w = tridist.init()
-    if w.world_size != 1:
-        raise SystemExit(f"tridist bench gemm_rs_epilogue runs on one GPU (-n 1); this world has {w.world_size} ranks")
+    w = timing.one_gpu("gemm_rs_epilogue")
     on_gpu = w.device.type == "cuda"
     rows = []
     for m, n, k in GPU_SHAPES if on_gpu else EMULATOR_SHAPES:

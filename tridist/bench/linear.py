@@ -41,8 +41,8 @@ from tridist.ops import linear, sizing
 from tridist.ops.gemm.linear_gemm import Linear, reference
 from tridist.ops.gemm.linear_gemm.split_k import split_plan
 
-from .results import print_row, relative_error, save, table
-from .timing import copy_rate, op_us, time_us
+from .results import config_error, print_row, relative_error, save, table
+from .timing import copy_rate, one_gpu, op_us, time_us
 
 # (name, N, K, activation): N is the weight's rows (2I for swiglu). The MLP's and the logits' first.
 SHAPES = [
@@ -226,7 +226,7 @@ def _sweep_row(name: str, m: int, config: dict, policy: bool, operands: Operands
             row.update({"us": us, "GB/s": operands.nbytes / us / 1e3})
         op.free()
     except (AssertionError, RuntimeError, TritonError) as error:  # a config this GPU cannot run
-        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+        row["error"] = config_error(error)
     print_row(row)
     return row
 
@@ -245,9 +245,7 @@ def main(argv=None) -> int:
     unknown = [s for s in wanted if s not in {name for name, *_ in SHAPES}]
     if unknown:
         raise SystemExit(f"unknown shapes {unknown}; name some of: {', '.join(name for name, *_ in SHAPES)}")
-    w = tridist.init()
-    if w.world_size != 1:
-        raise SystemExit(f"tridist bench linear runs on one GPU (-n 1); this world has {w.world_size} ranks")
+    w = one_gpu("linear")
     timed = w.device.type == "cuda"
     shapes = [s for s in SHAPES if not wanted or s[0] in wanted] if timed else EMULATOR_SHAPES
     extra = {"dtype": "bfloat16", "M values": rows, "rotate_bytes": ROTATE_BYTES, "target of copy": TARGET}

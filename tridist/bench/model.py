@@ -85,6 +85,7 @@ step"). tridist's decoder layers run their own at decode steps (`tridist.nn.deco
 import argparse
 import contextlib
 import copy
+import functools
 import os
 import re
 import shutil
@@ -621,7 +622,7 @@ class Case(NamedTuple):
     kind: str
     config: object  # the transformers config every system is built from
     prompt: torch.Tensor
-    expected: "Expected"  # the whole model's check_logits (as its logits; no states)
+    expected: Expected  # the whole model's check_logits (as its logits; no states)
     steps: dict  # decode batch -> the whole model's `decode_step` (Expected)
     prefill: list
     decode: list
@@ -645,7 +646,7 @@ def run(kind: str, layers: int | None, prefill, decode, moe_modes, systems, time
     whole = build(copy.deepcopy(config), w.device)
     prompt = torch.randint(0, config.vocab_size, (CHECK_BATCH, CHECK_TOKENS + CHECK_STEPS),
                            generator=torch.Generator().manual_seed(1)).to(w.device)
-    case = Case(kind, config, prompt, _expected(whole, lambda: check_logits(whole, prompt)),
+    case = Case(kind, config, prompt, _expected(whole, functools.partial(check_logits, whole, prompt)),
                 _expected_steps(whole, decode, config, w.device),
                 prefill, decode, timed, kernels, rates)
     folder = _save_checkpoint(whole) if "hf_tp" in systems and w.device.type == "cuda" else None

@@ -32,8 +32,8 @@ import tridist
 from tridist import ops
 from tridist.ops.moe.local import moe_local_reference, policy
 
-from .results import print_row, relative_error, save, table
-from .timing import copy_rate, gemm_rate, op_us, time_us
+from .results import config_error, print_row, relative_error, save, table
+from .timing import copy_rate, gemm_rate, one_gpu, op_us, time_us
 
 LAYER = (128, 2048, 768, 8)  # experts, hidden, inner, top-k: Qwen3-30B-A3B's
 EMULATOR_LAYER = (8, 64, 32, 2)
@@ -159,7 +159,7 @@ def sweep(layer: Layer, token_counts: list[int], timed: bool) -> tuple[list[dict
                     row["us"] = time_us(_rotating(lambda x, i, w: layer.tridist(x, i, w, config), x, routings),
                                         inner=20, repetitions=5, warmup=2, graph=True)
             except (AssertionError, RuntimeError, TritonError) as error:  # a config this GPU cannot run
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+                row["error"] = config_error(error)
             rows.append(row)
             print_row(row)
         every += rows
@@ -201,9 +201,7 @@ def main(argv=None) -> int:
         token_counts = [0]
     if any(t < 1 for t in token_counts):
         parser.error(f"--tokens {args.tokens!r}: positive integers, comma separated, e.g. 1,8,64,4096")
-    w = tridist.init()
-    if w.world_size != 1:
-        raise SystemExit(f"tridist bench moe_local runs on one GPU (-n 1); this world has {w.world_size} ranks")
+    w = one_gpu("moe_local")
     timed = w.device.type == "cuda"
     layer = Layer(*(args.layer if timed else EMULATOR_LAYER), w.device)
     token_counts = token_counts if timed else EMULATOR_TOKENS

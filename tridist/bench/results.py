@@ -111,6 +111,12 @@ def print_row(row: dict) -> None:
                            for key, value in row.items()), flush=True)
 
 
+def config_error(error: BaseException) -> str:
+    """A tile config's failure in a sweep's row (one this GPU cannot compile, launch or get right):
+    its type and the first line of its message."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+
+
 def table(rows: list[dict], columns: list[str]) -> str:
     def cell(value):
         return f"{value:.2f}" if isinstance(value, float) else str(value)

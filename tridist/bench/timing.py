@@ -95,6 +95,18 @@ def _start_together() -> None:
 COPY_BYTES = 1 << 30  # the copy whose rate the benchmarks' "of copy" divides by: far larger than L2 (50 MB on an H100)
 
 
+def one_gpu(benchmark: str):
+    """tridist started for `benchmark`, a benchmark of one GPU (its world); SystemExit where the
+    launcher started more ranks. tridist is imported here, not with this module: `torch_fused`'s
+    processes time without it."""
+    import tridist
+
+    w = tridist.init()
+    if w.world_size != 1:
+        raise SystemExit(f"tridist bench {benchmark} runs on one GPU (-n 1); this world has {w.world_size} ranks")
+    return w
+
+
 def copy_rate(device) -> float:
     """Bytes read and written per microsecond by a device-to-device copy of COPY_BYTES. A copy that L2
     holds is no ceiling for a kernel that reads HBM: it runs faster than HBM can deliver
