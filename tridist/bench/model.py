@@ -419,7 +419,7 @@ def replayed_routing(model, calls: list[Routing]):
     call where it departs. The random models' router logits are bf16 values a few units apart over
     128 experts: a step's k-th and (k+1)-th often tie or differ by one rounding, and a rounding of
     the block's input picks another expert there, which moves that token's output by a whole
-    expert's share (a two-layer Qwen3-30B-A3B step: by 0.40 of the largest at layer 0, over a tie).
+    expert's share (benchmarks/NOTES.md, "The MoE decode failure was a tie in the router").
     Replaying the routing compares everything else exactly as the whole model computes it; the
     router is held to the whole model's choices on the whole model's input. Models without
     tridist's blocks (transformers' own, compiled or not) route by themselves."""

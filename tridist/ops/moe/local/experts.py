@@ -258,7 +258,8 @@ def moe_down_kernel(h_ptr, w_desc, parts_ptr, routing, counts_ptr, y_ptr, tokens
             tl.debug_barrier()  # the threads that read the parts come after those that acquired them
             j = tl.arange(0, K_PAD)
             # A slice of the columns at a time: a whole tile's sum and its pointers beside the
-            # accumulator's registers spilled (255 registers at 128 x 128, 8 warps).
+            # accumulator's registers spilled at the prefill's tile (benchmarks/NOTES.md, "The local
+            # MoE's down kernel: registers").
             SUM_N: tl.constexpr = min(BLOCK_N, SUM_COLUMNS)
             for start in tl.static_range(0, BLOCK_N, SUM_N):
                 sum_cols = tn * BLOCK_N + start + tl.arange(0, SUM_N)
