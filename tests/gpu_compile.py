@@ -324,7 +324,7 @@ def _local_moe_cases():
 def _norm_cases():
     """all_reduce_rms_norm's kernels as they launch (no FMA contraction) at hidden 4096 in one pass, and
     at 32768 in two: the local kernel with and without a residual, and on fp32 sums ("two_shot"); the
-    LL and one-shot kernels for the world and within a group."""
+    LL and one-shot kernels for the world and within a group; the LL kernel on fp32 rows."""
     rows = {"residual_ptr": "*bf16", "weight_ptr": "*bf16", "y_ptr": "*bf16", "new_residual_ptr": "*bf16"}
     scalars = {"eps": "fp32", "count": "fp32", "factor": "fp32", "DIVIDE": "constexpr", "BLOCK": "constexpr",
                "ONE_PASS": "constexpr"}
@@ -351,6 +351,12 @@ def _norm_cases():
                   "tokens": "i32", "hidden": "i32", "row": "i32", "slot_numel": "i32", "local_world_size": "i32",
                   **scalars, "group": group},
                  {**shape, **({"group": None} if group == "constexpr" else {})}, options)]
+        if hidden == 4096:
+            cases.append((norm_ll.all_reduce_rms_norm_ll_kernel,
+                          {"x_words": "*i32", **{name: "*fp32" for name in rows}, "packets_ptr": "*i64",
+                           "calls_ptr": "*i64", "tokens": "i32", "hidden": "i32", "row": "i32", "slot_numel": "i32",
+                           **scalars, "DTYPE": "constexpr", "group": "constexpr"},
+                          {**shape, "DTYPE": tl.float32, "group": None}, options))
     return cases
 
 

@@ -37,10 +37,13 @@ def _rank_terms(p, me, x_words, stage, row, at, mask, epoch, DTYPE: tl.constexpr
         words = tl.load(x_words + at, mask=mask, other=0)
     else:
         words = dl.ll.recv(stage + p * row + at, epoch, mask)
+    # both arms of a constexpr `if`, not an early return: Triton compiles what follows a return too
     if DTYPE == tl.float32:
-        return words.to(tl.float32, bitcast=True)
-    low, high = unpack_halves(words, DTYPE)
-    return tl.interleave(low, high)
+        terms = words.to(tl.float32, bitcast=True)
+    else:
+        low, high = unpack_halves(words, DTYPE)
+        terms = tl.interleave(low, high)
+    return terms
 
 
 @jit
