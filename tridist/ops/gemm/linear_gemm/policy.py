@@ -24,11 +24,14 @@ MIN_SPLIT_STEPS = 4
 """A range of K holds at least this many BLOCK_K steps: a shorter one spends more on its partial
 tile and its pipeline's start than it saves."""
 
-# (most rows, plain config, swiglu config), by the most rows each takes.
+# (most rows, plain config, swiglu config), by the most rows each takes. Past 16 rows x's tile is
+# as big as the weight's: at BLOCK_K 128 four stages of both take 128 KB of shared memory, one
+# program an SM, which streams the weight too slowly (benchmarks/NOTES.md, "The decode GEMM by
+# shape"); BLOCK_K 64 halves that.
 GPU_CONFIGS = [
     (16, dict(DOT=True, TMA=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
      dict(DOT=True, TMA=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)),
-    (64, dict(DOT=True, TMA=True, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    (64, dict(DOT=True, TMA=True, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
      dict(DOT=True, TMA=True, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)),
 ]
 FMA_CONFIG = dict(DOT=False, TMA=False, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
