@@ -69,6 +69,7 @@ KERNELS = [
     (True, True, 64, 128, 4, 4),
     (True, True, 64, 128, 4, 6),
     (True, True, 64, 64, 4, 8),
+    (True, True, 64, 64, 4, 4),
     (True, True, 64, 256, 4, 3),
     (True, True, 128, 128, 8, 4),
     (True, True, 32, 256, 4, 4),
