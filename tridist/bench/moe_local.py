@@ -52,7 +52,8 @@ def _tiles(block_m, block_n, block_k, warps, stages) -> dict:
 SWEEP = {
     "dense": [(_tiles(None, up, k, 4, stages), _tiles(None, down, k, 4, stages))
               for up, down in ((16, 32), (32, 64), (64, 128), (32, 128)) for k, stages in ((128, 4), (256, 3), (64, 6))],
-    "sorted": [(_tiles(128, 128, 64, 8, 3), _tiles(128, 128, 64, 8, 4)),  # the policy's (SORTED_UP, SORTED_DOWN)
+    "sorted": [(_tiles(128, 128, 64, 8, 3), _tiles(128, 128, 64, 8, 3)),  # the policy's (SORTED_UP, SORTED_DOWN)
+               (_tiles(128, 128, 64, 8, 3), _tiles(128, 128, 64, 8, 4)),  # one down program an SM
                (_tiles(128, 128, 64, 8, 4), _tiles(128, 128, 64, 8, 3)),
                (_tiles(128, 128, 64, 8, 3), _tiles(128, 64, 64, 4, 4)),
                (_tiles(128, 128, 64, 8, 3), _tiles(64, 128, 64, 4, 4)),

@@ -21,10 +21,13 @@ DENSE_BLOCK_K = 128
 DENSE_STAGES = 4
 
 # Tiles of the sorted rows (prefill): the grouped GEMM's big tile. The gate and up halves of a tile
-# make one 128 x 256 product, as `persistent`'s first config; the down kernel's epilogue sums a
-# second tile of fp32 beside its accumulator, so its columns are half as wide.
+# make one 128 x 256 product, as `persistent`'s first config. The down kernel's epilogue (the parts
+# stored, the counts, a finished token's sum read back) is about as long as its main loop at K = 768:
+# at 3 stages a program takes 98 KB of shared memory and 126 registers a thread, so that two share
+# an SM and one's epilogue runs beside the other's loop (at 4 stages, 131 KB: one an SM;
+# benchmarks/NOTES.md, "The local MoE's down kernel: registers").
 SORTED_UP = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-SORTED_DOWN = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+SORTED_DOWN = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 # The emulator: small tiles, so that small shapes have several of them.
 EMULATOR_UP = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
