@@ -159,6 +159,15 @@ def test_policy_splits(m, n, k, sms, splits):
     assert policy.config(m, n, k, sms)["splits"] == splits
 
 
+def test_gpu_configs_leave_two_programs_an_sm():
+    """At the most rows it takes, each GPU config's pipeline leaves an SM (228 KB on an H100 or H200,
+    1 KB of it kept per program) room for a second program: at one program an SM the 64-row products
+    read their weights at 0.41-0.78 of the copy rate (benchmarks/NOTES.md, "The decode GEMM by shape")."""
+    for most_rows, plain, fused in policy.GPU_CONFIGS:
+        for config, swiglu in ((plain, False), (fused, True)):
+            assert 2 * (policy.pipeline_bytes(config, most_rows, swiglu) + 1024) <= 228 << 10, (most_rows, config)
+
+
 def _bench(w):
     from tridist.bench import linear as bench
 

@@ -38,7 +38,7 @@ from triton.errors import TritonError
 
 import tridist
 from tridist.ops import linear, sizing
-from tridist.ops.gemm.linear_gemm import Linear, reference
+from tridist.ops.gemm.linear_gemm import Linear, policy, reference
 from tridist.ops.gemm.linear_gemm.split_k import split_plan
 
 from .results import config_error, print_row, relative_error, save, table
@@ -88,11 +88,7 @@ def fits(config: dict, m: int, swiglu: bool) -> bool:
     """Whether `config`'s pipeline (num_stages of the weight's tiles, two with swiglu, and x's, in
     shared memory) fits in an SM's shared memory for m rows: Triton would compile it, then refuse
     the launch."""
-    if not config["DOT"]:
-        return True  # its loads go to registers
-    rows = max(16, 1 << (m - 1).bit_length())
-    stage = (config["BLOCK_N"] * (2 if swiglu else 1) + rows) * config["BLOCK_K"] * 2
-    return stage * config["num_stages"] <= SHARED_MEMORY
+    return policy.pipeline_bytes(config, m, swiglu) <= SHARED_MEMORY
 
 
 def kernel_config(kernel: tuple, splits: int) -> dict:
@@ -212,9 +208,9 @@ def sweep(shapes, rows: list[int], timed: bool, budget_s: float = float("inf")) 
     return every, best
 
 
-def _sweep_row(name: str, m: int, config: dict, policy: bool, operands: Operands, x: torch.Tensor, activation,
+def _sweep_row(name: str, m: int, config: dict, is_pick: bool, operands: Operands, x: torch.Tensor, activation,
                timed: bool) -> dict:
-    row = {"shape": name, "M": m, "config": config_name(config), "policy": policy}
+    row = {"shape": name, "M": m, "config": config_name(config), "policy": is_pick}
     weight = operands.weights[0]
     try:
         op = Linear(m, weight.shape[0], operands.k, torch.bfloat16, activation, config)

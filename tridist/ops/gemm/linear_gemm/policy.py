@@ -53,6 +53,16 @@ def config(m: int, n: int, k: int, sms: int, swiglu: bool = False, gpu: bool = T
     return {**chosen, "splits": splits_for(n, k, sms, chosen, least_steps)}
 
 
+def pipeline_bytes(config: dict, m: int, swiglu: bool, element_size: int = 2) -> int:
+    """Shared memory the kernel's pipeline takes for m rows under `config`: num_stages steps of the
+    weight's tile (two with swiglu) and of x's (m padded as the kernel pads it); none without DOT,
+    whose loads go to registers."""
+    if not config["DOT"]:
+        return 0
+    rows = max(16, triton.next_power_of_2(m))
+    return (config["BLOCK_N"] * (2 if swiglu else 1) + rows) * config["BLOCK_K"] * element_size * config["num_stages"]
+
+
 def splits_for(n: int, k: int, sms: int, chosen: dict, least_steps: int = MIN_SPLIT_STEPS) -> int:
     """Ranges of K for `chosen`'s tiles of n columns: the largest power of two that keeps the grid
     within PROGRAMS_PER_SM programs per SM and every range at least `least_steps` steps long (1 if
