@@ -57,7 +57,7 @@ from tridist import ops
 from tridist.ops.moe.expert_parallel.low_latency import FP8_GROUP
 
 from . import shared_gpu
-from .results import relative_error, save, table
+from .results import error_line, relative_error, save, table
 from .timing import GRAPH_LIMIT_US, all_ranks, copy_rate, op_us, print_kernels, slowest, time_us
 
 LAYERS = {"deepseek-ll": ("ll", 128, 7168, 8, 256), "deepseek": ("normal", 4096, 7168, 8, 256),
@@ -397,10 +397,6 @@ def _torch_vdev(layout: str, x: torch.Tensor, splits: torch.Tensor, out_rows: in
     return (lambda: op(source, out, in_splits, result, group)), out, result
 
 
-def _why(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
 def alltoall_rows(sizes, hidden: int = HIDDEN, experts: int = EXPERTS_PER_RANK, timed: bool = True) -> list[dict]:
     """Each size checked; with `timed`, a row per (size, layout) (module docstring). Returns the rows
     (none when not timed); raises AssertionError on every rank when a check fails on any."""
@@ -468,12 +464,12 @@ def _torch_vdev_us(layout: str, x, splits, out_rows: int, expected, what: str, s
         if not _received_right(out, result, expected):
             why = "wrong result"
     except Exception as error:  # noqa: BLE001 - not in this PyTorch, or it refuses these tensors: no column
-        why = _why(error)
+        why = error_line(error)
     if all_ranks(why is None):
         try:
             us = op_us(call)
         except Exception as error:  # noqa: BLE001 - e.g. a CUDA graph cannot capture it
-            why = f"timing: {_why(error)}"
+            why = f"timing: {error_line(error)}"
     if us is None:
         skipped.add(name)
         if dist.get_rank() == 0:

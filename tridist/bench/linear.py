@@ -41,7 +41,7 @@ from tridist.ops import linear, sizing
 from tridist.ops.gemm.linear_gemm import Linear, policy, reference
 from tridist.ops.gemm.linear_gemm.split_k import split_plan
 
-from .results import config_error, print_row, relative_error, save, table
+from .results import error_line, print_row, relative_error, save, table
 from .timing import copy_rate, one_gpu, op_us, time_us
 
 # (name, N, K, activation): N is the weight's rows (2I for swiglu). The MLP's and the logits' first.
@@ -223,7 +223,7 @@ def _sweep_row(name: str, m: int, config: dict, is_pick: bool, operands: Operand
             row.update({"us": us, "GB/s": operands.nbytes / us / 1e3})
         op.free()
     except (AssertionError, RuntimeError, TritonError) as error:  # a config this GPU cannot run
-        row["error"] = config_error(error)
+        row["error"] = error_line(error)
     print_row(row)
     return row
 

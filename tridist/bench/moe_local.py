@@ -32,7 +32,7 @@ import tridist
 from tridist import ops
 from tridist.ops.moe.local import moe_local_reference, policy
 
-from .results import config_error, print_row, relative_error, save, table
+from .results import error_line, print_row, relative_error, save, table
 from .timing import copy_rate, gemm_rate, one_gpu, op_us, time_us
 
 LAYER = (128, 2048, 768, 8)  # experts, hidden, inner, top-k: Qwen3-30B-A3B's
@@ -160,7 +160,7 @@ def sweep(layer: Layer, token_counts: list[int], timed: bool) -> tuple[list[dict
                     row["us"] = time_us(_rotating(lambda x, i, w: layer.tridist(x, i, w, config), x, routings),
                                         inner=20, repetitions=5, warmup=2, graph=True)
             except (AssertionError, RuntimeError, TritonError) as error:  # a config this GPU cannot run
-                row["error"] = config_error(error)
+                row["error"] = error_line(error)
             rows.append(row)
             print_row(row)
         every += rows

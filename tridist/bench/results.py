@@ -111,9 +111,10 @@ def print_row(row: dict) -> None:
                            for key, value in row.items()), flush=True)
 
 
-def config_error(error: BaseException) -> str:
-    """A tile config's failure in a sweep's row (one this GPU cannot compile, launch or get right):
-    its type and the first line of its message."""
+def error_line(error: BaseException) -> str:
+    """An error in one line, for a result's row or a skipped baseline's report (a tile config this
+    GPU cannot compile, launch or get right; a PyTorch op it lacks): its type and the first line of
+    its message, at most 160 characters of it."""
     return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
 
 
