@@ -22,7 +22,7 @@ DENSE_STAGES = 4
 
 # Tiles of the sorted rows (prefill): the grouped GEMM's big tile. The gate and up halves of a tile
 # make one 128 x 256 product, as `persistent`'s first config. The down kernel's epilogue (the parts
-# stored, the counts, a finished token's sum read back) is about as long as its main loop at K = 768:
+# stored, the counts, a finished token's sum read back) is long beside its main loop at K = 768:
 # at 3 stages a program takes 98 KB of shared memory and 126 registers a thread, so that two share
 # an SM and one's epilogue runs beside the other's loop (at 4 stages, 131 KB: one an SM;
 # benchmarks/NOTES.md, "The local MoE's down kernel: registers").
